@@ -1,0 +1,17 @@
+"""gradzip: compressed gradient exchange for data-parallel training on ``torch.distributed``."""
+
+from gradzip.compressors import Compressor, Payload, build, list_compressors
+from gradzip.ddp import CompressionState, compression_hook
+from gradzip.feedback import ErrorFeedback
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CompressionState",
+    "Compressor",
+    "ErrorFeedback",
+    "Payload",
+    "build",
+    "compression_hook",
+    "list_compressors",
+]

@@ -1,0 +1,3 @@
+from gradzip.cli import main
+
+raise SystemExit(main())

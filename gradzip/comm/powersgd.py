@@ -1,0 +1,219 @@
+"""PowerSGD's two-round reducer (Vogels et al. 2019, arXiv 1905.13727).
+
+For one bucket (a flat tensor holding several gradients) at a step past ``start_step``:
+
+1. Split the bucket into gradients; those that compress (``(n + m) r < n m``) are viewed as
+   ``n x m`` matrices ``M``, error-compensated in fp32.
+2. Round 1: one all_reduce of ``[uncompressed / world_size, P_1 .. P_k]`` with ``P = M Q``.
+3. Orthogonalize each summed ``P`` in fp32 (reduced QR).
+4. Round 2: one all_reduce of ``[Q_1 .. Q_k]`` with ``Q = M^T P``.
+5. Output ``P (Q / world_size)^T``; residual ``M - P Q_local^T``; keep ``Q / world_size`` to
+   warm-start the next step.
+
+Both rounds go through the group's :class:`~gradzip.comm.queue.CollectiveQueue`, queued when the
+bucket is hooked, so every rank issues them in the same order however callbacks interleave. A
+bucket with no matrix to compress takes round 1 only; an empty bucket takes no collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from gradzip.comm.queue import CollectiveQueue, completed
+from gradzip.compressors.base import seeded_generator
+from gradzip.compressors.lowrank import PowerSGD, matrix_view_shape
+from gradzip.feedback import ErrorFeedback
+from gradzip.metrics import StepMetrics
+
+
+def orthogonalize(p: Tensor) -> Tensor:
+    """Orthonormal columns spanning ``p`` (``n x r``, computed in fp32 by reduced QR)."""
+    return torch.linalg.qr(p.float(), mode="reduced").Q
+
+
+@dataclass
+class _Layout:
+    """Where each gradient of a bucket sits and whether it is compressed."""
+
+    offsets: list[int]
+    shapes: list[torch.Size]
+    compressed: list[int]  # indices into shapes
+    uncompressed: list[int]
+
+
+class PowerSGDReducer:
+    """Averages buckets over ``group`` with PowerSGD and error feedback.
+
+    Args:
+        compressor: the :class:`~gradzip.compressors.lowrank.PowerSGD` parameters.
+        group: the process group (None: the default group).
+        queue: the ordered launch queue shared by every reducer of ``group``.
+        metrics: where bytes and times go.
+    """
+
+    def __init__(
+        self,
+        compressor: PowerSGD,
+        *,
+        group: dist.ProcessGroup | None = None,
+        queue: CollectiveQueue | None = None,
+        metrics: StepMetrics | None = None,
+    ) -> None:
+        self.compressor = compressor
+        self.group = group
+        self.queue = queue or CollectiveQueue()
+        self.metrics = metrics or StepMetrics()
+        self.feedback = ErrorFeedback(dtype=torch.float32)
+        self.q_memory: dict[Hashable, Tensor] = {}
+
+    def _layout(self, grad: Tensor, shapes: Sequence[torch.Size] | None) -> _Layout:
+        shapes = [torch.Size(s) for s in shapes] if shapes is not None else [grad.shape]
+        offsets, total = [], 0
+        for shape in shapes:
+            offsets.append(total)
+            total += shape.numel()
+        if total != grad.numel():
+            raise ValueError(f"shapes cover {total} elements but the bucket holds {grad.numel()}")
+        compressed = [i for i, s in enumerate(shapes) if self.compressor.compresses(s)]
+        uncompressed = [i for i, s in enumerate(shapes) if not self.compressor.compresses(s)]
+        return _Layout(offsets, shapes, compressed, uncompressed)
+
+    def _initial_q(self, key: Hashable, m: int, r: int, step: int, device: torch.device) -> Tensor:
+        gen = seeded_generator(self.compressor.seed, step, key)
+        return torch.randn(m, r, generator=gen, dtype=torch.float32).to(device)
+
+    def reduce(self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None) -> Future:
+        """Start averaging a bucket.
+
+        Args:
+            key: the bucket's name across steps (its index).
+            grad: flat (or any shape, read flat) floating tensor holding the gradients.
+            step: the training step.
+            shapes: shapes of the gradients laid end to end in ``grad``; None treats ``grad``
+                as one tensor of its own shape.
+
+        Returns:
+            a future whose value is the approximate mean, ``grad``'s shape and dtype.
+
+        Raises:
+            ValueError: if ``shapes`` do not add up to ``grad.numel()``.
+        """
+        world_size = dist.get_world_size(self.group)
+        if grad.numel() == 0:
+            return completed(grad.clone())
+        if step < self.compressor.start_step:
+            return self._reduce_dense(key, grad, world_size)
+        layout = self._layout(grad, shapes)
+        flat = grad.reshape(-1)
+        pieces = [flat[o : o + s.numel()] for o, s in zip(layout.offsets, layout.shapes)]
+        wire_dtype = grad.dtype
+        out = torch.empty_like(flat)
+
+        # Step 1: error-compensated matrices and their Q.
+        with self.metrics.timed("compress_s"):
+            matrices, qs = [], []
+            for i in layout.compressed:
+                n, m = matrix_view_shape(layout.shapes[i])
+                r = self.compressor.effective_rank(n, m)
+                matrices.append(self.feedback.compensate((key, i), pieces[i].view(n, m), step=step))
+                q = self.q_memory.get((key, i)) if self.compressor.warm_start else None
+                if q is None or q.shape != (m, r):
+                    q = self._initial_q((key, i), m, r, step if not self.compressor.warm_start else 0, grad.device)
+                qs.append(q)
+        uncompressed = [pieces[i] for i in layout.uncompressed]
+        round1 = torch.cat(
+            [torch.cat(uncompressed).div(world_size) if uncompressed else flat.new_empty(0)]
+            + [flat.new_empty(mat.shape[0] * q.shape[1]) for mat, q in zip(matrices, qs)]
+        ).to(wire_dtype)
+        n_uncompressed = sum(p.numel() for p in uncompressed)
+        round2 = torch.empty(sum(q.numel() for q in qs), dtype=wire_dtype, device=grad.device)
+        self.metrics.add_bucket(
+            key, payload_bytes=(round1.numel() + round2.numel()) * round1.element_size(),
+            dense_bytes=grad.numel() * grad.element_size(), collective="allreduce",
+            compressed=bool(matrices),
+        )
+        p_hat: list[Tensor] = []
+        q_local_list: list[Tensor] = []
+
+        # Step 2: P = M Q for every matrix, one all_reduce with the uncompressed gradients.
+        def launch_p() -> Future:
+            with self.metrics.timed("compress_s"):
+                offset = n_uncompressed
+                for mat, q in zip(matrices, qs):
+                    p = mat @ q
+                    round1[offset : offset + p.numel()] = p.reshape(-1)
+                    offset += p.numel()
+            return self._all_reduce(round1)
+
+        # Steps 3 and 4: orthogonalize P, then Q = M^T P, one all_reduce.
+        def launch_q() -> Future:
+            with self.metrics.timed("compress_s"):
+                offset, q_offset = n_uncompressed, 0
+                for mat, q in zip(matrices, qs):
+                    n, r = mat.shape[0], q.shape[1]
+                    p = orthogonalize(round1[offset : offset + n * r].view(n, r))
+                    p_hat.append(p)
+                    q_local = mat.T @ p
+                    round2[q_offset : q_offset + q_local.numel()] = q_local.reshape(-1)
+                    q_local_list.append(q_local)
+                    offset += n * r
+                    q_offset += q_local.numel()
+            return self._all_reduce(round2)
+
+        # Step 5: decode, update residuals and Q memory.
+        def finish(_fut: Future) -> Tensor:
+            with self.metrics.timed("decompress_s"):
+                offset = 0
+                for i, piece in zip(layout.uncompressed, uncompressed):
+                    o = layout.offsets[i]
+                    out[o : o + piece.numel()] = round1[offset : offset + piece.numel()]
+                    offset += piece.numel()
+                q_offset = 0
+                for j, i in enumerate(layout.compressed):
+                    mat, p, q_local = matrices[j], p_hat[j], q_local_list[j]
+                    q_mean = round2[q_offset : q_offset + q_local.numel()].view_as(q_local).float().div(world_size)
+                    q_offset += q_local.numel()
+                    o = layout.offsets[i]
+                    out[o : o + mat.numel()] = (p @ q_mean.T).reshape(-1).to(out.dtype)
+                    self.feedback.update((key, i), mat, p @ q_local.T, step=step)
+                    if self.compressor.warm_start:
+                        self.q_memory[(key, i)] = q_mean
+            return out.view(grad.shape)
+
+        first = self.queue.submit(launch_p)
+        if not matrices:
+            return first.then(finish)
+        return self.queue.submit(launch_q, after=first).then(finish)
+
+    def _all_reduce(self, tensor: Tensor) -> Future:
+        self.metrics.collective_started()
+        fut = dist.all_reduce(tensor, group=self.group, async_op=True).get_future()
+        fut.add_done_callback(lambda _f: self.metrics.collective_finished())
+        return fut
+
+    def _reduce_dense(self, key: Hashable, grad: Tensor, world_size: int) -> Future:
+        tensor = grad.div(world_size)
+        self.metrics.add_bucket(
+            key, payload_bytes=tensor.numel() * tensor.element_size(),
+            dense_bytes=grad.numel() * grad.element_size(), collective="allreduce", compressed=False,
+        )
+        return self.queue.submit(lambda: self._all_reduce(tensor)).then(lambda _f: tensor)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Residuals and warm-start factors, for checkpoints (they differ across ranks)."""
+        return {
+            "feedback": self.feedback.state_dict(),
+            "q_memory": {k: v.clone() for k, v in self.q_memory.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.feedback.load_state_dict(state["feedback"])
+        self.q_memory = {k: v.clone() for k, v in state["q_memory"].items()}

@@ -1,0 +1,126 @@
+"""Issue collectives in one order on every rank.
+
+Multi-round reducers issue later rounds from future callbacks. With several buckets in flight,
+callbacks finish in a timing-dependent order, and collectives issued straight from them can
+reach the process group in a different order on different ranks: gloo then mismatches sizes or
+hangs (this is what breaks PyTorch's ``powerSGD_hook`` on gloo with several buckets). Here every
+round is queued when its bucket is hooked, in hook order (identical on all ranks), and launched
+strictly first in, first out, each round only once the round it depends on has completed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch.futures import Future
+
+Launch = Callable[[], Future]
+
+
+@dataclass
+class _Task:
+    launch: Launch
+    after: Future | None
+    result: Future = field(default_factory=Future)
+
+
+class CollectiveQueue:
+    """A FIFO of collective launches for one process group.
+
+    ``submit(launch, after=f)`` returns a future at once; ``launch()`` is called (on whichever
+    thread drains the queue) when every earlier task has been launched and ``f`` has completed.
+    ``launch`` does its local compute, issues one collective and returns its future; the result
+    future completes with that future's value. If ``after`` or the launch fails, the result
+    future carries the exception and the queue moves on.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._tasks: deque[_Task] = deque()
+        self._draining = False
+        self._again = False
+
+    def submit(self, launch: Launch, *, after: Future | None = None) -> Future:
+        """Queue ``launch`` behind every task submitted before it; returns its result future."""
+        task = _Task(launch, after)
+        with self._lock:
+            self._tasks.append(task)
+        if after is not None:
+            after.add_done_callback(lambda _fut: self._drain())
+        self._drain()
+        return task.result
+
+    def pending(self) -> int:
+        """Tasks not launched yet."""
+        with self._lock:
+            return len(self._tasks)
+
+    def _next_ready(self) -> _Task | None:
+        with self._lock:
+            if not self._tasks:
+                return None
+            head = self._tasks[0]
+            if head.after is not None and not head.after.done():
+                return None
+            return self._tasks.popleft()
+
+    def _drain(self) -> None:
+        # One drainer at a time keeps launches in order; a call that finds another drainer
+        # active asks it to look again instead of launching concurrently.
+        with self._lock:
+            if self._draining:
+                self._again = True
+                return
+            self._draining = True
+        try:
+            while True:
+                task = self._next_ready()
+                if task is None:
+                    with self._lock:
+                        if not self._again:
+                            self._draining = False
+                            return
+                        self._again = False
+                    continue
+                self._start(task)
+        except BaseException:
+            with self._lock:
+                self._draining = False
+            raise
+
+    @staticmethod
+    def _start(task: _Task) -> None:
+        try:
+            if task.after is not None:
+                task.after.wait()  # done already; re-raises its exception
+            fut = task.launch()
+        except Exception as exc:  # noqa: BLE001 - handed to the waiter, not swallowed
+            task.result.set_exception(exc)
+            return
+
+        def _forward(done: Future) -> None:
+            try:
+                task.result.set_result(done.value())
+            except Exception as exc:  # noqa: BLE001
+                task.result.set_exception(exc)
+
+        fut.add_done_callback(_forward)
+
+
+def completed(value) -> Future:
+    """A future that is already done with ``value``."""
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
+
+
+def all_reduce_future(tensor: torch.Tensor, group) -> Future:
+    """Start an async ``all_reduce`` (sum) of ``tensor`` in place; the future yields ``tensor``."""
+    import torch.distributed as dist
+
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    return work.get_future().then(lambda _f: tensor)

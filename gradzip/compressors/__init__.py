@@ -1,0 +1,84 @@
+"""Codecs and their registry.
+
+``build("topk:ratio=0.01")`` turns a spec string into a :class:`Compressor`; ``list_compressors()``
+names every registered codec. One family per module: ``cast``, ``sparse``, ``quant``, ``sign``,
+``lowrank``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from gradzip.compressors.base import Compressor, Payload, check_int, check_ratio, kept_count, seeded_generator
+from gradzip.compressors.spec import SpecError, parse_spec
+
+REGISTRY: dict[str, type[Compressor]] = {}
+
+
+def register(cls: type[Compressor]) -> type[Compressor]:
+    """Class decorator: make ``cls`` buildable by its ``name``."""
+    assert cls.name not in REGISTRY, f"codec {cls.name!r} registered twice"
+    REGISTRY[cls.name] = cls
+    return cls
+
+
+def list_compressors() -> list[str]:
+    """Names of every registered codec, sorted."""
+    return sorted(REGISTRY)
+
+
+def _instantiate(name: str, params: dict[str, Any]) -> Compressor:
+    if name not in REGISTRY:
+        raise SpecError(f"unknown compressor {name!r}; known: {', '.join(list_compressors())}")
+    cls = REGISTRY[name]
+    accepted = [
+        p.name
+        for p in inspect.signature(cls.__init__).parameters.values()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    ]
+    for key in params:
+        if key not in accepted:
+            allowed = ", ".join(accepted) if accepted else "no parameters"
+            raise SpecError(f"{name} has no parameter {key!r}; it takes {allowed}")
+    return cls(**params)
+
+
+def build(spec: str | Compressor) -> Compressor:
+    """Build a codec from a spec string such as ``powersgd:approx_rank=4``.
+
+    Args:
+        spec: ``name[:key=value,...]`` or several joined by ``+`` (see :mod:`.spec`), or an
+            already built :class:`Compressor`, returned as is.
+
+    Raises:
+        SpecError: (a ``ValueError``) for an unknown codec or parameter or a malformed spec.
+        ValueError: for a parameter out of its range, naming it and the range.
+    """
+    if isinstance(spec, Compressor):
+        return spec
+    parts = parse_spec(spec)
+    codecs = [_instantiate(name, params) for name, params in parts]
+    if len(codecs) == 1:
+        return codecs[0]
+    from gradzip.compressors.compose import Composed
+
+    return Composed(codecs)
+
+
+# Registration happens on import of each family.
+from gradzip.compressors import cast, lowrank, sparse  # noqa: E402,F401
+
+__all__ = [
+    "Compressor",
+    "Payload",
+    "REGISTRY",
+    "SpecError",
+    "build",
+    "check_int",
+    "check_ratio",
+    "kept_count",
+    "list_compressors",
+    "register",
+    "seeded_generator",
+]

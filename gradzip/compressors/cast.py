@@ -1,0 +1,88 @@
+"""Casts: the identity and half-precision codecs. All aggregatable and deterministic."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import ClassVar
+
+import torch
+from torch import Tensor
+
+from gradzip import wire
+from gradzip.compressors import register
+from gradzip.compressors.base import Compressor, Payload
+
+
+@register
+class Identity(Compressor):
+    """No compression: the tensor itself travels (``none``).
+
+    With the all_reduce reducer this equals PyTorch's ``allreduce_hook`` bit for bit.
+    Unbiased, aggregatable. Payload: ``numel * itemsize(dtype)`` bytes.
+    """
+
+    name = "none"
+    aggregatable = True
+    unbiased = True
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def compress(self, x: Tensor, *, step: int = 0, key: Hashable = 0) -> Payload:
+        """Args: x of any shape and floating dtype. Returns: ``Payload((x.reshape(-1),))``."""
+        return Payload((x.reshape(-1),))
+
+    def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
+        """Returns: ``payload.tensors[0]`` shaped and typed as ``like``."""
+        return payload.tensors[0].reshape(like.shape).to(like.dtype)
+
+    def payload_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        """``numel * itemsize(dtype)``."""
+        return numel * wire.dtype_nbytes(dtype)
+
+
+class _Cast(Compressor):
+    wire_dtype: ClassVar[torch.dtype]
+    aggregatable = True
+    unbiased = False
+
+    def __init__(self) -> None:
+        super().__init__()
+
+    def compress(self, x: Tensor, *, step: int = 0, key: Hashable = 0) -> Payload:
+        return Payload((x.reshape(-1).to(self.wire_dtype),))
+
+    def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
+        return payload.tensors[0].reshape(like.shape).to(like.dtype)
+
+    def payload_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        # An input already at (or below) the wire width travels as it is.
+        if wire.dtype_nbytes(dtype) <= wire.dtype_nbytes(self.wire_dtype):
+            return numel * wire.dtype_nbytes(dtype)
+        return numel * wire.dtype_nbytes(self.wire_dtype)
+
+
+@register
+class FP16(_Cast):
+    """Cast to IEEE half precision (``fp16``) for the wire, back to the input dtype after.
+
+    Equals PyTorch's ``fp16_compress_hook`` bit for bit (cast, divide by world_size, all_reduce).
+    Biased only by rounding (relative error <= 2**-11 for normal values); values above 65504
+    overflow, so the reducer divides by world_size before summing. Aggregatable.
+    Payload: ``2 * numel`` bytes (an fp16 input: the same).
+    """
+
+    name = "fp16"
+    wire_dtype = torch.float16
+
+
+@register
+class BF16(_Cast):
+    """Cast to bfloat16 (``bf16``) for the wire, back to the input dtype after.
+
+    Equals PyTorch's ``bf16_compress_hook``. Same range as fp32, 8 bits of mantissa (relative
+    error <= 2**-8). Aggregatable. Payload: ``2 * numel`` bytes.
+    """
+
+    name = "bf16"
+    wire_dtype = torch.bfloat16

@@ -1,0 +1,68 @@
+"""One parser for codec specs such as ``topk:ratio=0.01`` or ``qsgd:bits=4,bucket=512``.
+
+Grammar: ``name[:key=value[,key=value...]]``, and ``spec+spec`` to compose (the second codec
+encodes the values the first keeps). Values parse as int, then float, then ``true``/``false``,
+else stay strings.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+_NAME = re.compile(r"^[a-z][a-z0-9_\-]*$")
+_KEY = re.compile(r"^[a-z_][a-z0-9_]*$")
+MAX_SPEC_LEN = 1000
+
+
+class SpecError(ValueError):
+    """A codec spec that cannot be parsed or names an unknown codec or parameter."""
+
+
+def parse_value(text: str) -> Any:
+    """Turn a spec value into int, float, bool or str."""
+    low = text.lower()
+    if low in ("true", "false"):
+        return low == "true"
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def parse_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
+    """Split a spec into ``[(name, params), ...]``, one entry per ``+``-joined part.
+
+    Raises:
+        SpecError: on an empty or malformed spec, a repeated key, or a bad name.
+    """
+    if not isinstance(spec, str):
+        raise SpecError(f"compressor spec must be a string; got {type(spec).__name__}")
+    if len(spec) > MAX_SPEC_LEN:
+        raise SpecError(f"compressor spec is longer than {MAX_SPEC_LEN} characters")
+    text = spec.strip()
+    if not text:
+        raise SpecError("compressor spec is empty; try 'none', 'fp16' or 'topk:ratio=0.01'")
+    parts = []
+    for part in text.split("+"):
+        name, sep, rest = part.strip().partition(":")
+        name = name.strip().lower()
+        if not _NAME.match(name):
+            raise SpecError(f"bad codec name {name!r} in spec {spec!r}")
+        params: dict[str, Any] = {}
+        if sep and not rest.strip():
+            raise SpecError(f"spec {spec!r} has ':' but no parameters after it")
+        for item in rest.split(",") if rest.strip() else []:
+            key, eq, value = item.partition("=")
+            key, value = key.strip().lower(), value.strip()
+            if not eq or not _KEY.match(key) or not value:
+                raise SpecError(f"bad parameter {item.strip()!r} in spec {spec!r}; expected key=value")
+            if key in params:
+                raise SpecError(f"parameter {key!r} given twice in spec {spec!r}")
+            params[key] = parse_value(value)
+        parts.append((name, params))
+    return parts

@@ -1,0 +1,92 @@
+"""Error feedback: remember what compression dropped and add it back next step.
+
+``compensated = grad + residual``; after encoding, ``residual = compensated - decoded``, so that
+``compensated == decoded + residual`` holds exactly in the residual's dtype. Source: Seide et al.,
+"1-Bit Stochastic Gradient Descent" (Interspeech 2014); Karimireddy et al., "Error Feedback Fixes
+SignSGD" (2019, arXiv 1901.09847); Stich et al. (2018, arXiv 1809.07599).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class ErrorFeedback:
+    """One residual per key (a bucket index, a parameter name).
+
+    Args:
+        start_step: first step at which residuals are kept (before it, nothing is remembered);
+            an integer >= 0.
+        dtype: dtype of the residuals; None keeps each gradient's own dtype. fp32 residuals for
+            half-precision gradients keep small dropped values from flushing to zero.
+
+    Raises:
+        ValueError: if ``start_step`` is not an integer >= 0.
+
+    A key whose gradient changes shape (DDP rebuilds its buckets after the first step) restarts
+    at zeros of the new shape, with a warning, so memory stays one residual per key.
+    """
+
+    def __init__(self, *, start_step: int = 0, dtype: torch.dtype | None = None) -> None:
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"start_step must be an integer >= 0; got {start_step!r}")
+        self.start_step = start_step
+        self.dtype = dtype
+        self.residuals: dict[Hashable, Tensor] = {}
+
+    def compensate(self, key: Hashable, grad: Tensor, *, step: int) -> Tensor:
+        """Return ``grad + residual[key]`` as a new tensor (``grad`` is never modified).
+
+        Args:
+            key: which residual.
+            grad: any shape, floating dtype.
+            step: the training step; before ``start_step`` the residual is ignored.
+
+        Returns:
+            a tensor of ``grad``'s shape, in the residual dtype (``dtype`` or ``grad.dtype``).
+        """
+        dtype = self.dtype or grad.dtype
+        residual = self.residuals.get(key)
+        if residual is not None and residual.shape != grad.shape:
+            warnings.warn(
+                f"error feedback: key {key!r} changed shape {tuple(residual.shape)} -> "
+                f"{tuple(grad.shape)}; its residual restarts at zero",
+                stacklevel=2,
+            )
+            del self.residuals[key]
+            residual = None
+        if residual is None or step < self.start_step:
+            return grad.to(dtype, copy=True)
+        return grad.to(dtype) + residual
+
+    def update(self, key: Hashable, compensated: Tensor, decoded: Tensor, *, step: int) -> None:
+        """Store ``compensated - decoded`` as the residual of ``key`` (nothing before ``start_step``)."""
+        if step < self.start_step:
+            return
+        residual = self.residuals.get(key)
+        if residual is not None and residual.shape == compensated.shape:
+            torch.sub(compensated, decoded.to(compensated.dtype), out=residual)
+        else:
+            self.residuals[key] = compensated - decoded.to(compensated.dtype)
+
+    def residual_norm(self, key: Hashable) -> float:
+        """L2 norm of the residual of ``key`` (0.0 if none)."""
+        residual = self.residuals.get(key)
+        return 0.0 if residual is None else float(residual.float().norm())
+
+    def state_dict(self) -> dict[str, Any]:
+        """Residuals (cloned) and settings, for checkpoints."""
+        return {
+            "start_step": self.start_step,
+            "residuals": {k: v.detach().clone() for k, v in self.residuals.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.start_step = state["start_step"]
+        self.residuals = {k: v.clone() for k, v in state["residuals"].items()}

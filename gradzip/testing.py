@@ -1,0 +1,97 @@
+"""Run a function on N real gloo ranks, for tests and benchmarks.
+
+``run_ranks(fn, world_size, *args)`` spawns ``world_size`` processes on this machine, joins them
+into one gloo process group over loopback, calls ``fn(rank, world_size, *args)`` in each, and
+returns the per-rank return values (anything ``torch.save`` can write). A rank that raises makes
+the call raise with that rank's traceback; a rank that does not finish within ``timeout_s`` is
+killed and the call raises ``TimeoutError``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, timeout_s: float) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    result_path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        try:
+            value = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        torch.save({"ok": True, "value": value}, result_path)
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        torch.save({"ok": False, "error": traceback.format_exc()}, result_path)
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
+
+    Args:
+        fn: a module-level function (spawned processes import it by name).
+        world_size: number of ranks, >= 1.
+        timeout_s: wall-clock limit for the whole run, and the collectives' timeout.
+
+    Returns:
+        the return values, indexed by rank.
+
+    Raises:
+        RuntimeError: if a rank raised (its traceback is in the message).
+        TimeoutError: if the ranks did not finish in ``timeout_s``.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1; got {world_size}")
+    with tempfile.TemporaryDirectory(prefix="gradzip-ranks-") as out_dir:
+        ctx = mp.start_processes(
+            _worker,
+            args=(world_size, free_port(), out_dir, fn, args, timeout_s),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = timeout_s + 30  # spawning and importing torch take a few seconds per rank
+        import time
+
+        start = time.monotonic()
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() - start > deadline:
+                for proc in ctx.processes:
+                    if proc.is_alive():
+                        proc.kill()
+                raise TimeoutError(f"ranks did not finish within {deadline:.0f} s")
+        results = []
+        for rank in range(world_size):
+            path = os.path.join(out_dir, f"rank{rank}.pt")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {rank} exited without a result")
+            record = torch.load(path, weights_only=False)
+            if not record["ok"]:
+                raise RuntimeError(f"rank {rank} failed:\n{record['error']}")
+            results.append(record["value"])
+        return results
