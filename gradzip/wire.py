@@ -83,7 +83,6 @@ def unpack_bits(packed: Tensor, bits: int, numel: int) -> Tensor:
         )
     if bits == 8:
         return packed[:numel]
-    per_byte = 8 // bits
     mask = (1 << bits) - 1
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     lanes = (packed.view(-1, 1) >> shifts) & mask

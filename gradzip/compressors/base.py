@@ -82,7 +82,8 @@ class Compressor(ABC):
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned (stateless codecs hold nothing)."""
+        return None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.spec!r})"
