@@ -1,0 +1,57 @@
+"""Random dither for stochastic rounding, seeded from ``(seed, step, key, process rank)``.
+
+Stochastic rounding needs one uniform number per element. ``torch.rand`` with a
+``torch.Generator`` (Mersenne Twister, one call per element) costs several elementwise passes
+on CPU; NumPy's SFC64 bit generator yields 64 random bits per call, cut here into four 16-bit
+dither values, at a fraction of that cost. The rounding probability is then exact to 2**-17
+of a quantization step (the dither is centred in its 2**-16 grid), which the codecs document.
+
+The process rank enters the seed: codecs that round stochastically and are not aggregatable
+want independent rounding on every rank (their averaging then also averages rounding noise),
+while their results stay reproducible for a given ``(seed, step, key, rank)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gradzip.compressors.base import seed_hash
+
+#: dither values per 64 random bits
+_PER_DRAW = 4
+
+
+def process_rank() -> int:
+    """This process's rank in the default group (0 when ``torch.distributed`` is not set up)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return 0
+
+
+def dither_source(seed: int, step: int, key: Hashable) -> np.random.Generator:
+    """A NumPy generator for ``(seed, step, key)`` and this process's rank; never a global RNG."""
+    return np.random.Generator(np.random.SFC64(seed_hash(seed, step, (key, process_rank()))))
+
+
+def dither_int16(source: np.random.Generator, numel: int) -> Tensor:
+    """``numel`` independent integers uniform on ``[-2**15, 2**15)``, int16, shape ``(numel,)``."""
+    draws = source.bit_generator.random_raw(-(-numel // _PER_DRAW))
+    return torch.from_numpy(draws.view(np.int16)[:numel])
+
+
+def uniform_dither(source: np.random.Generator, numel: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``numel`` values uniform on the centred grid ``{(j + 0.5) / 2**16 : j = 0 .. 2**16 - 1}``.
+
+    Adding it to ``y >= 0`` and truncating rounds ``y`` up with probability ``frac(y)`` up to
+    ``2**-17``.
+
+    Returns:
+        tensor of shape ``(numel,)`` and ``dtype`` (float32 or float64), values in ``(0, 1)``.
+    """
+    u = dither_int16(source, numel).to(dtype)
+    return u.mul_(2.0**-16).add_(0.5 + 2.0**-17)
