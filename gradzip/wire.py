@@ -121,7 +121,41 @@ def unpack_bits(packed: Tensor, bits: int, numel: int, *, lut: Tensor | None = N
     packed = packed.reshape(-1)[: packed_nbytes(numel, bits)]
     table = _unpack_table(bits, None if lut is None else tuple(lut.tolist()), packed.device)
     out_dtype = torch.uint8 if lut is None else lut.dtype
-    return torch.index_select(table, 0, packed.to(torch.int32)).view(out_dtype)[:numel]
+    return torch.index_select(table, 0, packed.long()).view(out_dtype)[:numel]
+
+
+def unpack_lookup(packed: Tensor, bits: int, numel: int, values: Tensor) -> Tensor:
+    """``values[code]`` for every code of :func:`pack_bits`, in one gather.
+
+    A ``(256, 8 // bits)`` table maps each packed byte straight to the values of its codes, so
+    decoding writes each output element once.
+
+    Args:
+        packed: uint8 tensor of shape ``(ceil(numel * bits / 8),)`` (longer is allowed).
+        bits: 1, 2, 4 or 8.
+        numel: how many codes to decode.
+        values: ``(2**bits,)`` tensor of any dtype: the value of each code.
+
+    Returns:
+        tensor of shape ``(numel,)``, ``values``' dtype and device (contiguous).
+
+    Raises:
+        ValueError: if ``bits`` is not supported, ``values`` has the wrong length or
+            ``packed`` is too short.
+    """
+    check_bits(bits)
+    if values.numel() != 1 << bits:
+        raise ValueError(f"values must hold 2**bits = {1 << bits} entries; got {values.numel()}")
+    if packed.numel() < packed_nbytes(numel, bits):
+        raise ValueError(
+            f"packed holds {packed.numel()} bytes, fewer than the {packed_nbytes(numel, bits)} "
+            f"needed for numel={numel} at bits={bits}"
+        )
+    byte = torch.arange(256, device=values.device)
+    codes = torch.stack([(byte >> (lane * bits)) & ((1 << bits) - 1) for lane in range(8 // bits)], 1)
+    table = values.reshape(-1)[codes]
+    rows = packed.reshape(-1)[: packed_nbytes(numel, bits)].long()
+    return torch.index_select(table, 0, rows).view(-1)[:numel]
 
 
 def index_dtype(numel: int) -> torch.dtype:

@@ -19,6 +19,10 @@ from gradzip import wire
 from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload, check_int
 from gradzip.compressors.dither import dither_int16, dither_source, uniform_dither
+from gradzip.compressors.elementwise import cast_into, less, pack_flags
+
+#: rows of groups handled per step of the encoding loops (about 1 MiB of fp32: stays in cache)
+CHUNK = 1 << 18
 
 #: values of ``norm`` for QSGD
 NORMS = ("max", "l2")
@@ -45,6 +49,17 @@ def grouped(flat: Tensor, size: int) -> list[tuple[int, Tensor]]:
     if whole < numel:
         parts.append((whole, flat[whole:].view(1, -1)))
     return parts
+
+
+def row_chunks(offset: int, view: Tensor) -> list[tuple[int, int, Tensor]]:
+    """Split a ``(rows, size)`` group view from :func:`grouped` into cache-sized row blocks.
+
+    Returns:
+        ``[(first_row, element_offset, block), ...]`` with ``first_row`` counted within ``view``.
+    """
+    rows, size = view.shape
+    step = max(1, CHUNK // size)
+    return [(r, offset + r * size, view[r : r + step]) for r in range(0, rows, step)]
 
 
 def check_choice(value: str, *, name: str, allowed: tuple[str, ...]) -> str:
@@ -125,7 +140,8 @@ class QSGD(Compressor):
         parts = []
         for _offset, view in grouped(flat, self.bucket):
             if self.norm == "max":
-                parts.append(view.abs().amax(1))
+                low, high = torch.aminmax(view, dim=1)
+                parts.append(torch.maximum(low.abs(), high.abs()))
             else:
                 parts.append(torch.linalg.vector_norm(view, dim=1, dtype=torch.float64))
         scales = torch.cat(parts)
@@ -156,16 +172,21 @@ class QSGD(Compressor):
         inverse = torch.where(wide >= tiny, self.levels / wide.clamp(min=tiny), torch.zeros_like(wide))
         dither = uniform_dither(dither_source(self.seed, step, key), numel, work)
         levels = torch.empty(numel, dtype=torch.uint8, device=flat.device)
+        scratch = torch.empty(min(numel, CHUNK + self.bucket), dtype=work, device=flat.device)
         row = 0
         for offset, view in grouped(flat, self.bucket):
-            rows, size = view.shape
-            part = dither[offset : offset + rows * size].view(rows, size)
-            # level = floor(|v| * s / scale + u): rounds up with probability frac(|v| * s / scale).
-            part.addcmul_(view.abs().to(work), inverse[row : row + rows, None])
-            levels[offset : offset + rows * size] = part.view(-1).to(torch.uint8)
-            row += rows
+            size = view.shape[1]
+            for first, start, block in row_chunks(offset, view):
+                count = block.numel()
+                magnitude = scratch[:count].view(block.shape)
+                magnitude.copy_(block).abs_()
+                part = dither[start : start + count].view(block.shape)
+                # level = floor(|v| * s / scale + u): rounds up with probability frac(|v| * s / scale).
+                part.addcmul_(magnitude, inverse[row + first : row + first + block.shape[0], None])
+                cast_into(part.view(-1), levels[start : start + count])
+            row += view.numel() // size
         levels.clamp_(max=self.levels)
-        signs = wire.pack_bits(flat < 0, 1)
+        signs = pack_flags(less(flat, 0))
         return Payload((signs, wire.pack_bits(levels, self.bits), scales))
 
     def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
@@ -177,13 +198,9 @@ class QSGD(Compressor):
         work = compute_dtype(like.dtype)
         if work == torch.float32 and not _fits_fp32(scales, low=self.levels * 2.0**-100):
             work = torch.float64
-        # One lookup turns (sign, level) into sign * level / s; level / s <= 1, so the product
-        # with the scale never exceeds the scale.
-        table = torch.arange(self.levels + 1, dtype=torch.float64) / self.levels
-        table = torch.cat([table, -table]).to(work)
-        index = wire.unpack_bits(packed, self.bits, numel).to(torch.int32)
-        index |= wire.unpack_bits(signs, 1, numel).to(torch.int32) << self.bits
-        values = torch.index_select(table, 0, index)
+        # level * (1 / s) rounds to at most 1, so the product with the scale never exceeds it.
+        values = wire.unpack_bits(packed, self.bits, numel).to(work).mul_(1.0 / self.levels)
+        values.mul_(wire.unpack_lookup(signs, 1, numel, torch.tensor([1.0, -1.0], dtype=work)))
         wide = scales.to(work)
         row = 0
         for _offset, view in grouped(values, self.bucket):
@@ -237,27 +254,28 @@ class TernGrad(Compressor):
         """Args: x of any shape and floating dtype. Returns: ``Payload((codes, scaler (1,)))``."""
         flat = x.reshape(-1)
         work = compute_dtype(flat.dtype)
-        magnitude = flat.abs().to(work)
+        magnitude = flat.to(work).abs() if flat.dtype != work else flat.abs()
         if self.clip > 0 and flat.numel() > 1:
-            # Centred second moment in fp64: fp32 squares of values near the top of the range
-            # overflow.
-            sigma = float(torch.std(flat.to(torch.float64), correction=0))
+            sigma = float(torch.std(flat if flat.dtype == work else flat.to(work), correction=0))
+            if not sigma < float("inf"):
+                # Squares of values near the top of fp32 overflow; fp64 holds them.
+                sigma = float(torch.std(flat.to(torch.float64), correction=0))
             bound = self.clip * sigma
             if 0 < bound < torch.finfo(work).max:
                 magnitude.clamp_(max=bound)
         scaler = magnitude.max().reshape(1) if flat.numel() else torch.zeros(1, dtype=work)
         dither = uniform_dither(dither_source(self.seed, step, key), flat.numel(), work)
         # b_i = [u_i < |g_i| / s], compared as u_i * s < |g_i|: no division, no 0 / 0.
-        keep = dither.mul_(scaler).lt_(magnitude).to(torch.uint8)
-        codes = keep + (keep & (flat < 0).to(torch.uint8))
+        keep = less(dither.mul_(scaler), magnitude).view(torch.uint8)
+        # code = b_i << [g_i < 0]: 0 for zero, 1 for plus, 2 for minus.
+        codes = keep << less(flat, 0).view(torch.uint8)
         return Payload((wire.pack_bits(codes, 2), scaler))
 
     def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
         """Returns: ``scaler * {0, +1, -1}[code]`` shaped and typed as ``like``."""
         packed, scaler = payload.tensors
-        lut = torch.tensor([0, 1, -1, 0], dtype=torch.int8)
-        ternary = wire.unpack_bits(packed, 2, like.numel(), lut=lut)
-        return (ternary.to(scaler.dtype) * scaler).to(like.dtype).view(like.shape)
+        ternary = wire.unpack_bits(packed, 2, like.numel(), lut=torch.tensor([0, 1, -1, 0], dtype=torch.int8))
+        return ternary.to(scaler.dtype).mul_(scaler).to(like.dtype).view(like.shape)
 
 
 @register
@@ -337,22 +355,29 @@ class Uniform(Compressor):
         tiny = torch.finfo(work).tiny * (1 << 10)
         # A group whose spread is below tiny (fp64 denormals) is sent as its minimum.
         inverse = torch.where(spread >= tiny, self.steps / spread.clamp(min=tiny), torch.zeros_like(spread))
+        # code = floor((x - min) * L / (max - min) + shift), shift 1/2 (nearest) or the dither.
         offset_term = -low_w * inverse
+        if self.rounding == "nearest":
+            offset_term += 0.5
+        dither = None
         if self.rounding == "stochastic":
-            shift = uniform_dither(dither_source(self.seed, step, key), numel, work)
-        else:
-            shift = torch.full((numel,), 0.5, dtype=work, device=flat.device)
+            dither = uniform_dither(dither_source(self.seed, step, key), numel, work)
         codes = torch.empty(numel, dtype=torch.uint8, device=flat.device)
+        scratch = torch.empty(min(numel, CHUNK + self.group), dtype=work, device=flat.device)
         row = 0
         for offset, view in grouped(flat, self.group):
-            rows, size = view.shape
-            part = shift[offset : offset + rows * size].view(rows, size)
-            # code = floor((x - min) * L / (max - min) + shift), shift 1/2 or the dither.
-            part.add_(offset_term[row : row + rows, None])
-            values = view.to(work) if prescale == 1.0 else view.to(work) * prescale
-            part.addcmul_(values, inverse[row : row + rows, None])
-            codes[offset : offset + rows * size] = part.clamp_(0, self.steps).view(-1).to(torch.uint8)
-            row += rows
+            for first, start, block in row_chunks(offset, view):
+                count = block.numel()
+                rows = slice(row + first, row + first + block.shape[0])
+                part = scratch[:count].view(block.shape)
+                if prescale != 1.0:
+                    block = block * prescale
+                torch.mul(block, inverse[rows, None], out=part)
+                part.add_(offset_term[rows, None])
+                if dither is not None:
+                    part.add_(dither[start : start + count].view(block.shape))
+                cast_into(part.clamp_(0, self.steps).view(-1), codes[start : start + count])
+            row += view.shape[0]
         return Payload((wire.pack_bits(codes, self.bits), low, high))
 
     def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
@@ -444,8 +469,9 @@ class Natural(Compressor):
             dither = ((dither.to(torch.int32) + (1 << 15)) >> (16 - mantissa_bits)).to(int_dtype)
         magnitude += dither
         exponent = (magnitude >> mantissa_bits).clamp_(max=(1 << exponent_bits) - 2)
-        signs = wire.pack_bits(bits < 0, 1)
-        return Payload((signs, exponent.to(self.exponent_dtype(flat.dtype))))
+        signs = pack_flags(less(bits, 0))
+        packed = torch.empty(flat.numel(), dtype=self.exponent_dtype(flat.dtype), device=flat.device)
+        return Payload((signs, cast_into(exponent, packed)))
 
     def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
         """Returns: ``sign * 2**exponent`` shaped and typed as ``like``."""

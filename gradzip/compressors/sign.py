@@ -17,22 +17,34 @@ from torch import Tensor
 from gradzip import wire
 from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload
+from gradzip.compressors.elementwise import at_least, pack_flags
+
+#: elements summed per step (1 MiB of fp32: stays in cache)
+SUM_CHUNK = 1 << 18
 
 
 def mean_magnitude(flat: Tensor) -> Tensor:
     """``||x||_1 / n`` as a ``(1,)`` tensor in ``flat``'s dtype, 0 for an empty tensor.
 
-    Summed in fp32 (fp64 for fp64 input) without materialising ``|x|``; a sum that overflows
-    fp32 (values near its top) is redone in fp64. The mean is at most the largest magnitude,
+    Summed in fp32 (fp64 for fp64 input) over cache-sized chunks, the chunk sums in fp64; a
+    chunk sum that overflows fp32 (values near its top) is redone in fp64. The mean is at most the largest magnitude,
     so it is finite in the input dtype.
     """
     numel = flat.numel()
     if numel == 0:
         return flat.new_zeros(1)
     wide = torch.float64 if flat.dtype == torch.float64 else torch.float32
-    total = torch.linalg.vector_norm(flat, 1, dtype=wide)
-    if not math.isfinite(float(total)):
-        total = torch.linalg.vector_norm(flat, 1, dtype=torch.float64)
+    chunk = min(SUM_CHUNK, numel)
+    magnitude = torch.empty(chunk, dtype=wide, device=flat.device)
+    total = 0.0
+    for start in range(0, numel, chunk):
+        part = magnitude[: min(chunk, numel - start)]
+        part.copy_(flat[start : start + part.numel()]).abs_()
+        partial = float(part.sum())
+        if not math.isfinite(partial):
+            partial = float(part.sum(dtype=torch.float64))
+        total += partial
+    total = torch.tensor(total, dtype=torch.float64)
     # Rounding in the sum can put the mean a hair above the largest finite value of a half dtype.
     return (total / numel).clamp(max=torch.finfo(flat.dtype).max).to(flat.dtype).reshape(1)
 
@@ -49,14 +61,13 @@ class _ScaledSign(Compressor):
         """Args: x of any shape and floating dtype. Returns: ``Payload((sign bits, scale (1,)))``."""
         flat = x.reshape(-1)
         # NaN compares false either way; ``>= 0`` sends both zeros as +1.
-        return Payload((wire.pack_bits(flat >= 0, 1), mean_magnitude(flat)))
+        return Payload((pack_flags(at_least(flat, 0)), mean_magnitude(flat)))
 
     def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
         """Returns: ``+scale`` where the bit is 1, ``-scale`` where it is 0, shaped as ``like``."""
         packed, scale = payload.tensors
-        positive = wire.unpack_bits(packed, 1, like.numel()).view(torch.bool)
-        scale = scale.to(like.dtype).reshape(())
-        return torch.where(positive, scale, -scale).view(like.shape)
+        scale = scale.to(like.dtype).reshape(1)
+        return wire.unpack_lookup(packed, 1, like.numel(), torch.cat([-scale, scale])).view(like.shape)
 
 
 @register

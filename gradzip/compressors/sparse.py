@@ -21,13 +21,14 @@ from torch import Tensor
 from gradzip import wire
 from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload, check_int, check_ratio, kept_count, seeded_generator
+from gradzip.compressors.elementwise import flatnonzero, greater_equal, top_positions
 
-#: elements handled per step of the candidate scan (4 MiB of fp32: stays in cache)
-SCAN_CHUNK = 1 << 20
+#: elements handled per step of the candidate scan (1 MiB of fp32: stays in cache)
+SCAN_CHUNK = 1 << 18
 #: below this size (or at high ratios) one ``torch.topk`` is as fast as sampling first
 EXACT_TOPK_NUMEL = 1 << 15
-#: sample elements expected above the threshold, for a threshold estimate with ~3% spread
-SAMPLE_HITS = 1024
+#: sample elements expected above the threshold, for a threshold estimate with ~6% spread
+SAMPLE_HITS = 256
 
 
 def _finite_max(dtype: torch.dtype) -> float:
@@ -38,36 +39,29 @@ def candidates_at_least(flat: Tensor, threshold: float) -> Tensor:
     """Indices (int64, ascending) of the elements with ``|x| >= threshold``.
 
     One pass over ``flat`` in cache-sized chunks: ``abs`` and the comparison write into two
-    small scratch buffers, and ``nonzero`` runs first over 8-byte words of the mask (a word is
-    nonzero where any of its 8 elements passes), then only inside those words: a sparse mask
-    is scanned 8 elements at a time.
+    small scratch buffers that stay in cache, and :func:`~.elementwise.flatnonzero` skips
+    empty 8-element words of the mask.
 
     Args:
         flat: 1-D floating tensor.
         threshold: a finite number >= 0.
     """
     numel = flat.numel()
-    chunk = min(SCAN_CHUNK, numel + (-numel) % 8)
+    chunk = min(SCAN_CHUNK, numel)
     magnitude = torch.empty(chunk, dtype=flat.dtype, device=flat.device)
-    mask = torch.zeros(chunk, dtype=torch.bool, device=flat.device)
-    words = mask.view(torch.int64)
-    lanes = mask.view(-1, 8)
+    mask = torch.empty(chunk, dtype=torch.bool, device=flat.device)
     found = []
     for start in range(0, numel, chunk):
         part = flat[start : start + chunk]
         size = part.numel()
         torch.abs(part, out=magnitude[:size])
-        torch.ge(magnitude[:size], threshold, out=mask[:size])
-        if size < chunk:
-            mask[size:] = False
-        hit_words = words.nonzero().view(-1)
-        if hit_words.numel() == 0:
-            continue
-        hit_lanes = lanes.index_select(0, hit_words).view(-1).nonzero().view(-1)
-        found.append(hit_words[hit_lanes >> 3] * 8 + (hit_lanes & 7) + start)
+        greater_equal(magnitude[:size], threshold, out=mask[:size])
+        hits = flatnonzero(mask[:size])
+        if hits.numel():
+            found.append(hits.add_(start) if start else hits)
     if not found:
         return torch.empty(0, dtype=torch.int64, device=flat.device)
-    return torch.cat(found) if len(found) > 1 else found[0]
+    return (torch.cat(found) if len(found) > 1 else found[0]).to(flat.device)
 
 
 def sampled_threshold(flat: Tensor, count: int, *, margin: float, generator: torch.Generator) -> float:
@@ -112,7 +106,7 @@ def largest_among(flat: Tensor, candidates: Tensor, k: int) -> Tensor:
     if candidates.numel() <= k:
         return candidates
     magnitudes = flat[candidates].abs()
-    return candidates[torch.topk(magnitudes, k, sorted=False).indices]
+    return candidates[top_positions(magnitudes, k)]
 
 
 def scatter(values: Tensor, indices: Tensor, like: Tensor) -> Tensor:
@@ -226,7 +220,7 @@ class DGC(Sparsifier):
 
     Source: Lin et al., "Deep Gradient Compression: Reducing the Communication Bandwidth for
     Distributed Training" (ICLR 2018, arXiv 1712.01887). A threshold is estimated from a
-    random sample of ``|x|`` (about ``1024 / ratio`` elements); every element at or above it
+    random sample of ``|x|`` (about ``256 / ratio`` elements); every element at or above it
     is a candidate; if more than ``k`` pass, the ``k`` largest among them are kept (the paper's
     hierarchical selection), if fewer pass all are sent and the free slots are padded. So it
     keeps at most ``k`` elements, close to but not always exactly the ``k`` largest, in one
