@@ -155,7 +155,7 @@ def describe(scenario: Scenario, world_size: int, rows: list[ProjectionRow]) -> 
     ]
     speeds = sorted({r.codec_speed for r in rows if r.codec_speed != "-"})
     if speeds:
-        lines.append("codec throughput: " + "; ".join(speeds))
+        lines.append("codec throughput (GB/s of dense gradient): " + "; ".join(speeds))
     note = state_note(scenario, world_size)
     if note:
         lines.append(note)
@@ -181,6 +181,8 @@ def plot_speedup(scenario: Scenario, methods: list[Method], gpus: list[int], pat
         style = {"linestyle": "--", "color": "black"} if name == "limit" else {"marker": "o", "markersize": 3}
         ax.plot(gpus, values, label=name if name != "limit" else "limit (compute alone)", **style)
     ax.set_xscale("log", base=2)
+    ax.set_xticks(gpus, [str(p) for p in gpus], fontsize=8)
+    ax.minorticks_off()
     ax.set_xlabel("GPUs")
     ax.set_ylabel("speedup vs none (step time)")
     ax.set_title(f"{scenario.model} on {scenario.cluster.name}, {scenario.strategy}, {scenario.tokens_per_gpu} tokens/GPU")
@@ -204,9 +206,10 @@ def format_calibration(rows: list[CalibrationRow]) -> str:
         err = "-" if r.error is None else f"{r.error:+.1%}"
         measured = "-" if r.measured_step_s is None else f"{r.measured_step_s:.3f}"
         iface = "-" if r.measured_sent_bytes is None else f"{r.measured_sent_bytes / 1e6:.2f}"
+        predicted = "-" if r.predicted_step_s is None else f"{r.predicted_step_s:.3f}"
         lines.append(
             f"| {Path(r.directory).name} | {r.world_size} | {r.bandwidth_mbit:g} | {r.compressor} | {r.collective} "
-            f"| {measured} | {r.predicted_step_s:.3f} | {err} | {r.compute_s:.3f} | {r.codec_s:.3f} "
+            f"| {measured} | {predicted} | {err} | {r.compute_s:.3f} | {r.codec_s:.3f} "
             f"| {r.comm_s:.3f} | {r.predicted_sent_bytes / 1e6:.2f} / {iface} |"
         )
     return "\n".join(lines)

@@ -140,9 +140,18 @@ def project(
     rows = [row(limit, "-")]
     for method in methods:
         result = dense if method.is_identity and method.spec == "none" else run(method)
-        speed = "-" if method.is_identity else speeds.get(method.spec, default).source
+        speed = "-" if method.is_identity else _describe_speed(method.spec, speeds.get(method.spec, default))
         rows.append(row(result, speed))
     return rows
+
+
+def _describe_speed(spec: str, speed: CodecSpeed) -> str:
+    if speed.source.startswith("measured"):
+        return (
+            f"{spec} encode {speed.encode_bytes_per_s / GBYTE:.3g}, decode {speed.decode_bytes_per_s / GBYTE:.3g} "
+            f"({speed.source})"
+        )
+    return speed.source
 
 
 def state_note(scenario: Scenario, world_size: int) -> str | None:
