@@ -119,14 +119,14 @@ def scenario_from_args(args: argparse.Namespace) -> Scenario:
 def format_table(rows: list[ProjectionRow]) -> str:
     """A Markdown table of a projection."""
     header = (
-        "| method | collectives | sent MB/GPU/step | step s | comm share | speedup vs none "
+        "| method | collectives | sent MB/GPU/step | step s | codec s | comm share | speedup vs none "
         "| of limit | GPU-h / 1B tokens | USD / 1B tokens |"
     )
-    lines = [header, "|" + "---|" * 9]
+    lines = [header, "|" + "---|" * 10]
     for row in rows:
         r = row.result
         lines.append(
-            f"| {r.method} | {r.collectives} | {r.sent_bytes / 1e6:,.1f} | {r.step_s:.3f} | {r.comm_share:.0%} "
+            f"| {r.method} | {r.collectives} | {r.sent_bytes / 1e6:,.1f} | {r.step_s:.3f} | {r.codec_s:.3f} | {r.comm_share:.0%} "
             f"| {row.speedup:.2f}x | {row.fraction_of_limit:.0%} | {row.gpu_hours_per_btok:,.0f} "
             f"| {row.usd_per_btok:,.0f} |"
         )
