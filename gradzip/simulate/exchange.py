@@ -129,8 +129,12 @@ class Method:
             self.sign_codec = next((build(n) for n in _SIGN_CODECS if n in REGISTRY), None)
         else:
             self.codec = build(self.spec)
-            if self.codec.multi_round and not hasattr(self.codec, "matrix_payload_nbytes"):
-                raise ValueError(f"simulate models multi-round codecs with matrix_payload_nbytes only; {self.spec} has none")
+            lowrank_api = ("matrix_payload_nbytes", "compresses", "effective_rank")
+            if self.codec.multi_round and not all(hasattr(self.codec, a) for a in lowrank_api):
+                raise ValueError(
+                    f"simulate models multi-round codecs by their low-rank factors ({', '.join(lowrank_api)}); "
+                    f"{self.spec} has not all of them"
+                )
 
     @property
     def is_identity(self) -> bool:

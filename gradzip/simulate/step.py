@@ -297,7 +297,7 @@ def _ddp_step(method, workload, fabric, p, speed, algorithm, collective) -> Step
     return _ddp_result(method.spec, workload, fabric, p, speed, algorithm, buckets, exchanges)
 
 
-def _ddp_result(spec, workload, fabric, p, speed, algorithm, buckets, exchanges, *, extra_comm_s=0.0) -> StepResult:
+def _ddp_result(spec, workload, fabric, p, speed, algorithm, buckets, exchanges) -> StepResult:
     model = workload.model
     total_weight = sum(compute_weight(model, n, s) for b in buckets for n, s in b) or 1
     fwd_bwd = workload.fwd_bwd_s()
