@@ -111,3 +111,14 @@ def test_split_specs_and_codec_speeds():
     assert codec_speeds(methods, "50")["fp16"].encode_bytes_per_s == 50e9
     with pytest.raises(ValueError, match="codec-gbps"):
         codec_speeds(methods, "fast")
+
+
+@pytest.mark.parametrize("spec", ["fp16", "topk:ratio=0.01", "powersgd:approx_rank=2", "onebit-adam"])
+def test_measured_codec_speed_is_a_finite_rate(spec):
+    from gradzip.simulate.codec_speed import measure_codec_speed
+
+    speed = measure_codec_speed(Method(spec), numel=1 << 14, repeats=2)
+    assert 0 < speed.encode_bytes_per_s < float("inf") and 0 < speed.decode_bytes_per_s < float("inf")
+    assert speed.source.startswith("measured")
+    with pytest.raises(ValueError, match="numel"):
+        measure_codec_speed(Method(spec), numel=10)
