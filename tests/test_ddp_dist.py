@@ -167,7 +167,7 @@ def edge_cases(rank, world_size):
 
 def test_cases_c1_c2_c3_c6_c7_on_two_ranks():
     results = run_ranks(edge_cases, 2)
-    for rank, out in enumerate(results):
+    for out in results:
         assert torch.equal(out["c1_bias"], torch.arange(10.0) * 1.5)
         assert torch.equal(out["c1_square"], torch.full((16,), 1.5))
         assert out["c1_empty"].shape == (0,)
