@@ -188,3 +188,19 @@ def test_wire_bytes_buffer_round_trip_with_mixed_dtypes():
     assert buf.numel() == wire.nbytes(parts) == 3 + 8 + 2
     back = wire.from_bytes(buf, parts)
     assert all(torch.equal(a, b) for a, b in zip(parts, back))
+
+
+def test_compression_state_pickles_without_its_group_and_keeps_residuals():
+    import pickle
+
+    from gradzip import CompressionState
+
+    state = CompressionState("topk:ratio=0.1", process_group=object())
+    state.step = 7
+    state.reducer.feedback.update(3, torch.arange(4.0), torch.zeros(4), step=0)
+    clone = pickle.loads(pickle.dumps(state))
+    assert clone.process_group is None
+    assert clone.compressor.spec == "topk:ratio=0.1" and clone.step == 7
+    assert torch.equal(clone.reducer.feedback.residuals[3], torch.arange(4.0))
+    with pytest.raises(ValueError, match="checkpoint holds compressor state"):
+        CompressionState("fp16").load_state_dict(state.state_dict())
