@@ -13,8 +13,10 @@ import sys
 
 #: modules that contribute subcommands, in the order ``--help`` lists them
 COMMANDS = [
+    "gradzip.train.cli",
     "gradzip.listing",
     "gradzip.bench",
+    "gradzip.simulate.cli",
 ]
 
 
