@@ -140,8 +140,8 @@ class QSGD(Compressor):
         parts = []
         for _offset, view in grouped(flat, self.bucket):
             if self.norm == "max":
-                low, high = torch.aminmax(view, dim=1)
-                parts.append(torch.maximum(low.abs(), high.abs()))
+                # amax and amin separately: torch.aminmax along a dim runs several times slower.
+                parts.append(torch.maximum(view.amax(1), view.amin(1).neg_()))
             else:
                 parts.append(torch.linalg.vector_norm(view, dim=1, dtype=torch.float64))
         scales = torch.cat(parts)
@@ -344,9 +344,9 @@ class Uniform(Compressor):
             return Payload((torch.empty(0, dtype=torch.uint8, device=flat.device), flat.new_empty(0), flat.new_empty(0)))
         lows, highs = [], []
         for _offset, view in grouped(flat, self.group):
-            low, high = torch.aminmax(view, dim=1)
-            lows.append(low)
-            highs.append(high)
+            # amin and amax separately: torch.aminmax along a dim runs several times slower.
+            lows.append(view.amin(1))
+            highs.append(view.amax(1))
         low = torch.cat(lows) if lows else flat.new_empty(0)
         high = torch.cat(highs) if highs else flat.new_empty(0)
         work, prescale = self._frame(low, high, flat.dtype)
