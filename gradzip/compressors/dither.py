@@ -55,3 +55,19 @@ def uniform_dither(source: np.random.Generator, numel: int, dtype: torch.dtype =
     """
     u = dither_int16(source, numel).to(dtype)
     return u.mul_(2.0**-16).add_(0.5 + 2.0**-17)
+
+
+def dither_units(source: np.random.Generator, numel: int, dtype: torch.dtype = torch.float32) -> Tensor:
+    """``2**16`` times :func:`uniform_dither`: values ``j + 0.5``, ``j`` uniform on ``0 .. 2**16 - 1``.
+
+    Codecs add it to ``2**16 * y`` and truncate ``2**-16`` times the sum (one pass each through
+    :mod:`~gradzip.compressors.elementwise`), which rounds ``y`` stochastically without a
+    separate float dither pass.
+
+    Returns:
+        tensor of shape ``(numel,)`` and ``dtype`` (float32 or float64).
+    """
+    from gradzip.compressors.elementwise import offset_cast_into
+
+    out = torch.empty(numel, dtype=dtype)
+    return offset_cast_into(dither_int16(source, numel), 2**15 + 0.5, out)

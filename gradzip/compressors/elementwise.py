@@ -94,3 +94,69 @@ def top_positions(values: Tensor, k: int) -> Tensor:
         order = np.argpartition(values.numpy(), values.numel() - k)[values.numel() - k :]
         return torch.from_numpy(order.astype(np.int64, copy=False))
     return torch.topk(values, k, sorted=False).indices
+
+
+def pack_codes(codes: Tensor, bits: int) -> Tensor:
+    """:func:`gradzip.wire.pack_bits` with the same bytes; on CPU through NumPy, which ORs the
+    ``8 // bits`` interleaved lanes of the codes (strided views, no index arrays)."""
+    if bits == 1 and numpy_ok(codes):
+        # packbits takes any nonzero byte as a 1, which codes in [0, 2) are.
+        return torch.from_numpy(np.packbits(codes.reshape(-1).contiguous().numpy(), bitorder="little"))
+    if bits not in (2, 4) or not numpy_ok(codes):
+        return wire.pack_bits(codes, bits)
+    flat = codes.reshape(-1).to(torch.uint8).contiguous().numpy()
+    per_byte = 8 // bits
+    if flat.size % per_byte:
+        flat = np.concatenate([flat, np.zeros(per_byte - flat.size % per_byte, np.uint8)])
+    packed = flat[0::per_byte].copy()
+    for lane in range(1, per_byte):
+        packed |= flat[lane::per_byte] << np.uint8(lane * bits)
+    return torch.from_numpy(packed)
+
+
+def unpack_codes(packed: Tensor, bits: int, numel: int) -> Tensor:
+    """:func:`gradzip.wire.unpack_bits`: uint8 codes of shape ``(numel,)``; on CPU through
+    NumPy (``unpackbits`` for 1 bit, strided shifts and masks for 2 and 4)."""
+    if bits == 8 or not numpy_ok(packed) or packed.numel() < wire.packed_nbytes(numel, bits):
+        return wire.unpack_bits(packed, bits, numel)
+    source = packed.reshape(-1).contiguous().numpy()[: wire.packed_nbytes(numel, bits)]
+    if bits == 1:
+        return torch.from_numpy(np.unpackbits(source, count=numel, bitorder="little"))
+    per_byte = 8 // bits
+    codes = np.empty(source.size * per_byte, np.uint8)
+    mask = np.uint8((1 << bits) - 1)
+    for lane in range(per_byte):
+        np.bitwise_and(source >> np.uint8(lane * bits), mask, out=codes[lane::per_byte])
+    return torch.from_numpy(codes[:numel])
+
+
+def scaled_cast_into(src: Tensor, scale: float, out: Tensor) -> Tensor:
+    """``out[:] = src * scale`` in one pass on CPU, cast C-style (truncating into integer ``out``).
+
+    The product is computed in whichever of ``src`` and ``out`` is floating.
+    """
+    if numpy_ok(src, out) and src.is_contiguous() and out.is_contiguous():
+        floating = src.numpy().dtype if src.is_floating_point() else out.numpy().dtype
+        np.multiply(src.numpy(), floating.type(scale), out=out.numpy(), casting="unsafe")
+        return out
+    return out.copy_(src * scale)
+
+
+def offset_cast_into(src: Tensor, offset: float, out: Tensor) -> Tensor:
+    """``out[:] = src + offset``, converting (int16 to float, say) in one pass on CPU."""
+    if numpy_ok(src, out) and src.is_contiguous() and out.is_contiguous():
+        np.add(src.numpy(), out.numpy().dtype.type(offset), out=out.numpy(), casting="unsafe")
+        return out
+    return out.copy_(src).add_(offset)
+
+
+def set_sign_where(values: Tensor, flags: Tensor) -> Tensor:
+    """Set the sign bit of fp32 or fp64 ``values`` in place where uint8/bool ``flags`` are set
+    (negation for values >= 0)."""
+    if numpy_ok(values, flags) and values.is_contiguous() and flags.is_contiguous():
+        unsigned = np.uint64 if values.dtype == torch.float64 else np.uint32
+        bits = values.numpy().view(unsigned)
+        shift = unsigned(8 * values.element_size() - 1)
+        np.bitwise_or(bits, np.left_shift(flags.numpy().view(np.uint8), shift, dtype=unsigned), out=bits)
+        return values
+    return values.mul_(1 - 2 * flags.to(values.dtype))

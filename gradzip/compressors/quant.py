@@ -1,6 +1,6 @@
 """Quantizers: a few bits per element plus a few scales.
 
-All of them pack their codes with :func:`gradzip.wire.pack_bits`, so a 2-bit code costs 2 bits
+All of them pack their codes as :func:`gradzip.wire.pack_bits` lays them out, so a 2-bit code costs 2 bits
 on the wire. Arithmetic runs in fp32 (fp64 for fp64 input, and for fp32 input whose scales sit
 near the ends of the fp32 range), so no finite input turns into inf or NaN: zeros, denormals,
 values near the dtype's largest and a single huge outlier all decode to finite values.
@@ -18,8 +18,8 @@ from torch import Tensor
 from gradzip import wire
 from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload, check_int
-from gradzip.compressors.dither import dither_int16, dither_source, uniform_dither
-from gradzip.compressors.elementwise import cast_into, less, pack_flags
+from gradzip.compressors.dither import dither_int16, dither_source, dither_units
+from gradzip.compressors.elementwise import cast_into, less, pack_codes, pack_flags, scaled_cast_into, unpack_codes
 
 #: rows of groups handled per step of the encoding loops (about 1 MiB of fp32: stays in cache)
 CHUNK = 1 << 18
@@ -170,7 +170,9 @@ class QSGD(Compressor):
         # Buckets with a scale below tiny (only fp64 denormals) send level 0: an exact zero
         # would otherwise need a reciprocal beyond the dtype's range.
         inverse = torch.where(wide >= tiny, self.levels / wide.clamp(min=tiny), torch.zeros_like(wide))
-        dither = uniform_dither(dither_source(self.seed, step, key), numel, work)
+        # In units of 2**-16 of a level: the dither, plus 2**16 * |v| * s / scale below.
+        dither = dither_units(dither_source(self.seed, step, key), numel, work).to(flat.device)
+        inverse *= 1 << 16
         levels = torch.empty(numel, dtype=torch.uint8, device=flat.device)
         scratch = torch.empty(min(numel, CHUNK + self.bucket), dtype=work, device=flat.device)
         row = 0
@@ -183,11 +185,11 @@ class QSGD(Compressor):
                 part = dither[start : start + count].view(block.shape)
                 # level = floor(|v| * s / scale + u): rounds up with probability frac(|v| * s / scale).
                 part.addcmul_(magnitude, inverse[row + first : row + first + block.shape[0], None])
-                cast_into(part.view(-1), levels[start : start + count])
+                scaled_cast_into(part.view(-1), 2.0**-16, levels[start : start + count])
             row += view.numel() // size
         levels.clamp_(max=self.levels)
         signs = pack_flags(less(flat, 0))
-        return Payload((signs, wire.pack_bits(levels, self.bits), scales))
+        return Payload((signs, pack_codes(levels, self.bits), scales))
 
     def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
         """Returns: ``scale * sign * level / s`` shaped and typed as ``like``."""
@@ -199,8 +201,10 @@ class QSGD(Compressor):
         if work == torch.float32 and not _fits_fp32(scales, low=self.levels * 2.0**-100):
             work = torch.float64
         # level * (1 / s) rounds to at most 1, so the product with the scale never exceeds it.
-        values = wire.unpack_bits(packed, self.bits, numel).to(work).mul_(1.0 / self.levels)
-        values.mul_(wire.unpack_lookup(signs, 1, numel, torch.tensor([1.0, -1.0], dtype=work)))
+        values = torch.empty(numel, dtype=work, device=like.device)
+        scaled_cast_into(unpack_codes(packed, self.bits, numel), 1.0 / self.levels, values)
+        negative = cast_into(unpack_codes(signs, 1, numel), torch.empty_like(values))
+        values.addcmul_(values, negative, value=-2.0)  # v * (1 - 2 * negative)
         wide = scales.to(work)
         row = 0
         for _offset, view in grouped(values, self.bucket):
@@ -264,18 +268,21 @@ class TernGrad(Compressor):
             if 0 < bound < torch.finfo(work).max:
                 magnitude.clamp_(max=bound)
         scaler = magnitude.max().reshape(1) if flat.numel() else torch.zeros(1, dtype=work)
-        dither = uniform_dither(dither_source(self.seed, step, key), flat.numel(), work)
-        # b_i = [u_i < |g_i| / s], compared as u_i * s < |g_i|: no division, no 0 / 0.
-        keep = less(dither.mul_(scaler), magnitude).view(torch.uint8)
+        dither = dither_units(dither_source(self.seed, step, key), flat.numel(), work).to(flat.device)
+        # b_i = [u_i < |g_i| / s], compared as 2**16 u_i < |g_i| * (2**16 / s); a scaler so small
+        # that 2**16 / s overflows leaves inf * 0 = nan for zeros, which compares false.
+        factor = (2.0**16 / scaler.double()).clamp(max=torch.finfo(work).max).to(work)
+        keep = less(dither, magnitude.mul_(factor)).view(torch.uint8)
         # code = b_i << [g_i < 0]: 0 for zero, 1 for plus, 2 for minus.
         codes = keep << less(flat, 0).view(torch.uint8)
-        return Payload((wire.pack_bits(codes, 2), scaler))
+        return Payload((pack_codes(codes, 2), scaler))
 
     def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
         """Returns: ``scaler * {0, +1, -1}[code]`` shaped and typed as ``like``."""
         packed, scaler = payload.tensors
         ternary = wire.unpack_bits(packed, 2, like.numel(), lut=torch.tensor([0, 1, -1, 0], dtype=torch.int8))
-        return ternary.to(scaler.dtype).mul_(scaler).to(like.dtype).view(like.shape)
+        values = scaled_cast_into(ternary, float(scaler), torch.empty(like.numel(), dtype=scaler.dtype))
+        return values.to(like.dtype).view(like.shape)
 
 
 @register
@@ -355,13 +362,16 @@ class Uniform(Compressor):
         tiny = torch.finfo(work).tiny * (1 << 10)
         # A group whose spread is below tiny (fp64 denormals) is sent as its minimum.
         inverse = torch.where(spread >= tiny, self.steps / spread.clamp(min=tiny), torch.zeros_like(spread))
-        # code = floor((x - min) * L / (max - min) + shift), shift 1/2 (nearest) or the dither.
+        # code = floor((x - min) * L / (max - min) + shift), shift 1/2 (nearest) or the dither,
+        # everything in units of 2**-16 of a step for stochastic rounding (see dither_units).
+        unit = 1.0 if self.rounding == "nearest" else 2.0**16
+        inverse = inverse * unit
         offset_term = -low_w * inverse
         if self.rounding == "nearest":
             offset_term += 0.5
         dither = None
         if self.rounding == "stochastic":
-            dither = uniform_dither(dither_source(self.seed, step, key), numel, work)
+            dither = dither_units(dither_source(self.seed, step, key), numel, work).to(flat.device)
         codes = torch.empty(numel, dtype=torch.uint8, device=flat.device)
         scratch = torch.empty(min(numel, CHUNK + self.group), dtype=work, device=flat.device)
         row = 0
@@ -372,13 +382,13 @@ class Uniform(Compressor):
                 part = scratch[:count].view(block.shape)
                 if prescale != 1.0:
                     block = block * prescale
-                torch.mul(block, inverse[rows, None], out=part)
-                part.add_(offset_term[rows, None])
+                torch.addcmul(offset_term[rows, None], block, inverse[rows, None], out=part)
                 if dither is not None:
                     part.add_(dither[start : start + count].view(block.shape))
-                cast_into(part.clamp_(0, self.steps).view(-1), codes[start : start + count])
+                part.clamp_(0, (self.steps + 1) * unit - 1)
+                scaled_cast_into(part.view(-1), 1.0 / unit, codes[start : start + count])
             row += view.shape[0]
-        return Payload((wire.pack_bits(codes, self.bits), low, high))
+        return Payload((pack_codes(codes, self.bits), low, high))
 
     def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
         """Returns: ``min + code * (max - min) / L`` shaped and typed as ``like``."""
@@ -389,7 +399,7 @@ class Uniform(Compressor):
         work, prescale = self._frame(low, high, like.dtype)
         low_w, high_w = low.to(work) * prescale, high.to(work) * prescale
         step_size = (high_w - low_w) / self.steps
-        values = wire.unpack_bits(packed, self.bits, numel).to(work)
+        values = cast_into(unpack_codes(packed, self.bits, numel), torch.empty(numel, dtype=work, device=like.device))
         row = 0
         for _offset, view in grouped(values, self.group):
             rows = view.shape[0]
@@ -478,6 +488,6 @@ class Natural(Compressor):
         signs, exponent = payload.tensors
         int_dtype, mantissa_bits, exponent_bits = _FLOAT_LAYOUT[like.dtype]
         bits = exponent.to(int_dtype) << mantissa_bits
-        negative = wire.unpack_bits(signs, 1, like.numel()).to(int_dtype) << (mantissa_bits + exponent_bits)
+        negative = unpack_codes(signs, 1, like.numel()).to(int_dtype) << (mantissa_bits + exponent_bits)
         bits |= negative
         return bits.view(like.dtype).view(like.shape)
