@@ -38,7 +38,7 @@ def _sample(numel: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return heavy_tailed_gradient(numel, seed=seed, scale=1.0).to(dtype)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     spec=st.sampled_from(SPECS),
     dtype=st.sampled_from(DTYPES),
@@ -129,7 +129,7 @@ def _group_step(x, group, steps):
     return step.expand(-1, group).reshape(-1)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     values=st.lists(st.floats(-1e6, 1e6, allow_nan=False, width=32), min_size=1, max_size=200, unique_by=abs),
     ratio=st.floats(0.001, 1.0),

@@ -15,7 +15,9 @@ from torch import Tensor
 
 from gradzip import wire
 
-_NUMPY_DTYPES = (torch.float16, torch.float32, torch.float64, torch.uint8, torch.bool, torch.int16, torch.int32, torch.int64)
+_NUMPY_DTYPES = (
+    torch.float16, torch.float32, torch.float64, torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64
+)
 
 
 def numpy_ok(*tensors: Tensor) -> bool:
@@ -128,7 +130,8 @@ def scaled_cast_into(src: Tensor, scale: float, out: Tensor) -> Tensor:
         floating = src.numpy().dtype if src.is_floating_point() else out.numpy().dtype
         np.multiply(src.numpy(), floating.type(scale), out=out.numpy(), casting="unsafe")
         return out
-    return out.copy_(src * scale)
+    work = src.dtype if src.is_floating_point() else out.dtype
+    return out.copy_(src.to(work) * scale)
 
 
 def offset_cast_into(src: Tensor, offset: float, out: Tensor) -> Tensor:
