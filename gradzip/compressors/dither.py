@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gradzip.compressors.base import seed_hash
+from gradzip.compressors.elementwise import offset_cast_into
 
 #: dither values per 64 random bits
 _PER_DRAW = 4
@@ -44,30 +45,15 @@ def dither_int16(source: np.random.Generator, numel: int) -> Tensor:
     return torch.from_numpy(draws.view(np.int16)[:numel])
 
 
-def uniform_dither(source: np.random.Generator, numel: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """``numel`` values uniform on the centred grid ``{(j + 0.5) / 2**16 : j = 0 .. 2**16 - 1}``.
-
-    Adding it to ``y >= 0`` and truncating rounds ``y`` up with probability ``frac(y)`` up to
-    ``2**-17``.
-
-    Returns:
-        tensor of shape ``(numel,)`` and ``dtype`` (float32 or float64), values in ``(0, 1)``.
-    """
-    u = dither_int16(source, numel).to(dtype)
-    return u.mul_(2.0**-16).add_(0.5 + 2.0**-17)
-
-
 def dither_units(source: np.random.Generator, numel: int, dtype: torch.dtype = torch.float32) -> Tensor:
-    """``2**16`` times :func:`uniform_dither`: values ``j + 0.5``, ``j`` uniform on ``0 .. 2**16 - 1``.
+    """A uniform dither in units of ``2**-16``: values ``j + 0.5``, ``j`` uniform on ``0 .. 2**16 - 1``.
 
-    Codecs add it to ``2**16 * y`` and truncate ``2**-16`` times the sum (one pass each through
-    :mod:`~gradzip.compressors.elementwise`), which rounds ``y`` stochastically without a
-    separate float dither pass.
+    Codecs add it to ``2**16 * y`` (``y >= 0``) and truncate ``2**-16`` times the sum, which
+    rounds ``y`` up with probability ``frac(y)`` to within ``2**-17``: stochastic rounding with
+    no separate pass to scale the dither.
 
     Returns:
         tensor of shape ``(numel,)`` and ``dtype`` (float32 or float64).
     """
-    from gradzip.compressors.elementwise import offset_cast_into
-
     out = torch.empty(numel, dtype=dtype)
     return offset_cast_into(dither_int16(source, numel), 2**15 + 0.5, out)

@@ -140,15 +140,3 @@ def offset_cast_into(src: Tensor, offset: float, out: Tensor) -> Tensor:
         np.add(src.numpy(), out.numpy().dtype.type(offset), out=out.numpy(), casting="unsafe")
         return out
     return out.copy_(src).add_(offset)
-
-
-def set_sign_where(values: Tensor, flags: Tensor) -> Tensor:
-    """Set the sign bit of fp32 or fp64 ``values`` in place where uint8/bool ``flags`` are set
-    (negation for values >= 0)."""
-    if numpy_ok(values, flags) and values.is_contiguous() and flags.is_contiguous():
-        unsigned = np.uint64 if values.dtype == torch.float64 else np.uint32
-        bits = values.numpy().view(unsigned)
-        shift = unsigned(8 * values.element_size() - 1)
-        np.bitwise_or(bits, np.left_shift(flags.numpy().view(np.uint8), shift, dtype=unsigned), out=bits)
-        return values
-    return values.mul_(1 - 2 * flags.to(values.dtype))
