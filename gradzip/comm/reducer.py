@@ -9,6 +9,7 @@ bit-identical results.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from gradzip import wire
 from gradzip.comm.queue import CollectiveQueue, completed
 from gradzip.compressors import Compressor, Payload
 from gradzip.feedback import ErrorFeedback
-from gradzip.metrics import StepMetrics
+from gradzip.metrics import StepMetrics, quality_figures
 
 COLLECTIVES = ("auto", "allreduce", "allgather")
 
@@ -110,9 +111,11 @@ class CompressedReducer:
         if grad.numel() == 0:
             return completed(grad.clone())
         if self.compressor.payload_nbytes(grad.numel(), grad.dtype) > dense_bytes:
-            return self._reduce_dense(key, grad, world_size)
+            return self._reduce_dense(key, grad, world_size, step=step)
 
-        with self.metrics.timed("compress_s"):
+        monitored = self.metrics.wants_quality(step)
+        decoded = None
+        with self.metrics.timed("compress_s", key):
             compensated = grad if self.feedback is None else self.feedback.compensate(key, grad, step=step)
             payload = self.compressor.compress(compensated, step=step, key=key)
             if self.feedback is not None:
@@ -122,42 +125,90 @@ class CompressedReducer:
             f"{self.compressor.name}: payload of {payload.nbytes} bytes, formula says "
             f"{self.compressor.payload_nbytes(grad.numel(), grad.dtype)}"
         )
+        if monitored:
+            # Codecs without feedback decode only here, on monitored steps, outside the timings.
+            if decoded is None:
+                decoded = self.compressor.decompress(payload, like=compensated)
+            residual = None if self.feedback is None else self.feedback.residuals.get(key)
+            self.metrics.add_quality(key, quality_figures(compensated, decoded, grad=grad, residual=residual))
         if self.uses_allreduce():
             return self._all_reduce(key, payload, grad, world_size, dense_bytes)
         return self._all_gather(key, payload, grad, world_size, dense_bytes)
 
-    def _launch(self, issue) -> Future:
-        """Issue one collective with its in-flight time recorded."""
-        self.metrics.collective_started()
+    def probe(self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None) -> dict[str, Any]:
+        """Compress and decode ``grad`` locally, with no collective and no state change.
+
+        Used by controllers to price a codec on a real bucket.
+
+        Returns:
+            ``compress_s`` and ``decompress_s`` (seconds; decoding counted once per rank for
+            gathered payloads, as the reducer decodes every rank's payload), ``payload_bytes``,
+            ``collectives`` (1), ``collective`` and ``decoded`` (the local decode, ``grad``'s shape).
+        """
+        world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        dense_bytes = grad.numel() * grad.element_size()
+        if grad.numel() == 0 or self.compressor.payload_nbytes(grad.numel(), grad.dtype) > dense_bytes:
+            return {"compress_s": 0.0, "decompress_s": 0.0, "payload_bytes": dense_bytes, "collectives": 1,
+                    "collective": "allreduce", "decoded": grad}
+        start = time.perf_counter()
+        payload = self.compressor.compress(grad, step=step, key=key)
+        middle = time.perf_counter()
+        decoded = self.compressor.decompress(payload, like=grad)
+        end = time.perf_counter()
+        gathered = not self.uses_allreduce()
+        return {
+            "compress_s": middle - start,
+            "decompress_s": (end - middle) * (world_size if gathered else 1),
+            "payload_bytes": payload.nbytes,
+            "collectives": 1,
+            "collective": "allgather" if gathered else "allreduce",
+            "decoded": decoded,
+        }
+
+    def take_residual(self, key: Hashable, shapes: Sequence[torch.Size] | None = None) -> Tensor | None:
+        """Remove and return the residual of ``key`` (flat), or None; used when a bucket changes codec."""
+        if self.feedback is None:
+            return None
+        residual = self.feedback.residuals.pop(key, None)
+        return None if residual is None else residual.reshape(-1)
+
+    def _launch(self, key: Hashable, issue) -> Future:
+        """Issue one collective with its in-flight time recorded (globally and for ``key``)."""
+        start = self.metrics.collective_started(key)
         fut = issue()
-        fut.add_done_callback(lambda _f: self.metrics.collective_finished())
+        fut.add_done_callback(lambda _f: self.metrics.collective_finished(key, start))
         return fut
 
-    def _reduce_dense(self, key: Hashable, grad: Tensor, world_size: int) -> Future:
+    def _reduce_dense(self, key: Hashable, grad: Tensor, world_size: int, *, step: int = 0) -> Future:
         tensor = grad.div(world_size)
         self.metrics.add_bucket(
             key, payload_bytes=wire.nbytes([tensor]), dense_bytes=wire.nbytes([grad]),
-            collective="allreduce", compressed=False,
+            collective="allreduce", compressed=False, codec="none",
         )
+        if self.metrics.wants_quality(step):
+            self.metrics.add_quality(key, quality_figures(grad, grad))
 
         def launch() -> Future:
-            return self._launch(lambda: dist.all_reduce(tensor, group=self.group, async_op=True).get_future())
+            return self._launch(key, lambda: dist.all_reduce(tensor, group=self.group, async_op=True).get_future())
 
         return self.queue.submit(launch).then(lambda _f: tensor)
 
     def _all_reduce(self, key, payload: Payload, grad: Tensor, world_size: int, dense_bytes: int) -> Future:
         tensors = predivide(payload, world_size)
-        self.metrics.add_bucket(key, payload_bytes=wire.nbytes(tensors), dense_bytes=dense_bytes, collective="allreduce")
+        self.metrics.add_bucket(
+            key, payload_bytes=wire.nbytes(tensors), dense_bytes=dense_bytes, collective="allreduce",
+            codec=self.compressor.spec,
+        )
 
         def launch() -> Future:
             def issue() -> Future:
                 works = [dist.all_reduce(t, group=self.group, async_op=True).get_future() for t in tensors]
                 return works[0] if len(works) == 1 else torch.futures.collect_all(works)
 
-            return self._launch(issue)
+            return self._launch(key, issue)
 
         def decode(_fut: Future) -> Tensor:
-            with self.metrics.timed("decompress_s"):
+            with self.metrics.timed("decompress_s", key):
                 return self.compressor.decompress(Payload(tensors, payload.ctx), like=grad)
 
         return self.queue.submit(launch).then(decode)
@@ -165,15 +216,17 @@ class CompressedReducer:
     def _all_gather(self, key, payload: Payload, grad: Tensor, world_size: int, dense_bytes: int) -> Future:
         send = wire.to_bytes(payload.tensors)
         recv = torch.empty(world_size * send.numel(), dtype=torch.uint8, device=send.device)
-        self.metrics.add_bucket(key, payload_bytes=send.numel(), dense_bytes=dense_bytes, collective="allgather")
+        self.metrics.add_bucket(
+            key, payload_bytes=send.numel(), dense_bytes=dense_bytes, collective="allgather", codec=self.compressor.spec
+        )
 
         def launch() -> Future:
             return self._launch(
-                lambda: dist.all_gather_single(recv, send, group=self.group, async_op=True).get_future()
+                key, lambda: dist.all_gather_single(recv, send, group=self.group, async_op=True).get_future()
             )
 
         def decode(_fut: Future) -> Tensor:
-            with self.metrics.timed("decompress_s"):
+            with self.metrics.timed("decompress_s", key):
                 chunks = recv.view(world_size, -1)
                 payloads = [Payload(wire.from_bytes(chunks[r], payload.tensors), payload.ctx) for r in range(world_size)]
                 return decode_gathered(self.compressor, payloads, grad)

@@ -69,9 +69,11 @@ def torch_hook(state: TorchHookState, bucket: dist.GradBucket) -> torch.futures.
     return state.hook(state.inner, bucket)
 
 
-def make_hook(spec: str):
+def make_hook(spec: str, **options: Any):
     """``(state, hook)`` for ``spec``: ``torch:NAME[:params]`` picks PyTorch's hook, anything else
-    gradzip's :func:`~gradzip.ddp.compression_hook`.
+    (``auto`` too) gradzip's :func:`~gradzip.ddp.compression_hook`, built with ``options``
+    (``monitor_every``, ``verify_every``, ``auto``; see :class:`~gradzip.ddp.CompressionState`).
+    PyTorch's hooks report bytes only.
 
     Raises:
         ValueError: for an unknown codec or hook, or a bad parameter.
@@ -83,8 +85,16 @@ def make_hook(spec: str):
             raise SpecError(f"unknown PyTorch hook {rest!r}; known: {', '.join('torch:' + h for h in TORCH_HOOKS)}")
         name, params = parts[0]
         return TorchHookState(name, params), torch_hook
-    return CompressionState(spec), compression_hook
+    return CompressionState(spec, **options), compression_hook
 
 
 def is_torch_hook(state: Any) -> bool:
     return isinstance(state, TorchHookState)
+
+
+def hook_options(cfg) -> dict[str, Any]:
+    """The :class:`~gradzip.ddp.CompressionState` options of a :class:`~gradzip.train.config.TrainConfig`."""
+    options: dict[str, Any] = {"monitor_every": cfg.monitor_every, "verify_every": cfg.verify_every}
+    if cfg.compressor.strip().lower() == "auto":
+        options["auto"] = cfg.auto_config()
+    return options
