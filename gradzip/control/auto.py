@@ -231,6 +231,7 @@ class CostController(_Base):
         self.running_period_s: float | None = None
         self.running: dict[Hashable, int] | None = None
         self.trial: dict[Hashable, int] | None = None
+        self.trial_bytes_per_s = 0.0
         self.rejected: list[tuple[dict[Hashable, int], float]] = []
 
     def _payload(self, choices: dict[Hashable, int]) -> float:
@@ -260,7 +261,7 @@ class CostController(_Base):
                 self.running, self.running_period_s = dict(trial), after
                 note = f"trial kept: step period {after * 1e3:.0f} ms against {before * 1e3:.0f} ms"
                 return Plan(dict(trial), self.cfg.adapt_every, {}, note, probe_next)
-            self.rejected.append((dict(trial), self.link.bytes_per_s if self.link else 0.0))
+            self.rejected.append((dict(trial), self.trial_bytes_per_s))
             choices = dict(self.running or {})
             reasons = {k: self._reason(_bucket(window, k), v, "trial slower") for k, v in choices.items()
                        if v != current.get(k)}
@@ -276,7 +277,7 @@ class CostController(_Base):
             if choices == proposal and at_bandwidth > 0 and abs(bandwidth / at_bandwidth - 1) < 0.25:
                 note = "proposal lost a trial before at a similar link rate; no change"
                 return Plan(current, self.cfg.adapt_every, reasons, note, probe_next)
-        self.trial = dict(proposal)
+        self.trial, self.trial_bytes_per_s = dict(proposal), bandwidth
         return Plan(dict(proposal), self.trial_steps, reasons, f"trial for {self.trial_steps} steps", False)
 
     def _propose(self, window: WindowFigures) -> tuple[dict[Hashable, int], dict[Hashable, str]]:
@@ -314,12 +315,13 @@ class CostController(_Base):
 
     def state_dict(self) -> dict[str, Any]:
         return {"running": self.running, "running_period_s": self.running_period_s, "trial": self.trial,
-                "rejected": list(self.rejected), "windows_since_probe": self.windows_since_probe,
+                "trial_bytes_per_s": self.trial_bytes_per_s, "rejected": list(self.rejected), "windows_since_probe": self.windows_since_probe,
                 "link": None if self.link is None else (self.link.latency_s, self.link.bytes_per_s)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.running, self.running_period_s = state["running"], state["running_period_s"]
         self.trial, self.rejected = state["trial"], list(state["rejected"])
+        self.trial_bytes_per_s = state["trial_bytes_per_s"]
         self.windows_since_probe = state["windows_since_probe"]
         self.link = None if state["link"] is None else Link(*state["link"])
 
