@@ -195,3 +195,31 @@ def test_forced_codec_changes_keep_error_feedback_consistent():
         assert torch.equal(results[0]["sum_out"][k], results[1]["sum_out"][k])
         assert float((got - expected).norm()) <= 2e-3 * float(expected.norm())
         assert float(owed.norm()) > 0.05 * float(expected.norm())  # PowerSGD at the end owes a real residual
+
+
+def test_train_auto_with_monitoring_and_verify_writes_it_all(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    tiny = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--batch-size", "4",
+            "--vocab-size", "512", "--bucket-cap-mb", "0.02"]
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gradzip", "train", *tiny, "--steps", "12", "--eval-every", "12",
+           "--compressor", "auto", "--adapt-every", "4", "--auto-schedule", "legacy",
+           "--auto-candidates", "fp16;powersgd:approx_rank=2", "--monitor-every", "2", "--verify-every", "3",
+           "--norm-warn", "1.0", "--norm-warn-checks", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(len(r["buckets"]) >= 1 for r in records)
+    assert len(records[-1]["buckets"]) >= 2  # several buckets after DDP's rebuild
+    for r in records:
+        checked = all("quality" in b for b in r["buckets"].values())
+        assert checked == (r["step"] % 2 == 0)
+        assert all(("verify" in b) == (r["step"] % 3 == 0) for b in r["buckets"].values())
+    switches = [e for r in records for e in r.get("events", []) if e["kind"] == "switch"]
+    assert switches and all(e["reason"] for e in switches)
+    summary = json.loads((out / "summary.json").read_text())["monitor"]
+    assert summary["auto_decisions"] and summary["quality"]
+    assert any("bucket" in line and "->" in line for line in proc.stdout.splitlines())
