@@ -198,7 +198,7 @@ class AdaptiveReducer:
         if step in self.forced:
             for key, index in self.forced.pop(step).items():
                 self._switch(key, index, step, reason="forced")
-        if step == self.window_end and self._pending is None:
+        if step >= self.window_end and self._pending is None:
             self._issue_figures(step)
 
     def _issue_figures(self, step: int) -> None:
