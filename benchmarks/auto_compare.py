@@ -111,7 +111,7 @@ def main() -> None:
         print("\nauto's decisions:")
         for e in auto.get("monitor", {}).get("auto_decisions", []):
             if e.get("kind") == "switch":
-                print(f"- step {e['step']}: bucket {e['bucket']}: {e['from']} -> {e['to']} ({e['reason']})")
+                print(f"- step {e['step']}: {e['reason']}")
             elif e.get("note"):
                 print(f"- step {e['step']}: {e['note']}")
     (Path(args.out) / "results.json").write_text(json.dumps(results, indent=2) + "\n")

@@ -175,8 +175,12 @@ class QualityMonitor:
             lines.append(f"bucket {name}: exactness check, largest relative difference from dense {diff:.3g}")
         for e in s["auto_decisions"]:
             if e.get("kind") == "switch":
-                lines.append(f"step {e['step']}: bucket {e['bucket']}: {e['from']} -> {e['to']}"
-                             + (f" ({e['reason']})" if e.get("reason") else ""))
+                reason = e.get("reason") or ""
+                if reason.startswith(f"bucket {e['bucket']}:"):  # a controller's reason names the change itself
+                    lines.append(f"step {e['step']}: {reason}")
+                else:
+                    lines.append(f"step {e['step']}: bucket {e['bucket']}: {e['from']} -> {e['to']}"
+                                 + (f" ({reason})" if reason else ""))
             elif e.get("note") and e["note"] != "no change":
                 lines.append(f"step {e['step']}: auto: {e['note']}")
         if s["norm_warning"]:
