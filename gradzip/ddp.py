@@ -3,7 +3,9 @@
     ddp_model.register_comm_hook(gradzip.CompressionState("topk:ratio=0.01"), gradzip.compression_hook)
 
 Buckets are keyed by ``bucket.index()``; the step counter advances after the last bucket of each
-backward pass, as in PyTorch's ``powerSGD_hook``.
+backward pass, as in PyTorch's ``powerSGD_hook``. Buckets below ``min_compress_bytes`` are held
+back and sent fused, uncompressed, with the last bucket of the pass (see
+:mod:`gradzip.comm.reducer`).
 
 ``CompressionState("auto")`` picks a codec per bucket (see :mod:`gradzip.control.auto`);
 ``monitor_every`` adds quality figures to the metrics every that many steps; ``verify_every``
@@ -32,13 +34,17 @@ class CompressionState:
         compressor: a spec such as ``"powersgd:approx_rank=4"``, a built codec, or ``"auto"``.
         process_group: None for the default group.
         error_feedback: override the codec's default.
-        collective: ``auto``, ``allreduce`` or ``allgather`` (single-round codecs).
+        collective: ``auto`` (by bytes), ``allreduce``, ``allgather`` or ``twophase``
+            (single-round codecs; see :mod:`gradzip.comm.traffic`).
+        min_compress_bytes: buckets with fewer raw bytes travel uncompressed, fused into one
+            all_reduce per backward pass (single-round codecs); an integer >= 0.
         monitor_every: quality figures every this many steps (0: never).
         verify_every: exactness check every this many steps (0: never).
         auto: a :class:`gradzip.control.auto.AutoConfig` for ``compressor="auto"`` (None: defaults).
 
     Raises:
-        ValueError: for a bad spec, collective or setting (at construction, before training starts).
+        ValueError: for a bad spec, collective, threshold or setting (at construction, before
+            training starts).
 
     Pickles without its process group (it uses the default group after unpickling), and
     carries its reducer's residuals in :meth:`state_dict`.
@@ -51,6 +57,7 @@ class CompressionState:
         process_group: dist.ProcessGroup | None = None,
         error_feedback: bool | None = None,
         collective: str = "auto",
+        min_compress_bytes: int = 0,
         monitor_every: int = 0,
         verify_every: int = 0,
         auto: Any = None,
@@ -64,6 +71,7 @@ class CompressionState:
         self.process_group = process_group
         self.error_feedback = error_feedback
         self.collective = collective
+        self.min_compress_bytes = min_compress_bytes
         self.monitor_every = monitor_every
         self.verify_every = verify_every
         self.auto = auto
@@ -87,6 +95,7 @@ class CompressionState:
             group=self.process_group,
             error_feedback=self.error_feedback,
             collective=self.collective,
+            min_compress_bytes=self.min_compress_bytes,
             queue=self.queue,
             metrics=self.metrics,
         )
@@ -111,6 +120,7 @@ class CompressionState:
             "compressor": self.spec,
             "error_feedback": self.error_feedback,
             "collective": self.collective,
+            "min_compress_bytes": self.min_compress_bytes,
             "monitor_every": self.monitor_every,
             "verify_every": self.verify_every,
             "auto": self.auto,
@@ -120,13 +130,16 @@ class CompressionState:
     def __setstate__(self, data: dict[str, Any]) -> None:
         self.__init__(
             data["compressor"], error_feedback=data["error_feedback"], collective=data["collective"],
+            min_compress_bytes=data.get("min_compress_bytes", 0),
             monitor_every=data.get("monitor_every", 0), verify_every=data.get("verify_every", 0),
             auto=data.get("auto"),
         )
         self.load_state_dict(data["state"])
 
 
-def verified_reduce(state: CompressionState, key, grad: torch.Tensor, *, step: int, shapes=None) -> torch.futures.Future:
+def verified_reduce(
+    state: CompressionState, key, grad: torch.Tensor, *, step: int, shapes=None, flush: bool = True
+) -> torch.futures.Future:
     """``state.reducer.reduce(...)`` with a dense all_reduce of ``grad`` beside it; the relative
     and max-abs difference of the compressed mean from the dense mean go into the metrics.
 
@@ -138,7 +151,7 @@ def verified_reduce(state: CompressionState, key, grad: torch.Tensor, *, step: i
     dense_fut = state.queue.submit(
         lambda: dist.all_reduce(dense, group=state.process_group, async_op=True).get_future()
     )
-    compressed = state.reducer.reduce(key, grad, step=step, shapes=shapes)
+    compressed = state.reducer.reduce(key, grad, step=step, shapes=shapes, flush=flush)
 
     def compare(fut: torch.futures.Future) -> torch.Tensor:
         value = fut.value()
@@ -162,10 +175,11 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         a future whose value is the averaged flat bucket (same shape and dtype).
     """
     shapes = [g.shape for g in bucket.gradients()]
+    last = bucket.is_last()
     if state.verify_every and state.step % state.verify_every == 0:
-        fut = verified_reduce(state, bucket.index(), bucket.buffer(), step=state.step, shapes=shapes)
+        fut = verified_reduce(state, bucket.index(), bucket.buffer(), step=state.step, shapes=shapes, flush=last)
     else:
-        fut = state.reducer.reduce(bucket.index(), bucket.buffer(), step=state.step, shapes=shapes)
-    if bucket.is_last():
+        fut = state.reducer.reduce(bucket.index(), bucket.buffer(), step=state.step, shapes=shapes, flush=last)
+    if last:
         state.step += 1
     return fut

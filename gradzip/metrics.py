@@ -3,8 +3,14 @@ faithful the compression was.
 
 Reducers run partly on communication threads (future callbacks), so every update takes a lock.
 ``communicate_s`` is the wall time during which at least one collective of this rank was in
-flight (overlapping collectives are not double counted); a bucket's own ``communicate_s`` runs from
-the launch of its collective to its completion (collectives of different buckets may overlap).
+flight (overlapping collectives are not double counted).
+
+Per bucket (``buckets[key]``): the route it took (``collective``: ``allreduce``, ``allgather``,
+``twophase``, ``dense`` or ``fused``), whether it was compressed, ``codec`` (its spec),
+``payload_bytes`` (the codec's payload of the bucket), ``sent_bytes`` and ``received_bytes`` (what
+this rank moves over the wire by the formulas of :mod:`gradzip.comm.traffic`), and ``compress_s``,
+``communicate_s`` (launch to completion of each of its collectives, summed; collectives of
+different buckets may overlap) and ``decompress_s``.
 
 Quality figures (every ``monitor_every`` steps), for the tensor ``x`` handed to the codec (the
 gradient, plus the error-feedback residual where the codec keeps one) and its local decode
@@ -28,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.futures import Future
 
 QUALITY_FIELDS = ("norm_ratio", "cosine", "relative_error", "feedback_ratio")
 TIME_FIELDS = ("compress_s", "decompress_s", "communicate_s")
@@ -153,7 +160,10 @@ class StepMetrics:
         self.compress_s = 0.0
         self.decompress_s = 0.0
         self.communicate_s = 0.0
+        self.sent_bytes = 0
+        self.received_bytes = 0
         self.uncompressed_buckets = 0
+        self.fused_buckets = 0
         self.buckets: dict[Hashable, dict[str, Any]] = {}
         self.events: list[dict[str, Any]] = []
 
@@ -162,46 +172,63 @@ class StepMetrics:
         return self.monitor_every > 0 and step % self.monitor_every == 0
 
     def _entry(self, key: Hashable) -> dict[str, Any]:
-        entry = self.buckets.get(key)
-        if entry is None:
-            entry = self.buckets[key] = {
-                "payload_bytes": 0, "dense_bytes": 0, "collective": None, "compressed": False,
-                "compress_s": 0.0, "decompress_s": 0.0, "communicate_s": 0.0, "collectives": 0,
-            }
-        return entry
+        return self.buckets.setdefault(
+            key,
+            {
+                "collective": None, "compressed": False, "payload_bytes": 0, "dense_bytes": 0,
+                "sent_bytes": 0, "received_bytes": 0, "compress_s": 0.0, "communicate_s": 0.0,
+                "decompress_s": 0.0, "collectives": 0,
+            },
+        )
 
     def _total(self, key: Hashable) -> dict[str, float]:
-        total = self.totals.get(key)
-        if total is None:
-            total = self.totals[key] = {"payload_bytes": 0, "collectives": 0, "calls": 0,
-                                        "compress_s": 0.0, "decompress_s": 0.0, "communicate_s": 0.0}
-        return total
+        return self.totals.setdefault(
+            key,
+            {"payload_bytes": 0, "sent_bytes": 0, "collectives": 0, "calls": 0, "compress_s": 0.0,
+             "decompress_s": 0.0, "communicate_s": 0.0},
+        )
 
     def add_bucket(
-        self, key: Hashable, *, payload_bytes: int, dense_bytes: int, collective: str, compressed: bool = True,
+        self,
+        key: Hashable,
+        *,
+        payload_bytes: int,
+        dense_bytes: int,
+        collective: str,
+        compressed: bool = True,
+        sent_bytes: int = 0,
+        received_bytes: int = 0,
         codec: str | None = None,
     ) -> None:
-        """Record one bucket's exchange: bytes this rank handed to collectives, and how."""
+        """Record one bucket's exchange: the route, the codec's payload bytes, the raw bytes and
+        the bytes this rank sends and receives over the wire."""
         with self._lock:
             self.payload_bytes += payload_bytes
             self.dense_bytes += dense_bytes
+            self.sent_bytes += sent_bytes
+            self.received_bytes += received_bytes
             if not compressed:
                 self.uncompressed_buckets += 1
+            if collective == "fused":
+                self.fused_buckets += 1
             entry = self._entry(key)
-            entry["payload_bytes"] += payload_bytes
-            entry["dense_bytes"] += dense_bytes
             entry["collective"] = collective
             entry["compressed"] = compressed
+            entry["payload_bytes"] += payload_bytes
+            entry["dense_bytes"] += dense_bytes
+            entry["sent_bytes"] += sent_bytes
+            entry["received_bytes"] += received_bytes
             if codec is not None:
                 entry["codec"] = codec
             total = self._total(key)
             total["payload_bytes"] += payload_bytes
+            total["sent_bytes"] += sent_bytes
             total["calls"] += 1
 
     @contextmanager
     def timed(self, field: str, key: Hashable | None = None):
-        """Add the wall time of the ``with`` block to ``compress_s`` or ``decompress_s`` (and to
-        bucket ``key``'s own figure when given)."""
+        """Add the wall time of the ``with`` block to ``compress_s`` or ``decompress_s``, and to
+        bucket ``key``'s figure when given."""
         start = time.perf_counter()
         try:
             yield
@@ -213,30 +240,41 @@ class StepMetrics:
                     self._entry(key)[field] += elapsed
                     self._total(key)[field] += elapsed
 
-    def collective_started(self, key: Hashable | None = None) -> float:
-        """Mark a collective as in flight; returns its start time (pass it to :meth:`collective_finished`)."""
-        with self._lock:
-            now = time.perf_counter()
-            if self._in_flight == 0:
-                self._flight_start = now
-            self._in_flight += 1
-            return now
+    def track(self, fut: Future, keys: tuple[Hashable, ...] = ()) -> Future:
+        """Count a just-issued collective as in flight until ``fut`` completes; its duration is
+        added to the ``communicate_s`` of each bucket in ``keys``. Returns ``fut``."""
+        self.collective_started()
+        start = time.perf_counter()
 
-    def collective_finished(self, key: Hashable | None = None, start: float | None = None) -> None:
-        """Mark a collective as done; with ``key`` and ``start``, add its duration to that bucket."""
+        def done(_fut: Future) -> None:
+            elapsed = time.perf_counter() - start
+            with self._lock:
+                for key in keys:
+                    entry = self._entry(key)
+                    entry["communicate_s"] += elapsed
+                    entry["collectives"] += 1
+                    total = self._total(key)
+                    total["communicate_s"] += elapsed
+                    total["collectives"] += 1
+            self.collective_finished()
+
+        fut.add_done_callback(done)
+        return fut
+
+    def collective_started(self) -> None:
+        """Mark a collective as in flight."""
         with self._lock:
-            now = time.perf_counter()
+            if self._in_flight == 0:
+                self._flight_start = time.perf_counter()
+            self._in_flight += 1
+
+    def collective_finished(self) -> None:
+        """Mark a collective as done."""
+        with self._lock:
             self._in_flight -= 1
             assert self._in_flight >= 0, "collective finished more often than started"
             if self._in_flight == 0:
-                self.communicate_s += now - self._flight_start
-            if key is not None and start is not None:
-                entry = self._entry(key)
-                entry["communicate_s"] += now - start
-                entry["collectives"] += 1
-                total = self._total(key)
-                total["communicate_s"] += now - start
-                total["collectives"] += 1
+                self.communicate_s += time.perf_counter() - self._flight_start
 
     def add_quality(self, key: Hashable, figures: dict[str, float] | None) -> None:
         """Attach quality figures (see :func:`quality_figures`) to bucket ``key``; None is skipped."""
@@ -256,9 +294,9 @@ class StepMetrics:
             self.events.append(dict(event))
 
     def pop(self) -> dict[str, Any]:
-        """This step's totals (``payload_bytes``, ``dense_bytes``, ``compression_ratio``, times,
-        ``buckets`` with per-bucket bytes, times and, on monitored steps, ``quality``; ``events``),
-        then reset."""
+        """This step's totals (``payload_bytes``, ``dense_bytes``, ``compression_ratio``,
+        ``sent_bytes``, ``received_bytes``, times, bucket counts, ``buckets`` with, on monitored
+        steps, ``quality``; ``events``), then reset."""
         with self._lock:
             out = {
                 "payload_bytes": self.payload_bytes,
@@ -267,7 +305,10 @@ class StepMetrics:
                 "compress_s": self.compress_s,
                 "decompress_s": self.decompress_s,
                 "communicate_s": self.communicate_s,
+                "sent_bytes": self.sent_bytes,
+                "received_bytes": self.received_bytes,
                 "uncompressed_buckets": self.uncompressed_buckets,
+                "fused_buckets": self.fused_buckets,
                 "buckets": self.buckets,
                 "events": self.events,
             }
@@ -287,9 +328,9 @@ class CandidateFigures:
         spec: the codec spec.
         compress_s: seconds to encode the bucket (max over ranks).
         decompress_s: seconds to decode what arrives (every rank's payload for gathered codecs).
-        payload_bytes: bytes this rank hands to collectives for the bucket.
-        collectives: collectives per step (PowerSGD: 2).
-        collective: ``allreduce`` or ``allgather``.
+        payload_bytes: the codec's payload of the bucket.
+        sent_bytes: bytes this rank sends for the bucket by the route it would take.
+        collectives: collectives per step (PowerSGD and the two-phase route: 2).
         relative_error: ``||g - D(C(g))|| / ||g||`` of one step's gradient, no error feedback
             (max over ranks); 0 for dense.
     """
@@ -298,8 +339,8 @@ class CandidateFigures:
     compress_s: float
     decompress_s: float
     payload_bytes: float
+    sent_bytes: float
     collectives: float
-    collective: str
     relative_error: float
 
 
@@ -312,11 +353,11 @@ class BucketFigures:
         numel: elements in the bucket.
         itemsize: bytes per element of the gradient.
         current: index of the candidate the bucket used in the window.
-        payload_bytes: bytes handed to collectives per step in the window.
+        payload_bytes: the codec's payload per step in the window.
+        sent_bytes: bytes this rank sent per step in the window.
         communicate_s: seconds per step from launch to completion of its collectives (min over
             ranks: the last rank to arrive waits least, so its figure is closest to the transfer).
         collectives: collectives per step.
-        collective: ``allreduce`` or ``allgather`` of the current codec.
         gradient_sum_norm: norm of the bucket's gradient summed over the window (max over ranks).
         entropy: normalised Shannon entropy in [0, 1] of a sample of the last gradient (max over ranks).
         candidates: probe figures per candidate (same order as the reducer's candidates), or
@@ -328,9 +369,9 @@ class BucketFigures:
     itemsize: int
     current: int
     payload_bytes: float
+    sent_bytes: float
     communicate_s: float
     collectives: float
-    collective: str
     gradient_sum_norm: float
     entropy: float
     candidates: list[CandidateFigures] | None = None

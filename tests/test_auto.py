@@ -26,14 +26,15 @@ SPECS = ["none", "fp16", "topk:ratio=0.01", "powersgd:approx_rank=4"]
 
 
 def _bucket(key=0, numel=1_000_000, comm_s=0.32, current=0, probes=True, **kw) -> BucketFigures:
+    # 2 ranks: a ring all_reduce and an all_gather both send each payload byte once
     cands = [
-        CandidateFigures("none", 0.0, 0.0, numel * 4, 1, "allreduce", 0.0),
-        CandidateFigures("fp16", 0.002, 0.001, numel * 2, 1, "allreduce", 1e-4),
-        CandidateFigures("topk:ratio=0.01", 0.05, 0.01, numel * 0.08, 1, "allgather", 0.7),
-        CandidateFigures("powersgd:approx_rank=4", 0.01, 0.002, 100_000, 2, "allreduce", 0.5),
+        CandidateFigures("none", 0.0, 0.0, numel * 4, numel * 4, 1, 0.0),
+        CandidateFigures("fp16", 0.002, 0.001, numel * 2, numel * 2, 1, 1e-4),
+        CandidateFigures("topk:ratio=0.01", 0.05, 0.01, numel * 0.08, numel * 0.08, 1, 0.7),
+        CandidateFigures("powersgd:approx_rank=4", 0.01, 0.002, 100_000, 100_000, 2, 0.5),
     ]
     fields = dict(key=key, numel=numel, itemsize=4, current=current, payload_bytes=cands[current].payload_bytes,
-                  communicate_s=comm_s, collectives=cands[current].collectives, collective=cands[current].collective,
+                  sent_bytes=cands[current].sent_bytes, communicate_s=comm_s, collectives=cands[current].collectives,
                   gradient_sum_norm=1.0, entropy=0.8, candidates=cands if probes else None)
     fields.update(kw)
     return BucketFigures(**fields)

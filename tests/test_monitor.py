@@ -138,7 +138,7 @@ def _hooked_checks(rank: int, world_size: int) -> dict:
         out[spec] = rows
     # Reducer-level quality figures against an independent decode (top-k with error feedback).
     metrics = StepMetrics(monitor_every=2)
-    reducer = make_reducer("topk:ratio=0.25", metrics=metrics)
+    reducer = make_reducer("topk:ratio=0.25", metrics=metrics, collective="allgather")
     from gradzip.compressors import build
 
     codec, residual, figures = build("topk:ratio=0.25"), torch.zeros(40), []

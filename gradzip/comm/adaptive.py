@@ -31,6 +31,7 @@ from torch.futures import Future
 from gradzip.comm.powersgd import PowerSGDReducer
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.comm.reducer import CompressedReducer
+from gradzip.comm.traffic import allreduce_bytes
 from gradzip.compressors import Compressor, build
 from gradzip.metrics import (
     BucketFigures,
@@ -42,8 +43,10 @@ from gradzip.metrics import (
     sampled_entropy,
 )
 
-_BUCKET_FIELDS = 7  # numel, itemsize, payload_bytes, -communicate_s, collectives, gradient_sum_norm, entropy
-_CANDIDATE_FIELDS = 5  # compress_s, decompress_s, payload_bytes, collectives, relative_error
+# numel, itemsize, payload_bytes, sent_bytes, -communicate_s, collectives, gradient_sum_norm, entropy
+_BUCKET_FIELDS = 8
+# compress_s, decompress_s, payload_bytes, sent_bytes, collectives, relative_error
+_CANDIDATE_FIELDS = 6
 MIN_WINDOW_STEPS = 3
 
 
@@ -66,7 +69,9 @@ class AdaptiveReducer:
 
     Args:
         candidates: codec specs or codecs; ``none`` is put first if absent. Lossy single-round
-            codecs run with error feedback; PowerSGD keeps its own.
+            codecs run with error feedback (non-aggregatable ones through all_gather, whose
+            residual is all worker-side and so moves with a switch); PowerSGD keeps its own.
+            Nothing is held back for a fused exchange (``min_compress_bytes`` is 0).
         controller: see :class:`Controller` (``gradzip.control.auto`` builds them).
         group: the process group (None: the default group).
         queue: the group's ordered launch queue, shared with every reducer of the group.
@@ -126,12 +131,16 @@ class AdaptiveReducer:
         if codec.multi_round:
             return PowerSGDReducer(codec, group=self.group, queue=self.queue, metrics=self.metrics)
         return CompressedReducer(
-            codec, group=self.group, error_feedback=codec.name != "none", queue=self.queue, metrics=self.metrics
+            codec, group=self.group, error_feedback=codec.name != "none",
+            collective="auto" if codec.aggregatable else "allgather", queue=self.queue, metrics=self.metrics,
         )
 
     # -- the hook's entry point ------------------------------------------------------------
 
-    def reduce(self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None) -> Future:
+    def reduce(
+        self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None,
+        flush: bool = True,
+    ) -> Future:
         """Average ``grad`` over the group with the codec currently chosen for ``key``.
 
         Args, Returns: as :meth:`gradzip.comm.reducer.CompressedReducer.reduce`.
@@ -160,7 +169,12 @@ class AdaptiveReducer:
         carry = self.carry.pop(key, None)
         if carry is not None and carry.numel() == grad.numel():
             grad = (grad.reshape(-1) + carry.to(grad.dtype)).view(grad.shape)
-        return self.reducers[self.choices.get(key, 0)].reduce(key, grad, step=step, shapes=shapes)
+        return self.reducers[self.choices.get(key, 0)].reduce(key, grad, step=step, shapes=shapes, flush=flush)
+
+    def flush(self) -> None:
+        """Nothing is held back (see the constructor); kept for the reducer interface."""
+        for reducer in self.reducers:
+            reducer.flush()
 
     def force(self, at_step: int, choices: dict[Hashable, str | int]) -> None:
         """Make buckets use given candidates from ``at_step`` on (call identically on every rank).
@@ -220,6 +234,7 @@ class AdaptiveReducer:
                 float(numel),
                 float(self._itemsize.get(key, 4)),
                 delta("payload_bytes"),
+                delta("sent_bytes"),
                 -delta("communicate_s"),
                 delta("collectives"),
                 float(total.norm()) if total is not None else 0.0,
@@ -231,8 +246,8 @@ class AdaptiveReducer:
                     values += [0.0] * _CANDIDATE_FIELDS
                 else:
                     p = probes[c]
-                    values += [p["compress_s"], p["decompress_s"], p["payload_bytes"], p["collectives"],
-                               p["relative_error"]]
+                    values += [p["compress_s"], p["decompress_s"], p["payload_bytes"], p["sent_bytes"],
+                               p["collectives"], p["relative_error"]]
         period = statistics.median(self._periods) if self._periods else 0.0
         values.append(period)
         stats = torch.tensor(values, dtype=torch.float64)
@@ -272,39 +287,35 @@ class AdaptiveReducer:
         world_size = dist.get_world_size(self.group)
         buckets, i = [], 0
         for key in order:
-            numel, itemsize, payload, neg_comm, colls, sum_norm, entropy = values[i : i + _BUCKET_FIELDS]
+            numel, itemsize, payload, sent, neg_comm, colls, sum_norm, entropy = values[i : i + _BUCKET_FIELDS]
             i += _BUCKET_FIELDS
             cands = []
             for c in range(len(self.codecs)):
-                cs, ds, pb, nc, err = values[i : i + _CANDIDATE_FIELDS]
+                cs, ds, pb, sb, nc, err = values[i : i + _CANDIDATE_FIELDS]
                 i += _CANDIDATE_FIELDS
-                cands.append(CandidateFigures(self.specs[c], cs, ds, pb, nc, self._collective(c), err))
+                cands.append(CandidateFigures(self.names[c], cs, ds, pb, sb, nc, err))
             current = self.choices.get(key, 0)
             buckets.append(BucketFigures(
                 key=key, numel=int(numel), itemsize=int(itemsize), current=current, payload_bytes=payload,
-                communicate_s=-neg_comm, collectives=colls, collective=self._collective(current),
-                gradient_sum_norm=sum_norm, entropy=entropy, candidates=cands if probed else None,
+                sent_bytes=sent, communicate_s=-neg_comm, collectives=colls, gradient_sum_norm=sum_norm, entropy=entropy, candidates=cands if probed else None,
             ))
         return WindowFigures(self.window_start, self.window_end, world_size, values[i], buckets)
 
-    def _collective(self, index: int) -> str:
-        reducer = self.reducers[index]
-        if isinstance(reducer, CompressedReducer) and not reducer.uses_allreduce():
-            return "allgather"
-        return "allreduce"
-
     def _probe(self, key: Hashable, grad: Tensor, step: int, shapes: list[torch.Size]) -> None:
+        world_size = dist.get_world_size(self.group)
         results = []
         for c, reducer in enumerate(self.reducers):
             if c == 0:
+                raw = grad.numel() * grad.element_size()
                 results.append({"compress_s": 0.0, "decompress_s": 0.0, "collectives": 1.0, "relative_error": 0.0,
-                                "payload_bytes": float(grad.numel() * grad.element_size())})
+                                "payload_bytes": float(raw), "sent_bytes": float(allreduce_bytes(raw, world_size))})
                 continue
             out = reducer.probe(key, grad, step=step, shapes=shapes)
             figures = quality_figures(grad, out["decoded"])
             results.append({
                 "compress_s": out["compress_s"], "decompress_s": out["decompress_s"],
-                "payload_bytes": float(out["payload_bytes"]), "collectives": float(out["collectives"]),
+                "payload_bytes": float(out["payload_bytes"]), "sent_bytes": float(out["sent_bytes"]),
+                "collectives": float(out["collectives"]),
                 "relative_error": 0.0 if figures is None else figures["relative_error"],
             })
         self._probes[key] = results

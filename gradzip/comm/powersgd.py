@@ -27,7 +27,9 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
+from gradzip import wire
 from gradzip.comm.queue import CollectiveQueue, completed
+from gradzip.comm.traffic import allreduce_bytes
 from gradzip.compressors.base import seeded_generator
 from gradzip.compressors.lowrank import PowerSGD, matrix_view_shape
 from gradzip.feedback import ErrorFeedback
@@ -90,7 +92,15 @@ class PowerSGDReducer:
         gen = seeded_generator(self.compressor.seed, step, key)
         return torch.randn(m, r, generator=gen, dtype=torch.float32).to(device)
 
-    def reduce(self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None) -> Future:
+    def reduce(
+        self,
+        key: Hashable,
+        grad: Tensor,
+        *,
+        step: int,
+        shapes: Sequence[torch.Size] | None = None,
+        flush: bool = True,
+    ) -> Future:
         """Start averaging a bucket.
 
         Args:
@@ -99,6 +109,8 @@ class PowerSGDReducer:
             step: the training step.
             shapes: shapes of the gradients laid end to end in ``grad``; None treats ``grad``
                 as one tensor of its own shape.
+            flush: accepted for the :class:`~gradzip.comm.Reducer` interface; nothing is held
+                back (small tensors already travel uncompressed in round 1).
 
         Returns:
             a future whose value is the approximate mean, ``grad``'s shape and dtype.
@@ -135,10 +147,11 @@ class PowerSGDReducer:
         ).to(wire_dtype)
         n_uncompressed = sum(p.numel() for p in uncompressed)
         round2 = torch.empty(sum(q.numel() for q in qs), dtype=wire_dtype, device=grad.device)
+        sent = allreduce_bytes(wire.nbytes([round1]), world_size) + allreduce_bytes(wire.nbytes([round2]), world_size)
         self.metrics.add_bucket(
             key, payload_bytes=(round1.numel() + round2.numel()) * round1.element_size(),
             dense_bytes=grad.numel() * grad.element_size(), collective="allreduce",
-            compressed=bool(matrices), codec=self.compressor.spec,
+            compressed=bool(matrices), sent_bytes=sent, received_bytes=sent, codec=self.compressor.spec,
         )
         monitored = self.metrics.wants_quality(step)
         p_hat: list[Tensor] = []
@@ -205,17 +218,20 @@ class PowerSGDReducer:
             return first.then(finish)
         return self.queue.submit(launch_q, after=first).then(finish)
 
+    def flush(self) -> None:
+        """Nothing is held back; see :meth:`reduce`."""
+
     def _all_reduce(self, key: Hashable, tensor: Tensor) -> Future:
-        start = self.metrics.collective_started(key)
-        fut = dist.all_reduce(tensor, group=self.group, async_op=True).get_future()
-        fut.add_done_callback(lambda _f: self.metrics.collective_finished(key, start))
-        return fut
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        return self.metrics.track(work.get_future(), (key,))
 
     def _reduce_dense(self, key: Hashable, grad: Tensor, world_size: int, *, step: int = 0) -> Future:
         tensor = grad.div(world_size)
+        sent = allreduce_bytes(wire.nbytes([tensor]), world_size)
         self.metrics.add_bucket(
             key, payload_bytes=tensor.numel() * tensor.element_size(),
-            dense_bytes=grad.numel() * grad.element_size(), collective="allreduce", compressed=False, codec="none",
+            dense_bytes=grad.numel() * grad.element_size(), collective="dense", compressed=False,
+            sent_bytes=sent, received_bytes=sent, codec=self.compressor.spec,
         )
         if self.metrics.wants_quality(step):
             self.metrics.add_quality(key, quality_figures(grad, grad))
@@ -227,14 +243,17 @@ class PowerSGDReducer:
 
         Returns:
             ``compress_s`` (P = M Q, orthogonalize, Q = M^T P), ``decompress_s`` (P Q^T),
-            ``payload_bytes`` (both rounds), ``collectives`` (1 or 2), ``collective`` and
-            ``decoded`` (the rank-r approximation, ``grad``'s shape).
+            ``payload_bytes`` (both rounds), ``sent_bytes`` (what this rank sends in both ring
+            all_reduces), ``collectives`` (1 or 2) and ``decoded`` (the rank-r approximation,
+            ``grad``'s shape).
         """
+        world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
         layout = self._layout(grad, shapes)
         flat = grad.reshape(-1)
         decoded = flat.clone()
         compress_s = decompress_s = 0.0
         payload_bytes = sum(layout.shapes[i].numel() for i in layout.uncompressed) * grad.element_size()
+        factor_bytes = 0
         for i in layout.compressed:
             n, m = matrix_view_shape(layout.shapes[i])
             r = self.compressor.effective_rank(n, m)
@@ -252,10 +271,11 @@ class PowerSGDReducer:
             compress_s += middle - start
             decompress_s += end - middle
             payload_bytes += (n + m) * r * grad.element_size()
+            factor_bytes += m * r * grad.element_size()
+        sent = allreduce_bytes(payload_bytes - factor_bytes, world_size) + allreduce_bytes(factor_bytes, world_size)
         return {
             "compress_s": compress_s, "decompress_s": decompress_s, "payload_bytes": payload_bytes,
-            "collectives": 2 if layout.compressed else 1, "collective": "allreduce",
-            "decoded": decoded.view(grad.shape),
+            "sent_bytes": sent, "collectives": 2 if layout.compressed else 1, "decoded": decoded.view(grad.shape),
         }
 
     def take_residual(self, key: Hashable, shapes: Sequence[torch.Size] | None = None) -> Tensor | None:

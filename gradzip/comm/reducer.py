@@ -1,16 +1,42 @@
 """The single-round reducer: the mean over a process group of compressed tensors.
 
-Aggregatable payloads are divided by world_size and ``all_reduce``-d (dividing first keeps fp16
-sums from overflowing, and is the order of PyTorch's ``allreduce_hook`` and
-``fp16_compress_hook``). Other payloads are packed into one byte buffer and ``all_gather``-ed;
-every rank then decodes all of them in rank order, sums and divides, so all ranks end with
-bit-identical results.
+Each bucket takes one route (:func:`gradzip.comm.traffic.choose_collective`, by the bytes each
+would send for the codec, the bucket and the world size, identical on every rank):
+
+- ``allreduce``: aggregatable payloads are divided by world_size and ``all_reduce``-d (dividing
+  first keeps fp16 sums from overflowing, and is the order of PyTorch's ``allreduce_hook`` and
+  ``fp16_compress_hook``);
+- ``allgather``: other payloads are packed into one byte buffer and ``all_gather``-ed; every rank
+  decodes all of them in rank order, sums and divides, so all ranks end with bit-identical results;
+- ``twophase``: the compressed all_reduce of :mod:`gradzip.comm.twophase`, whose bytes per rank
+  stay flat as the world grows;
+- ``dense``: the raw bucket, divided by world_size and ``all_reduce``-d, where compressing would
+  not send fewer bytes.
+
+Buckets smaller than ``min_compress_bytes`` are held back and sent uncompressed, concatenated
+into one ``all_reduce`` (one per dtype): a DDP hook sees one bucket at a time, so the reducer
+keeps them until the caller says no more are coming this step (``flush=True``, which the DDP
+hook passes with the last bucket of the backward pass) or until they add up to
+``min_compress_bytes``. Their futures complete when that collective does. DDP hooks every
+bucket before it waits on any future, and does so in the same order on every rank, so holding
+buckets back cannot deadlock and the fused collective is issued at the same point everywhere.
+
+Every collective goes through the group's :class:`~gradzip.comm.queue.CollectiveQueue`, and
+each round's compression runs inside its launch, so ``reduce`` returns a future at once.
+
+On the steps :meth:`gradzip.metrics.StepMetrics.wants_quality` names, the ``allreduce`` and
+``allgather`` routes record quality figures of the bucket (its local decode against what was
+handed to the codec; codecs without error feedback decode once more for it, outside the timed
+compression); the ``dense`` and ``fused`` routes record the exact figures; the ``twophase``
+route records none.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,11 +46,21 @@ from torch.futures import Future
 
 from gradzip import wire
 from gradzip.comm.queue import CollectiveQueue, completed
-from gradzip.compressors import Compressor, Payload
+from gradzip.comm.traffic import (
+    COLLECTIVES,
+    allgather_bytes,
+    allreduce_bytes,
+    check_collective,
+    choose_collective,
+    route_bytes,
+)
+from gradzip.comm.twophase import TwoPhaseAllReduce
+from gradzip.comm.twophase import mean_of_payloads as decode_gathered
+from gradzip.compressors import Compressor, Payload, check_int
 from gradzip.feedback import ErrorFeedback
 from gradzip.metrics import StepMetrics, quality_figures
 
-COLLECTIVES = ("auto", "allreduce", "allgather")
+__all__ = ["COLLECTIVES", "CompressedReducer", "decode_gathered", "predivide"]
 
 
 def predivide(payload: Payload, world_size: int) -> tuple[Tensor, ...]:
@@ -32,34 +68,34 @@ def predivide(payload: Payload, world_size: int) -> tuple[Tensor, ...]:
     return tuple(t.div(world_size) if t.is_floating_point() else t for t in payload.tensors)
 
 
-def decode_gathered(compressor: Compressor, payloads: Sequence[Payload], like: Tensor) -> Tensor:
-    """Mean of the decoded payloads of every rank, summed in rank order.
+@dataclass
+class _Held:
+    """A small bucket waiting for the fused all_reduce."""
 
-    Args:
-        payloads: one per rank, rank 0 first.
-        like: gives the output shape, dtype and device.
-    """
-    total = compressor.decompress(payloads[0], like=like).clone()
-    for payload in payloads[1:]:
-        total += compressor.decompress(payload, like=like)
-    return total.div_(len(payloads))
+    key: Hashable
+    grad: Tensor
+    future: Future
 
 
 class CompressedReducer:
-    """Averages tensors over ``group`` through ``compressor``, one collective per call.
+    """Averages tensors over ``group`` through ``compressor``.
 
     Args:
         compressor: a single-round codec.
         group: the process group (None: the default group).
-        error_feedback: keep a residual per key; None uses the codec's default.
-        collective: ``auto`` (all_reduce for aggregatable codecs, else all_gather),
-            ``allreduce`` or ``allgather``.
+        error_feedback: keep residuals per key (worker-side, and server-side for the two-phase
+            route); None uses the codec's default.
+        collective: ``auto`` (the route sending the fewest bytes), ``allreduce``, ``allgather``
+            or ``twophase``; a forced route still sends a bucket ``dense`` where the codec's
+            payload would exceed its raw bytes.
+        min_compress_bytes: buckets with fewer raw bytes travel uncompressed, fused into one
+            all_reduce (see the module docstring); an integer >= 0, 0 compresses everything.
         queue: the ordered launch queue shared by every reducer of ``group``.
         metrics: where bytes and times go.
 
     Raises:
-        ValueError: for an unknown ``collective``, or ``allreduce`` with a codec that is not
-            aggregatable.
+        ValueError: for an unknown ``collective``, ``allreduce`` with a codec that is not
+            aggregatable, or a negative ``min_compress_bytes``.
     """
 
     def __init__(
@@ -69,175 +105,280 @@ class CompressedReducer:
         group: dist.ProcessGroup | None = None,
         error_feedback: bool | None = None,
         collective: str = "auto",
+        min_compress_bytes: int = 0,
         queue: CollectiveQueue | None = None,
         metrics: StepMetrics | None = None,
     ) -> None:
         assert not compressor.multi_round, "multi-round codecs bring their own reducer"
-        if collective not in COLLECTIVES:
-            raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}; got {collective!r}")
-        if collective == "allreduce" and not compressor.aggregatable:
-            raise ValueError(
-                f"collective='allreduce' needs an aggregatable codec; {compressor.name} is not "
-                "(use allgather or auto)"
-            )
         self.compressor = compressor
         self.group = group
-        self.collective = collective
+        self.collective = check_collective(collective, compressor)
+        self.min_compress_bytes = check_int(min_compress_bytes, name="min_compress_bytes", low=0)
         use_feedback = compressor.error_feedback if error_feedback is None else error_feedback
         self.feedback = ErrorFeedback() if use_feedback else None
         self.queue = queue or CollectiveQueue()
         self.metrics = metrics or StepMetrics()
+        self.twophase = TwoPhaseAllReduce(
+            compressor, group=group, queue=self.queue, metrics=self.metrics, feedback=self.feedback,
+            server_feedback=ErrorFeedback() if use_feedback else None,
+        )
+        self._routes: dict[tuple[int, torch.dtype, int], str] = {}
+        self._held: list[_Held] = []
+        self._held_bytes = 0
+        self._lock = threading.Lock()
 
-    def uses_allreduce(self) -> bool:
-        """Whether payloads are summed by all_reduce (else gathered)."""
-        if self.collective == "auto":
-            return self.compressor.aggregatable
-        return self.collective == "allreduce"
+    def route(self, numel: int, dtype: torch.dtype) -> str:
+        """The route a tensor of ``numel`` elements of ``dtype`` takes: ``fused`` below
+        ``min_compress_bytes``, else one of :data:`gradzip.comm.traffic.ROUTES`."""
+        if numel * wire.dtype_nbytes(dtype) < self.min_compress_bytes:
+            return "fused"
+        world_size = dist.get_world_size(self.group)
+        cache_key = (numel, dtype, world_size)
+        if cache_key not in self._routes:
+            self._routes[cache_key] = choose_collective(self.collective, self.compressor, numel, dtype, world_size)
+        return self._routes[cache_key]
 
-    def reduce(self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None) -> Future:
-        """Start averaging ``grad`` over the group.
+    def reduce(
+        self,
+        key: Hashable,
+        grad: Tensor,
+        *,
+        step: int,
+        shapes: Sequence[torch.Size] | None = None,
+        flush: bool = True,
+    ) -> Future:
+        """Start averaging ``grad`` over the group; returns at once.
 
         Args:
-            key: names the tensor across steps (a bucket index); keys the residual.
-            grad: any shape, floating dtype; not modified.
+            key: names the tensor across steps (a bucket index); keys the residuals.
+            grad: any shape, floating dtype; not modified, and must stay unchanged until the
+                future completes (as DDP's bucket buffers do).
             step: the training step (seeds and schedules).
             shapes: ignored (single-round codecs see the flat tensor).
+            flush: send every held-back small tensor now (see the module docstring); pass False
+                only when more tensors of this step follow and a later call flushes.
 
         Returns:
             a future whose value is the mean, with ``grad``'s shape and dtype.
         """
-        world_size = dist.get_world_size(self.group)
-        dense_bytes = grad.numel() * grad.element_size()
         if grad.numel() == 0:
-            return completed(grad.clone())
-        if self.compressor.payload_nbytes(grad.numel(), grad.dtype) > dense_bytes:
-            return self._reduce_dense(key, grad, world_size, step=step)
+            fut = completed(grad.clone())
+        else:
+            route = self.route(grad.numel(), grad.dtype)
+            if route == "fused":
+                fut = self._hold(key, grad)
+                if self.metrics.wants_quality(step):
+                    self.metrics.add_quality(key, quality_figures(grad, grad))
+            else:
+                launch = {
+                    "dense": self._reduce_dense,
+                    "allreduce": self._all_reduce,
+                    "allgather": self._all_gather,
+                    "twophase": self.twophase.reduce,
+                }[route]
+                fut = launch(key, grad, step=step)
+        if flush or self._held_bytes >= max(self.min_compress_bytes, 1):
+            self.flush()
+        return fut
 
-        monitored = self.metrics.wants_quality(step)
+    def flush(self) -> None:
+        """Send the held-back small tensors: one uncompressed all_reduce per dtype."""
+        with self._lock:
+            held, self._held, self._held_bytes = self._held, [], 0
+        by_dtype: dict[torch.dtype, list[_Held]] = {}
+        for item in held:
+            by_dtype.setdefault(item.grad.dtype, []).append(item)
+        for group in by_dtype.values():
+            self._send_fused(group)
+
+    def _compress(self, key: Hashable, grad: Tensor, step: int, box: dict[str, Any]) -> Payload:
+        """Compensate, compress, update the residual; returns the payload (its bytes checked).
+        On monitored steps leaves what the quality check needs in ``box``."""
+        compensated = grad if self.feedback is None else self.feedback.compensate(key, grad, step=step)
+        payload = self.compressor.compress(compensated, step=step, key=key)
         decoded = None
-        with self.metrics.timed("compress_s", key):
-            compensated = grad if self.feedback is None else self.feedback.compensate(key, grad, step=step)
-            payload = self.compressor.compress(compensated, step=step, key=key)
-            if self.feedback is not None:
-                decoded = self.compressor.decompress(payload, like=compensated)
-                self.feedback.update(key, compensated, decoded, step=step)
+        if self.feedback is not None:
+            decoded = self.compressor.decompress(payload, like=compensated)
+            self.feedback.update(key, compensated, decoded, step=step)
         assert payload.nbytes == self.compressor.payload_nbytes(grad.numel(), grad.dtype), (
             f"{self.compressor.name}: payload of {payload.nbytes} bytes, formula says "
             f"{self.compressor.payload_nbytes(grad.numel(), grad.dtype)}"
         )
-        if monitored:
-            # Codecs without feedback decode only here, on monitored steps, outside the timings.
-            if decoded is None:
-                decoded = self.compressor.decompress(payload, like=compensated)
-            residual = None if self.feedback is None else self.feedback.residuals.get(key)
-            self.metrics.add_quality(key, quality_figures(compensated, decoded, grad=grad, residual=residual))
-        if self.uses_allreduce():
-            return self._all_reduce(key, payload, grad, world_size, dense_bytes)
-        return self._all_gather(key, payload, grad, world_size, dense_bytes)
+        if self.metrics.wants_quality(step):
+            box["quality"] = (compensated, decoded, payload)
+        return payload
 
-    def probe(self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None) -> dict[str, Any]:
+    def _record_quality(self, key: Hashable, grad: Tensor, box: dict[str, Any]) -> None:
+        """Quality figures of a monitored step, computed outside the timed compression."""
+        if "quality" not in box:
+            return
+        compensated, decoded, payload = box.pop("quality")
+        if decoded is None:
+            decoded = self.compressor.decompress(payload, like=compensated)
+        residual = None if self.feedback is None else self.feedback.residuals.get(key)
+        self.metrics.add_quality(key, quality_figures(compensated, decoded, grad=grad, residual=residual))
+
+    def probe(
+        self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None
+    ) -> dict[str, Any]:
         """Compress and decode ``grad`` locally, with no collective and no state change.
 
         Used by controllers to price a codec on a real bucket.
 
         Returns:
-            ``compress_s`` and ``decompress_s`` (seconds; decoding counted once per rank for
-            gathered payloads, as the reducer decodes every rank's payload), ``payload_bytes``,
-            ``collectives`` (1), ``collective`` and ``decoded`` (the local decode, ``grad``'s shape).
+            ``compress_s`` and ``decompress_s`` (seconds; for the ``allgather`` route decoding is
+            counted once per rank, as every rank decodes every payload), ``payload_bytes``,
+            ``sent_bytes`` (what this rank sends by the route the bucket takes), ``collectives``
+            (1; 2 for ``twophase``) and ``decoded`` (the local decode, ``grad``'s shape).
         """
         world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
-        dense_bytes = grad.numel() * grad.element_size()
-        if grad.numel() == 0 or self.compressor.payload_nbytes(grad.numel(), grad.dtype) > dense_bytes:
-            return {"compress_s": 0.0, "decompress_s": 0.0, "payload_bytes": dense_bytes, "collectives": 1,
-                    "collective": "allreduce", "decoded": grad}
+        rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        route = self.route(grad.numel(), grad.dtype)
+        raw = grad.numel() * grad.element_size()
+        if grad.numel() == 0 or route in ("dense", "fused"):
+            return {"compress_s": 0.0, "decompress_s": 0.0, "payload_bytes": raw, "collectives": 1,
+                    "sent_bytes": allreduce_bytes(raw, world_size), "decoded": grad}
         start = time.perf_counter()
         payload = self.compressor.compress(grad, step=step, key=key)
         middle = time.perf_counter()
         decoded = self.compressor.decompress(payload, like=grad)
         end = time.perf_counter()
-        gathered = not self.uses_allreduce()
         return {
             "compress_s": middle - start,
-            "decompress_s": (end - middle) * (world_size if gathered else 1),
+            "decompress_s": (end - middle) * (world_size if route == "allgather" else 1),
             "payload_bytes": payload.nbytes,
-            "collectives": 1,
-            "collective": "allgather" if gathered else "allreduce",
+            "sent_bytes": route_bytes(route, self.compressor, grad.numel(), grad.dtype, world_size, rank),
+            "collectives": 2 if route == "twophase" else 1,
             "decoded": decoded,
         }
 
     def take_residual(self, key: Hashable, shapes: Sequence[torch.Size] | None = None) -> Tensor | None:
-        """Remove and return the residual of ``key`` (flat), or None; used when a bucket changes codec."""
+        """Remove and return the worker-side residual of ``key`` (flat), or None; used when a bucket
+        changes codec. (The two-phase route's server-side residual stays where it is.)"""
         if self.feedback is None:
             return None
         residual = self.feedback.residuals.pop(key, None)
         return None if residual is None else residual.reshape(-1)
 
-    def _launch(self, key: Hashable, issue) -> Future:
-        """Issue one collective with its in-flight time recorded (globally and for ``key``)."""
-        start = self.metrics.collective_started(key)
-        fut = issue()
-        fut.add_done_callback(lambda _f: self.metrics.collective_finished(key, start))
-        return fut
-
-    def _reduce_dense(self, key: Hashable, grad: Tensor, world_size: int, *, step: int = 0) -> Future:
-        tensor = grad.div(world_size)
+    def _reduce_dense(self, key: Hashable, grad: Tensor, *, step: int) -> Future:
+        world_size = dist.get_world_size(self.group)
+        raw = wire.nbytes([grad])
+        sent = allreduce_bytes(raw, world_size)
         self.metrics.add_bucket(
-            key, payload_bytes=wire.nbytes([tensor]), dense_bytes=wire.nbytes([grad]),
-            collective="allreduce", compressed=False, codec="none",
+            key, payload_bytes=raw, dense_bytes=raw, collective="dense", compressed=False,
+            sent_bytes=sent, received_bytes=sent, codec=self.compressor.spec,
         )
         if self.metrics.wants_quality(step):
             self.metrics.add_quality(key, quality_figures(grad, grad))
+        tensor = torch.empty_like(grad)
 
         def launch() -> Future:
-            return self._launch(key, lambda: dist.all_reduce(tensor, group=self.group, async_op=True).get_future())
+            torch.div(grad, world_size, out=tensor)
+            work = dist.all_reduce(tensor, group=self.group, async_op=True)
+            return self.metrics.track(work.get_future(), (key,))
 
         return self.queue.submit(launch).then(lambda _f: tensor)
 
-    def _all_reduce(self, key, payload: Payload, grad: Tensor, world_size: int, dense_bytes: int) -> Future:
-        tensors = predivide(payload, world_size)
+    def _all_reduce(self, key: Hashable, grad: Tensor, *, step: int) -> Future:
+        world_size = dist.get_world_size(self.group)
+        payload_bytes = self.compressor.payload_nbytes(grad.numel(), grad.dtype)
+        sent = allreduce_bytes(payload_bytes, world_size)
         self.metrics.add_bucket(
-            key, payload_bytes=wire.nbytes(tensors), dense_bytes=dense_bytes, collective="allreduce",
-            codec=self.compressor.spec,
+            key, payload_bytes=payload_bytes, dense_bytes=wire.nbytes([grad]), collective="allreduce",
+            sent_bytes=sent, received_bytes=sent, codec=self.compressor.spec,
         )
+        box: dict[str, Any] = {}
 
         def launch() -> Future:
-            def issue() -> Future:
-                works = [dist.all_reduce(t, group=self.group, async_op=True).get_future() for t in tensors]
-                return works[0] if len(works) == 1 else torch.futures.collect_all(works)
-
-            return self._launch(key, issue)
+            with self.metrics.timed("compress_s", key):
+                payload = self._compress(key, grad, step, box)
+                box["ctx"], box["tensors"] = payload.ctx, predivide(payload, world_size)
+            self._record_quality(key, grad, box)
+            works = [dist.all_reduce(t, group=self.group, async_op=True).get_future() for t in box["tensors"]]
+            fut = works[0] if len(works) == 1 else torch.futures.collect_all(works)
+            return self.metrics.track(fut, (key,))
 
         def decode(_fut: Future) -> Tensor:
             with self.metrics.timed("decompress_s", key):
-                return self.compressor.decompress(Payload(tensors, payload.ctx), like=grad)
+                return self.compressor.decompress(Payload(box["tensors"], box["ctx"]), like=grad)
 
         return self.queue.submit(launch).then(decode)
 
-    def _all_gather(self, key, payload: Payload, grad: Tensor, world_size: int, dense_bytes: int) -> Future:
-        send = wire.to_bytes(payload.tensors)
-        recv = torch.empty(world_size * send.numel(), dtype=torch.uint8, device=send.device)
+    def _all_gather(self, key: Hashable, grad: Tensor, *, step: int) -> Future:
+        world_size = dist.get_world_size(self.group)
+        payload_bytes = self.compressor.payload_nbytes(grad.numel(), grad.dtype)
+        sent = allgather_bytes(payload_bytes, world_size)
         self.metrics.add_bucket(
-            key, payload_bytes=send.numel(), dense_bytes=dense_bytes, collective="allgather", codec=self.compressor.spec
+            key, payload_bytes=payload_bytes, dense_bytes=wire.nbytes([grad]), collective="allgather",
+            sent_bytes=sent, received_bytes=sent, codec=self.compressor.spec,
         )
+        recv = torch.empty(world_size * payload_bytes, dtype=torch.uint8, device=grad.device)
+        box: dict[str, Any] = {}
 
         def launch() -> Future:
-            return self._launch(
-                key, lambda: dist.all_gather_single(recv, send, group=self.group, async_op=True).get_future()
-            )
+            with self.metrics.timed("compress_s", key):
+                box["payload"] = self._compress(key, grad, step, box)
+                send = wire.to_bytes(box["payload"].tensors)
+            self._record_quality(key, grad, box)
+            work = dist.all_gather_single(recv, send, group=self.group, async_op=True)
+            return self.metrics.track(work.get_future(), (key,))
 
         def decode(_fut: Future) -> Tensor:
             with self.metrics.timed("decompress_s", key):
-                chunks = recv.view(world_size, -1)
-                payloads = [Payload(wire.from_bytes(chunks[r], payload.tensors), payload.ctx) for r in range(world_size)]
+                template = box["payload"]
+                rows = recv.view(world_size, -1)
+                payloads = [Payload(wire.from_bytes(rows[r], template.tensors), template.ctx) for r in range(world_size)]
                 return decode_gathered(self.compressor, payloads, grad)
 
         return self.queue.submit(launch).then(decode)
 
+    def _hold(self, key: Hashable, grad: Tensor) -> Future:
+        world_size = dist.get_world_size(self.group)
+        raw = wire.nbytes([grad])
+        # Each bucket is counted as its own share of the fused ring all_reduce.
+        sent = allreduce_bytes(raw, world_size)
+        self.metrics.add_bucket(
+            key, payload_bytes=raw, dense_bytes=raw, collective="fused", compressed=False,
+            sent_bytes=sent, received_bytes=sent,
+        )
+        item = _Held(key, grad, Future())
+        with self._lock:
+            self._held.append(item)
+            self._held_bytes += raw
+        return item.future
+
+    def _send_fused(self, held: list[_Held]) -> None:
+        world_size = dist.get_world_size(self.group)
+        flat = torch.empty(sum(h.grad.numel() for h in held), dtype=held[0].grad.dtype, device=held[0].grad.device)
+
+        def launch() -> Future:
+            torch.cat([h.grad.reshape(-1) for h in held], out=flat).div_(world_size)
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            return self.metrics.track(work.get_future(), tuple(h.key for h in held))
+
+        def deliver(fut: Future) -> None:
+            try:
+                fut.value()
+            except Exception as exc:  # noqa: BLE001 - handed to every waiting bucket
+                for h in held:
+                    h.future.set_exception(exc)
+                return
+            offset = 0
+            for h in held:
+                # A copy, not a view: DDP reads a hook's result with as_strided from the start of
+                # its storage, so a view at an offset would hand every bucket the first one's values.
+                h.future.set_result(flat[offset : offset + h.grad.numel()].view(h.grad.shape).clone())
+                offset += h.grad.numel()
+
+        self.queue.submit(launch).add_done_callback(deliver)
+
     def state_dict(self) -> dict[str, Any]:
-        """Codec and error-feedback state."""
+        """Codec state and both error-feedback memories (worker-side, and server-side for the
+        two-phase route); they differ across ranks."""
         return {
             "compressor": self.compressor.state_dict(),
             "feedback": None if self.feedback is None else self.feedback.state_dict(),
+            **self.twophase.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -245,3 +386,4 @@ class CompressedReducer:
         self.compressor.load_state_dict(state["compressor"])
         if self.feedback is not None and state["feedback"] is not None:
             self.feedback.load_state_dict(state["feedback"])
+        self.twophase.load_state_dict(state)

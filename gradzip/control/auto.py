@@ -8,7 +8,7 @@ rank reaches the same decisions. :class:`~gradzip.comm.adaptive.AdaptiveReducer`
 Schedules (``--auto-schedule``):
 
 - ``cost`` (default): bandwidth-aware. Fits the link (``seconds = latency * collectives +
-  bytes_on_wire / bandwidth``) to the bytes and seconds of the window's collectives, prices every
+  sent_bytes / bandwidth``) to the bytes and seconds of the window's collectives, prices every
   candidate on every bucket from a local probe (encode and decode seconds, payload bytes), keeps
   the candidates whose one-step relative error ``||g - D(C(g))|| / ||g||`` is within
   ``max_error`` (a quality budget per bucket, in the spirit of L-GreCo, Markov et al., arXiv
@@ -142,18 +142,10 @@ def make_controller(cfg: AutoConfig, specs: Sequence[str]):
 # -- the link ----------------------------------------------------------------------------------
 
 
-def wire_factor(collective: str, world_size: int) -> float:
-    """Bytes a rank sends per payload byte: ring all_reduce ``2 (w - 1) / w``, all_gather ``w - 1``."""
-    if world_size <= 1:
-        return 0.0
-    if collective == "allgather":
-        return float(world_size - 1)
-    return 2.0 * (world_size - 1) / world_size
-
-
 @dataclass
 class Link:
-    """``seconds = latency_s * collectives + wire_bytes / bytes_per_s``."""
+    """``seconds = latency_s * collectives + sent_bytes / bytes_per_s``, ``sent_bytes`` what one rank
+    sends (:mod:`gradzip.comm.traffic` gives them per route)."""
 
     latency_s: float
     bytes_per_s: float
@@ -162,19 +154,19 @@ class Link:
     def mbit(self) -> float:
         return self.bytes_per_s * 8 / 1e6
 
-    def seconds(self, payload_bytes: float, collectives: float, collective: str, world_size: int) -> float:
-        return self.latency_s * collectives + payload_bytes * wire_factor(collective, world_size) / self.bytes_per_s
+    def seconds(self, sent_bytes: float, collectives: float) -> float:
+        return self.latency_s * collectives + sent_bytes / self.bytes_per_s
 
 
 def fit_link(window: WindowFigures, previous: Link | None = None) -> Link | None:
-    """Least-squares fit of latency and bandwidth to the buckets' (collectives, wire bytes, seconds).
+    """Least-squares fit of latency and bandwidth to the buckets' (collectives, sent bytes, seconds).
 
     With one bucket size (or a negative latency) the latency is 0 and the bandwidth is the
     ratio of sums. Returns ``previous`` when the window moved no bytes.
     """
     rows = []
     for b in window.buckets:
-        wire = b.payload_bytes * wire_factor(b.collective, window.world_size)
+        wire = b.sent_bytes
         if wire > 0 and b.communicate_s > 0:
             rows.append((b.collectives, wire, b.communicate_s))
     if not rows:
@@ -288,15 +280,13 @@ class CostController(_Base):
             if cands is None or link is None:
                 choices[b.key] = b.current
                 continue
-            dense_bytes = b.numel * b.itemsize
-            dense_s = link.seconds(dense_bytes, 1, "allreduce", window.world_size)
+            dense_s = link.seconds(cands[0].sent_bytes, 1)
             best, best_s, over_budget = 0, dense_s, []
             for c, cand in enumerate(cands[1:], start=1):
                 if cand.relative_error > self.cfg.max_error:
                     over_budget.append(f"{cand.spec} error {cand.relative_error:.2f}")
                     continue
-                cost = cand.compress_s + cand.decompress_s + link.seconds(
-                    cand.payload_bytes, cand.collectives, cand.collective, window.world_size)
+                cost = cand.compress_s + cand.decompress_s + link.seconds(cand.sent_bytes, cand.collectives)
                 if cost < best_s:
                     best, best_s = c, cost
             head = f"link {link.mbit:,.0f} Mbit/s"

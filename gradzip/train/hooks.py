@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
+from gradzip.comm.traffic import allreduce_bytes
 from gradzip.compressors import SpecError, parse_spec
 from gradzip.ddp import CompressionState, compression_hook
 from gradzip.metrics import StepMetrics
@@ -69,7 +70,11 @@ def torch_hook(state: TorchHookState, bucket: dist.GradBucket) -> torch.futures.
     buffer = bucket.buffer()
     dense = buffer.numel() * buffer.element_size()
     payload = {"allreduce": dense, "fp16": buffer.numel() * 2, "bf16": buffer.numel() * 2}.get(state.kind, 0)
-    state.metrics.add_bucket(bucket.index(), payload_bytes=payload, dense_bytes=dense, collective="allreduce")
+    sent = allreduce_bytes(payload, dist.get_world_size())
+    state.metrics.add_bucket(
+        bucket.index(), payload_bytes=payload, dense_bytes=dense, collective="allreduce",
+        sent_bytes=sent, received_bytes=sent,
+    )
     if bucket.is_last():
         state.step += 1
     return state.hook(state.inner, bucket)
@@ -78,13 +83,16 @@ def torch_hook(state: TorchHookState, bucket: dist.GradBucket) -> torch.futures.
 def make_hook(spec: str, **options: Any):
     """``(state, hook)`` for ``spec``: ``torch:NAME[:params]`` picks PyTorch's hook, anything else
     (``auto`` too) gradzip's :func:`~gradzip.ddp.compression_hook`, built with ``options``
-    (``monitor_every``, ``verify_every``, ``auto``; see :class:`~gradzip.ddp.CompressionState`).
-    PyTorch's hooks report bytes only.
+    (``collective``, ``min_compress_bytes``, ``monitor_every``, ``verify_every``, ``auto``; see
+    :class:`~gradzip.ddp.CompressionState`). PyTorch's hooks report bytes only.
 
     Raises:
-        ValueError: for an unknown codec or hook, or a bad parameter.
+        ValueError: for an unknown codec or hook, a bad parameter, or a collective or threshold
+            that the codec or hook cannot take.
     """
     if spec.strip().lower().startswith("torch:"):
+        if options.get("collective", "auto") != "auto" or options.get("min_compress_bytes", 0):
+            raise ValueError("--collective and --min-compress-bytes apply to gradzip codecs, not torch: hooks")
         rest = spec.strip()[len("torch:") :]
         parts = parse_spec(rest)
         if len(parts) != 1 or parts[0][0] not in TORCH_HOOKS:
@@ -100,7 +108,10 @@ def is_torch_hook(state: Any) -> bool:
 
 def hook_options(cfg) -> dict[str, Any]:
     """The :class:`~gradzip.ddp.CompressionState` options of a :class:`~gradzip.train.config.TrainConfig`."""
-    options: dict[str, Any] = {"monitor_every": cfg.monitor_every, "verify_every": cfg.verify_every}
+    options: dict[str, Any] = {
+        "collective": cfg.collective, "min_compress_bytes": cfg.min_compress_bytes,
+        "monitor_every": cfg.monitor_every, "verify_every": cfg.verify_every,
+    }
     if cfg.compressor.strip().lower() == "auto":
         options["auto"] = cfg.auto_config()
     return options
