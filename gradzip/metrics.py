@@ -55,14 +55,19 @@ class QualityAccumulator:
         self.ee = 0.0  # ||e||^2 of the residual kept
         self.has_feedback = False
 
-    def add(self, sent: Tensor, decoded: Tensor) -> None:
-        """Add one piece: ``sent`` (x, any shape and floating dtype) and ``decoded`` (d, same numel)."""
+    def add(self, sent: Tensor, decoded: Tensor, *, difference: Tensor | None = None) -> None:
+        """Add one piece: ``sent`` (x, any shape and floating dtype) and ``decoded`` (d, same numel).
+
+        ``difference``, when given, is ``x - d`` already computed (an error-feedback residual is
+        exactly that), which saves a pass and an allocation the size of the piece.
+        """
         x = sent.reshape(-1).float()
         d = decoded.reshape(-1).float()
         self.xx += float(torch.dot(x, x))
         self.dd += float(torch.dot(d, d))
         self.xd += float(torch.dot(x, d))
-        self.diff += float(torch.linalg.vector_norm(x - d)) ** 2
+        diff = x - d if difference is None else difference.float()
+        self.diff += float(torch.linalg.vector_norm(diff)) ** 2
 
     def add_exact(self, sent: Tensor) -> None:
         """Add a piece that travelled uncompressed (``d == x``)."""
@@ -108,7 +113,7 @@ def quality_from_sums(
 
 
 def quality_figures(sent: Tensor, decoded: Tensor, *, grad: Tensor | None = None,
-                    residual: Tensor | None = None) -> dict[str, float] | None:
+                    residual: Tensor | None = None, difference: Tensor | None = None) -> dict[str, float] | None:
     """Quality figures of one tensor (see the module docstring); None when ``sent`` is zero.
 
     Args:
@@ -116,9 +121,11 @@ def quality_figures(sent: Tensor, decoded: Tensor, *, grad: Tensor | None = None
         decoded: d = D(C(x)), the same number of elements.
         grad: the raw gradient (default ``sent``), for the error-feedback ratio.
         residual: the residual kept after this step; None leaves ``feedback_ratio`` out.
+        difference: ``sent - decoded`` if already at hand (an error-feedback residual updated
+            this step is exactly that); saves a pass and an allocation.
     """
     acc = QualityAccumulator()
-    acc.add(sent, decoded)
+    acc.add(sent, decoded, difference=difference)
     acc.add_gradient(sent if grad is None else grad)
     acc.add_residual(residual)
     return acc.figures()

@@ -201,7 +201,8 @@ class PowerSGDReducer:
                     local = p @ q_local.T
                     self.feedback.update((key, i), mat, local, step=step)
                     if quality is not None:
-                        quality.add(mat, local)
+                        # the residual just stored is exactly mat - local
+                        quality.add(mat, local, difference=self.feedback.residuals.get((key, i)))
                     if self.compressor.warm_start:
                         self.q_memory[(key, i)] = q_mean
             if quality is not None:

@@ -205,18 +205,23 @@ class CompressedReducer:
             f"{self.compressor.payload_nbytes(grad.numel(), grad.dtype)}"
         )
         if self.metrics.wants_quality(step):
-            box["quality"] = (compensated, decoded, payload)
+            # After an update at this step the residual is exactly compensated - decoded.
+            updated = self.feedback is not None and step >= self.feedback.start_step
+            box["quality"] = (compensated, decoded, payload, updated)
         return payload
 
     def _record_quality(self, key: Hashable, grad: Tensor, box: dict[str, Any]) -> None:
         """Quality figures of a monitored step, computed outside the timed compression."""
         if "quality" not in box:
             return
-        compensated, decoded, payload = box.pop("quality")
+        compensated, decoded, payload, updated = box.pop("quality")
         if decoded is None:
             decoded = self.compressor.decompress(payload, like=compensated)
         residual = None if self.feedback is None else self.feedback.residuals.get(key)
-        self.metrics.add_quality(key, quality_figures(compensated, decoded, grad=grad, residual=residual))
+        difference = residual if updated and residual is not None and residual.shape == compensated.shape else None
+        self.metrics.add_quality(
+            key, quality_figures(compensated, decoded, grad=grad, residual=residual, difference=difference)
+        )
 
     def probe(
         self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None
