@@ -1,4 +1,4 @@
-"""Random dither for stochastic rounding, seeded from ``(seed, step, key, process rank)``.
+"""Random dither for stochastic rounding, seeded from ``(seed, step, key)``.
 
 Stochastic rounding needs one uniform number per element. ``torch.rand`` with a
 ``torch.Generator`` (Mersenne Twister, one call per element) costs several elementwise passes
@@ -6,9 +6,9 @@ on CPU; NumPy's SFC64 bit generator yields 64 random bits per call, cut here int
 dither values, at a fraction of that cost. The rounding probability is then exact to 2**-17
 of a quantization step (the dither is centred in its 2**-16 grid), which the codecs document.
 
-The process rank enters the seed: codecs that round stochastically and are not aggregatable
-want independent rounding on every rank (their averaging then also averages rounding noise),
-while their results stay reproducible for a given ``(seed, step, key, rank)``.
+Every rank draws the same dither for the same ``(seed, step, key)``, as the single-process
+reference (:func:`gradzip.comm.simulate.simulate_ranks`) does, so distributed results equal it
+exactly; the ranks' inputs differ, so their rounding decisions still differ.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from collections.abc import Hashable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
 from gradzip.compressors.base import seed_hash
@@ -27,16 +26,9 @@ from gradzip.compressors.elementwise import offset_cast_into
 _PER_DRAW = 4
 
 
-def process_rank() -> int:
-    """This process's rank in the default group (0 when ``torch.distributed`` is not set up)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank()
-    return 0
-
-
 def dither_source(seed: int, step: int, key: Hashable) -> np.random.Generator:
-    """A NumPy generator for ``(seed, step, key)`` and this process's rank; never a global RNG."""
-    return np.random.Generator(np.random.SFC64(seed_hash(seed, step, (key, process_rank()))))
+    """A NumPy generator for ``(seed, step, key)``; never a global RNG."""
+    return np.random.Generator(np.random.SFC64(seed_hash(seed, step, key)))
 
 
 def dither_int16(source: np.random.Generator, numel: int) -> Tensor:

@@ -4,8 +4,8 @@ All of them pack their codes as :func:`gradzip.wire.pack_bits` lays them out, so
 on the wire. Arithmetic runs in fp32 (fp64 for fp64 input, and for fp32 input whose scales sit
 near the ends of the fp32 range), so no finite input turns into inf or NaN: zeros, denormals,
 values near the dtype's largest and a single huge outlier all decode to finite values.
-Stochastic rounding draws its dither from :mod:`gradzip.compressors.dither` (per rank,
-exact to 2**-17 of a quantization step).
+Stochastic rounding draws its dither from :mod:`gradzip.compressors.dither` (exact to
+2**-17 of a quantization step).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ class QSGD(Compressor):
         norm: ``max`` (``||v||_inf``, the default: levels span the values actually present
             and decoded values never exceed the input's range) or ``l2`` (``||v||_2``, the
             paper's analysis; decoded values are clamped to the dtype's finite range).
-        seed: seed of the rounding dither (mixed with step, key and process rank).
+        seed: seed of the rounding dither (drawn per (seed, step, key)).
 
     Shapes and dtypes: any shape, fp16, bf16, fp32 or fp64 in. Payload tensors: signs
     ``(ceil(n / 8),)`` uint8, levels ``(ceil(n * bits / 8),)`` uint8, scales ``(ceil(n /
@@ -230,7 +230,7 @@ class TernGrad(Compressor):
 
     Args:
         clip: clipping bound in standard deviations, a number >= 0; 0 turns clipping off.
-        seed: seed of the Bernoulli draws (mixed with step, key and process rank).
+        seed: seed of the Bernoulli draws (drawn per (seed, step, key)).
 
     Shapes and dtypes: any shape, fp16, bf16, fp32 or fp64 in. Payload tensors: codes
     ``(ceil(n / 4),)`` uint8 (2 bits each: 0 zero, 1 plus, 2 minus), the scaler ``(1,)`` in
@@ -301,7 +301,7 @@ class Uniform(Compressor):
         bits: 1, 2, 4 or 8.
         group: elements per group, >= 1.
         rounding: ``nearest`` or ``stochastic``.
-        seed: seed of the stochastic rounding dither (mixed with step, key and process rank).
+        seed: seed of the stochastic rounding dither (drawn per (seed, step, key)).
 
     Shapes and dtypes: any shape, fp16, bf16, fp32 or fp64 in. Payload tensors: codes
     ``(ceil(n * bits / 8),)`` uint8, minima and maxima ``(ceil(n / group),)`` each in the input
@@ -437,7 +437,7 @@ class Natural(Compressor):
     the smallest normal power. Not aggregatable; no error feedback needed.
 
     Args:
-        seed: seed of the rounding dither (mixed with step, key and process rank).
+        seed: seed of the rounding dither (drawn per (seed, step, key)).
 
     Shapes and dtypes: any shape, fp16, bf16, fp32 or fp64 in. Payload tensors: signs
     ``(ceil(n / 8),)`` uint8, exponents ``(n,)`` uint8 (int16 for fp64). Payload:
