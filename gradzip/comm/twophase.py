@@ -163,7 +163,12 @@ class TwoPhaseAllReduce:
                     template = own[j]
                     part = recv_means[offset : offset + plan.payload_nbytes[j]]
                     offset += plan.payload_nbytes[j]
-                    payload = Payload(wire.from_bytes(part, template.tensors), template.ctx)
+                    ctx = template.ctx
+                    if self.compressor.needs_shared_seed:
+                        # The owner compressed this mean under mean_key; a shared-seed codec's
+                        # ctx (Random-K's positions) follows the key, and every rank derives it.
+                        ctx = self.compressor.compress(out.new_zeros(size), step=step, key=mean_key(key, j)).ctx
+                    payload = Payload(wire.from_bytes(part, template.tensors), ctx)
                     out[start : start + size] = self.compressor.decompress(payload, like=out[start : start + size])
             return out.view(grad.shape)
 
