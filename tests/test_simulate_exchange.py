@@ -37,8 +37,12 @@ def _reduced_payload_bytes(rank, world_size, specs, shapes):
     for spec in specs:
         metrics = StepMetrics()
         codec = build(spec)
-        # The model's all_gather route: auto would pick two phases where they send fewer bytes.
-        collective = "allgather" if not (codec.aggregatable or codec.multi_round) else "auto"
+        # The model's all_gather route: auto would pick two phases where they send fewer bytes
+        # (for Random-K on this small bucket too: k rounds down per chunk).
+        if codec.multi_round:
+            collective = "auto"
+        else:
+            collective = "allreduce" if codec.aggregatable else "allgather"
         reducer = make_reducer(spec, metrics=metrics, collective=collective)
         grad = torch.randn(numel, generator=gen)
         reducer.reduce(0, grad, step=0, shapes=[torch.Size(s) for s in shapes]).wait()
