@@ -219,7 +219,8 @@ def format_calibration(rows: list[CalibrationRow], *, fitted: bool = False) -> s
 
 def run_calibration(args: argparse.Namespace) -> int:
     fit = str(args.link_efficiency).strip() == "fit"
-    if not fit:
+    efficiency = TCP_GOODPUT
+    if not fit and args.link_efficiency is not None:
         try:
             efficiency = float(args.link_efficiency)
         except ValueError:
@@ -235,7 +236,7 @@ def run_calibration(args: argparse.Namespace) -> int:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
         return 0
     print(format_calibration(rows, fitted=fit))
-    how = "fitted on each directory's 'none' run" if fit else "TCP payload per Ethernet frame" if efficiency == TCP_GOODPUT else "given"
+    how = "fitted on each directory's 'none' run" if fit else "given" if args.link_efficiency else "TCP payload per Ethernet frame"
     efficiencies = ", ".join(sorted({f"{r.link_efficiency:.3f}" for r in rows}))
     print(
         f"\nlink: tbf rate x {efficiencies} ({how}), {args.latency_us:g} us per collective step; "
@@ -323,7 +324,7 @@ def add_parser(sub) -> None:
         help=f"with --calibrate: latency per collective step, us (default {DEFAULT_LATENCY_US:g})",
     )
     p.add_argument(
-        "--link-efficiency", default=f"{TCP_GOODPUT:.4f}",
+        "--link-efficiency", default=None,
         help=f"with --calibrate: payload fraction of the link rate, or 'fit' to fit it on each directory's "
         f"'none' run (default {TCP_GOODPUT:.4f}, TCP over Ethernet)",
     )
