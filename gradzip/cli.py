@@ -14,6 +14,7 @@ import sys
 #: modules that contribute subcommands, in the order ``--help`` lists them
 COMMANDS = [
     "gradzip.listing",
+    "gradzip.cluster.cli",
 ]
 
 
