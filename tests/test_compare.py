@@ -16,7 +16,14 @@ from fake_train import FAKE_PAYLOAD, HELLO_BYTES, fake_records
 
 from gradzip.cluster import support_problem
 from gradzip.cluster.netns import list_namespaces
-from gradzip.compare import CompareConfig, compare_rows, run_compare, split_compressors, time_to_target
+from gradzip.compare import (
+    CompareConfig,
+    compare_rows,
+    rewrite_report,
+    run_compare,
+    split_compressors,
+    time_to_target,
+)
 from gradzip.compare.runner import RunResult
 
 FAKE_PREFIX = (sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_train.py"))
@@ -97,6 +104,13 @@ def test_orchestration_hung_and_crashed_runs(tmp_path):
     assert "**loopback**" in report and "asked for with --network loopback" in report
     assert "`hang`: **timeout** after 0 steps" in report and "`crash`: **failed**" in report
     assert (out / "loss_vs_time.png").stat().st_size > 0 and (out / "loss_vs_bytes.png").stat().st_size > 0
+
+    # --report-only: the same rows from the saved runs; a new target changes only what depends on it
+    again = rewrite_report(out, target_loss=5.0, log=lambda line: None)
+    assert [r["status"] for r in again] == [r["status"] for r in rows]
+    assert {r["compressor"]: r["time_to_target_s"] for r in again if r["status"] == "ok"} == {
+        "limit": None, "none": pytest.approx(2 * 0.4), "fp16": pytest.approx(2 * 0.25)}  # fmt: skip
+    assert [r["step_s"] for r in again] == [r["step_s"] for r in rows]
 
 
 @pytest.mark.skipif(support_problem() is not None, reason=str(support_problem()))

@@ -7,6 +7,6 @@ no gradient exchange, so every speedup can be read against the largest one possi
 """
 
 from gradzip.compare.analysis import compare_rows, time_to_target
-from gradzip.compare.core import CompareConfig, run_compare, split_compressors
+from gradzip.compare.core import CompareConfig, rewrite_report, run_compare, split_compressors
 
-__all__ = ["CompareConfig", "compare_rows", "run_compare", "split_compressors", "time_to_target"]
+__all__ = ["CompareConfig", "compare_rows", "rewrite_report", "run_compare", "split_compressors", "time_to_target"]

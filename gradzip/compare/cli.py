@@ -52,6 +52,8 @@ def add_parser(sub) -> None:
                    help="timeout of each collective inside a run (default 300)")
     p.add_argument("--no-limit", action="store_true", help="skip the 'limit' row (no gradient exchange)")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoint")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: write the report, results and plots again from the runs in --out")
     group = p.add_argument_group("training options passed to 'gradzip train' (its defaults when omitted)")
     for name, kind in TRAIN_OPTIONS.items():
         group.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
@@ -59,8 +61,11 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from gradzip.compare.core import run_compare, split_compressors
+    from gradzip.compare.core import rewrite_report, run_compare, split_compressors
 
+    if args.report_only:
+        rows = rewrite_report(args.out, target_loss=args.target_loss)
+        return 0 if all(r["status"] == "ok" for r in rows) else 1
     cfg = CompareConfig(
         compressors=split_compressors(args.compressors),
         world_size=args.world_size,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from contextlib import nullcontext
@@ -12,10 +13,11 @@ from typing import Any
 from gradzip.cluster import Cluster, format_bandwidth, parse_bandwidth, support_problem
 from gradzip.compare import report
 from gradzip.compare.analysis import BASELINE, LIMIT, compare_rows
-from gradzip.compare.runner import TRAIN_PREFIX, Emulated, Loopback, RunResult, launch_run, train_command
+from gradzip.compare.runner import TRAIN_PREFIX, Emulated, Loopback, RunResult, launch_run, load_run, train_command
 from gradzip.train.config import TrainConfig
 
 NETWORKS = ("auto", "emulated", "loopback")
+SETUP_FILE = "setup.json"  # the comparison's settings, for --report-only
 
 
 @dataclass
@@ -195,8 +197,8 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
             row = compare_rows([result])[0][0]
             log(_progress_line(index + 1, len(entries), result, row))
 
-    rows, target = compare_rows(results, target_loss=cfg.target_loss)
     setup = {
+        "entries": entries,
         "network": "emulated" if emulated else "loopback",
         "network_reason": None if emulated else reason,
         "bandwidth": bandwidth,
@@ -209,8 +211,32 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
         "cpu_count": os.cpu_count(),
         "command": cfg.command or f"gradzip compare --compressors {','.join(cfg.compressors)}",
     }
+    (out / SETUP_FILE).write_text(json.dumps(setup, indent=2) + "\n")
+    return write_outputs(out, results, setup, target_loss=cfg.target_loss, log=log)
+
+
+def write_outputs(out: Path, results: list[RunResult], setup: dict[str, Any], *, target_loss: float | None,
+                  log=print) -> list[dict[str, Any]]:  # fmt: skip
+    """Rows, results.json, report.md and the plots from finished runs; returns the rows."""
+    rows, target = compare_rows(results, target_loss=target_loss)
     report.write_results(out, rows)
     report.write_report(out, rows, setup, target)
     report.write_plots(out, results, rows, setup, target["target_loss"])
     log(f"wrote {out}/report.md, results.json, loss_vs_time.png, loss_vs_bytes.png")
     return rows
+
+
+def rewrite_report(out: str | Path, *, target_loss: float | None = None, log=print) -> list[dict[str, Any]]:
+    """Write the outputs again from the runs an earlier comparison left in ``out`` (a new
+    ``target_loss``, or a newer report format), without running anything.
+
+    Raises:
+        FileNotFoundError: if ``out`` holds no finished comparison.
+    """
+    out = Path(out)
+    setup_path = out / SETUP_FILE
+    if not setup_path.exists():
+        raise FileNotFoundError(f"{setup_path} not found: --report-only needs the folder of an earlier comparison")
+    setup = json.loads(setup_path.read_text())
+    results = [load_run(out / "runs" / _slug(label)) for label in setup["entries"]]
+    return write_outputs(out, results, setup, target_loss=target_loss, log=log)

@@ -28,7 +28,7 @@ def _mb(value: float | None) -> str:
 
 def table(rows: Sequence[dict[str, Any]], *, wire: bool) -> str:
     """The Markdown table of ``report.md`` (and of the README)."""
-    head = ["compressor", "status", "step s", "speedup", "of limit", "time to target s", "vs none", "final val loss",
+    head = ["compressor", "status", "wall s", "step s", "speedup", "of limit", "time to target s", "vs none", "final val loss",
             "compute / codec / comm s", "payload MB/rank"]  # fmt: skip
     if wire:
         head += ["wire MB/rank", "wire for exchange MB/rank"]
@@ -38,6 +38,7 @@ def table(rows: Sequence[dict[str, Any]], *, wire: bool) -> str:
         cells = [
             f"`{r['compressor']}`",
             r["status"],
+            _seconds(r["wall_s"]),
             _num(r["step_s"], ".3f"),
             _num(r["speedup"], ".2f") + ("x" if r["speedup"] is not None else ""),
             _num(r["fraction_of_limit"], ".0%"),
@@ -96,7 +97,8 @@ def write_report(out: Path, rows: Sequence[dict[str, Any]], setup: dict[str, Any
     lines += [
         "## How to read it",
         "",
-        "- `step s`: median wall time of one training step on rank 0. `speedup`: step time of `none` / this run's. "
+        "- `wall s`: training wall time (start-up and the first evaluation excluded). "
+        "`step s`: median wall time of one training step on rank 0. `speedup`: step time of `none` / this run's. "
         "`of limit`: speedup / the `limit` row's speedup, where `limit` trains with no gradient exchange at all "
         "(compute alone, the largest speedup any compression could give on this link).",
         "- `time to target s`: training wall time at the first validation pass (every "
@@ -129,21 +131,16 @@ def write_report(out: Path, rows: Sequence[dict[str, Any]], setup: dict[str, Any
 
 def _cumulative_bytes(result: RunResult, row: dict[str, Any], wire: bool) -> list[float] | None:
     """Bytes per rank after each step: the run's measured exchange bytes spread over the steps in
-    proportion to the per-step payload (evenly where the payload is unknown), or the payload."""
-    records = result.records
-    payload = [r.get("payload_bytes", 0) for r in records]
-    total = wire and row["wire_bytes_exchange"]
-    if total:
-        weights = payload if sum(payload) > 0 else [1] * len(records)
-        scale = total / sum(weights)
-        values = [w * scale for w in weights]
-    elif row["payload_bytes"]:
-        values = payload
-    else:
+    proportion to the per-step payload, or the payload itself; None where the per-step payload
+    is unknown (the run is then drawn as one point at its total)."""
+    payload = [r.get("payload_bytes", 0) for r in result.records]
+    if row["payload_bytes"] is None or sum(payload) == 0:
         return None
+    total = row["wire_bytes_exchange"] if wire else None
+    scale = total / sum(payload) if total else 1.0
     out, acc = [], 0.0
-    for v in values:
-        acc += v
+    for value in payload:
+        acc += value * scale
         out.append(acc)
     return out
 
@@ -168,13 +165,20 @@ def write_plots(out: Path, results: Sequence[RunResult], rows: Sequence[dict[str
         color = f"C{i % 10}"
         style = "--" if row["compressor"] == LIMIT else "-"
         label = row["compressor"] + ("" if row["status"] == "ok" else f" ({row['status']})")
-        ax_t.plot([r["elapsed_s"] for r in val], [r["val_loss"] for r in val], style, marker="o", markersize=3,
-                  color=color, label=label)  # fmt: skip
-        cumulative = _cumulative_bytes(result, row, wire) if row["compressor"] != LIMIT else None
+        start = (result.summary or {}).get("initial_val_loss")
+        times = ([0.0] if start is not None else []) + [r["elapsed_s"] for r in val]
+        losses = ([start] if start is not None else []) + [r["val_loss"] for r in val]
+        ax_t.plot(times, losses, style, marker="o", markersize=3, color=color, label=label)
+        if row["compressor"] == LIMIT:
+            continue
+        cumulative = _cumulative_bytes(result, row, wire)
         if cumulative:
             index = {r["step"]: k for k, r in enumerate(result.records)}
             xs = [cumulative[index[r["step"]]] / 1e6 for r in val]
             ax_b.plot(xs, [r["val_loss"] for r in val], style, marker="o", markersize=3, color=color, label=label)
+        elif wire and row["wire_bytes_exchange"] and row["final_val_loss"] is not None:
+            ax_b.plot([row["wire_bytes_exchange"] / 1e6], [row["final_val_loss"]], marker="*", markersize=10,
+                      linestyle="none", color=color, label=f"{label} (end of run only)")  # fmt: skip
     for ax in (ax_t, ax_b):
         if target_loss is not None:
             ax.axhline(target_loss, color="grey", linestyle=":", linewidth=1, label=f"target {target_loss:.3f}")

@@ -23,6 +23,7 @@ from typing import Any
 import gradzip
 from gradzip.cluster import Cluster
 
+RUN_FILE = "run.json"  # how the run ended and its interface bytes, beside rank 0's files
 FAIL_GRACE_S = 10.0  # after one rank fails, how long the others get to exit before being killed
 _PACKAGE_ROOT = str(Path(gradzip.__file__).resolve().parent.parent)
 
@@ -215,6 +216,22 @@ def launch_run(
     result.records, result.summary = read_records(out_dir)
     if result.status == "ok" and result.summary is None:
         result.status, result.error = "failed", "rank 0 wrote no summary.json"
+    (out_dir / RUN_FILE).write_text(json.dumps(
+        {"label": label, "status": result.status, "error": result.error,
+         "process_wall_s": result.process_wall_s, "tx_bytes": result.tx_bytes}, indent=2) + "\n")  # fmt: skip
+    return result
+
+
+def load_run(out_dir: Path) -> RunResult:
+    """A finished run as :func:`launch_run` left it in ``out_dir``.
+
+    Raises:
+        FileNotFoundError: if ``out_dir`` holds no finished run.
+    """
+    saved = json.loads((out_dir / RUN_FILE).read_text())
+    result = RunResult(saved["label"], out_dir, saved["status"], saved["error"], saved["process_wall_s"],
+                       saved["tx_bytes"])  # fmt: skip
+    result.records, result.summary = read_records(out_dir)
     return result
 
 
