@@ -17,6 +17,7 @@ COMMANDS = [
     "gradzip.listing",
     "gradzip.compare.cli",
     "gradzip.cluster.cli",
+    "gradzip.simulate.cli",
 ]
 
 

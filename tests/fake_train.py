@@ -23,12 +23,12 @@ HELLO_BYTES = 1000  # start-up traffic of every run, the limit row's included
 
 
 def fake_records(label: str, steps: int, eval_every: int = 2) -> list[dict]:
-    out = []
+    out = []  # sent_bytes: an all_reduce over 2 ranks sends 2 (N-1)/N = 1x its payload
     for step in range(steps):
         r = {"step": step, "loss": 6.0 - 0.5 * (step + 1), "elapsed_s": (step + 1) * FAKE_STEP_S[label],
              "step_s": FAKE_STEP_S[label], "payload_bytes": FAKE_PAYLOAD[label],
              "dense_bytes": 0 if label == "limit" else 200_000, "compress_s": 0.0, "decompress_s": 0.0,
-             "communicate_s": 0.0}  # fmt: skip
+             "communicate_s": 0.0, "sent_bytes": FAKE_PAYLOAD[label]}  # fmt: skip
         if (step + 1) % eval_every == 0 or step == steps - 1:
             r["val_loss"] = 6.0 - 0.5 * (step + 1)
         out.append(r)

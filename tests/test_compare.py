@@ -64,6 +64,7 @@ def test_rows_from_known_runs():
     assert by["none"]["fraction_of_limit"] == pytest.approx(0.25)
     assert by["fp16"]["payload_bytes"] == 8 * 100_000
     assert by["fp16"]["compression_ratio"] == pytest.approx(2.0)
+    assert by["fp16"]["sent_bytes"] == 8 * 100_000 and by["limit"]["sent_bytes"] == 0
     # wire: mean over hosts; exchange = minus the limit row's (hello bytes only)
     assert by["fp16"]["wire_bytes"] == pytest.approx(HELLO_BYTES + 4 * 100_000)
     assert by["fp16"]["wire_bytes_exchange"] == pytest.approx(4 * 100_000)

@@ -12,6 +12,8 @@ Definitions (per run; bytes are per rank over the whole run):
 - ``time_to_target_speedup``: ``time_to_target_s`` of ``none`` / that of the run.
 - ``payload_bytes``: bytes the hook handed to collectives, summed over steps (rank 0's count);
   None where the hook cannot say (PyTorch's PowerSGD).
+- ``sent_bytes``: bytes the hook says this rank sent over the wire, by the collectives' formulas
+  (a ring all_reduce sends 2 (N-1)/N times its payload), summed over steps; None where unknown.
 - ``wire_bytes``: bytes the hosts' interfaces sent during the run (Ethernet frames, mean over
   hosts), start-up included; ``wire_bytes_exchange`` subtracts the ``limit`` row's, which has the
   same start-up traffic (rendezvous, DDP's initial broadcast) and no gradient exchange.
@@ -53,6 +55,8 @@ def base_row(result: RunResult) -> dict[str, Any]:
     payload_total = sum(r.get("payload_bytes", 0) for r in records)
     dense_total = sum(r.get("dense_bytes", 0) for r in records)
     payload_known = payload_total > 0 or dense_total == 0  # 0 of nonzero dense: the hook did not say
+    sent_total = sum(r.get("sent_bytes", 0) for r in records)
+    sent_known = any("sent_bytes" in r for r in records) and (sent_total > 0 or dense_total == 0)
     wire = result.tx_bytes
     return {
         "compressor": result.label,
@@ -73,6 +77,7 @@ def base_row(result: RunResult) -> dict[str, Any]:
         "payload_bytes_per_step": payload_total / len(records) if payload_known and records else None,
         "dense_bytes_per_step": dense_total / len(records) if records else None,
         "compression_ratio": dense_total / payload_total if payload_known and payload_total else None,
+        "sent_bytes": sent_total if sent_known else None,
         "wire_bytes": sum(wire) / len(wire) if wire else None,
         "wire_bytes_exchange": None,
         "wire_bytes_per_host": wire,

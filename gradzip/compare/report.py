@@ -29,7 +29,7 @@ def _mb(value: float | None) -> str:
 def table(rows: Sequence[dict[str, Any]], *, wire: bool) -> str:
     """The Markdown table of ``report.md`` (and of the README)."""
     head = ["compressor", "status", "wall s", "step s", "speedup", "of limit", "time to target s", "vs none", "final val loss",
-            "compute / codec / comm s", "payload MB/rank"]  # fmt: skip
+            "compute / codec / comm s", "payload MB/rank", "sent MB/rank"]  # fmt: skip
     if wire:
         head += ["wire MB/rank", "wire for exchange MB/rank"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -47,6 +47,7 @@ def table(rows: Sequence[dict[str, Any]], *, wire: bool) -> str:
             _num(r["final_val_loss"], ".4f") + (" (replicas apart)" if r["compressor"] == LIMIT else ""),
             " / ".join(_num(r[k], ".3f") for k in ("compute_s", "compress_s", "communicate_s")),
             _mb(r["payload_bytes"]) if r["payload_bytes"] is not None else "unknown",
+            _mb(r["sent_bytes"]) if r["sent_bytes"] is not None else "unknown",
         ]
         if wire:
             cells += [_mb(r["wire_bytes"]), _mb(r["wire_bytes_exchange"])]
@@ -105,15 +106,16 @@ def write_report(out: Path, rows: Sequence[dict[str, Any]], setup: dict[str, Any
         f"{setup['eval_every']} steps) at or below the target; `vs none`: time of `none` / this run's.",
         "- `compute / codec / comm s`: compute alone (forward + backward, measured before training), compress + "
         "decompress, and time with a collective in flight (overlaps the backward pass), medians per step.",
-        "- `payload MB/rank`: bytes the hook handed to collectives over the run (PyTorch's PowerSGD hook does not "
-        "report them: `unknown`).",
+        "- `payload MB/rank`: bytes the hook handed to collectives over the run; `sent MB/rank`: what those "
+        "collectives send per rank by their formulas (a ring all_reduce 2 (N-1)/N times its payload, an all_gather "
+        "N-1 times). PyTorch's PowerSGD hook reports neither (`unknown`).",
     ]
     if emulated:
         lines.append(
             "- `wire MB/rank`: bytes each host's interface sent during the run (`tx_bytes`, Ethernet frames with "
             "IP/TCP headers and ACKs), mean over hosts, start-up included; `wire for exchange` subtracts the `limit` "
-            "row's (same rendezvous and initial parameter broadcast, no gradient exchange). A ring all_reduce "
-            "sends 2 (N-1)/N times its payload per rank, an all_gather N-1 times."
+            "row's (same rendezvous and initial parameter broadcast, no gradient exchange); it exceeds `sent` "
+            "by the Ethernet, IP and TCP headers and the ACKs (about 5 %)."
         )
     else:
         lines.append("- Wire bytes are not counted on loopback (other processes share the interface).")
