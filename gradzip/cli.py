@@ -16,6 +16,8 @@ COMMANDS = [
     "gradzip.train.cli",
     "gradzip.listing",
     "gradzip.bench",
+    "gradzip.compare.cli",
+    "gradzip.cluster.cli",
     "gradzip.simulate.cli",
 ]
 

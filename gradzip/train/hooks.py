@@ -1,7 +1,7 @@
 """Which DDP communication hook a spec asks for: gradzip's, or PyTorch's own as an anchor."""
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: DDP's register_comm_hook checks that the hook's
+# ``bucket`` annotation *is* dist.GradBucket, and a string annotation fails that check.
 from typing import Any
 
 import torch
