@@ -116,7 +116,7 @@ class OneBitAdam(CompressedAdamBase):
                 state = self._state(p)
                 state["step"] += 1
                 self.update_momentum_(state, p.grad, group)
-                momenta[key] = (state["exp_avg"], group["compress"])
+                momenta[("exp_avg", key)] = (state["exp_avg"], group["compress"])
             self.exchange_(momenta, step=step)
             for _key, p, group in items:
                 state = self.state[p]
