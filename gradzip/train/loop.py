@@ -103,7 +103,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     corpus.check_fits(cfg.seq_len)
     model = build_model(cfg, corpus.vocab_size).to(device)
     ddp = DDP(model, bucket_cap_mb=cfg.bucket_cap_mb)
-    hook_state, hook = make_hook(cfg.compressor)
+    hook_state, hook = make_hook(cfg.compressor, collective=cfg.collective, min_compress_bytes=cfg.min_compress_bytes)
     ddp.register_comm_hook(hook_state, hook)
     optimizer = build_optimizer(cfg, model, metrics=hook_state.metrics)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
@@ -145,7 +145,10 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
             "compress_s": comm["compress_s"],
             "decompress_s": comm["decompress_s"],
             "communicate_s": comm["communicate_s"],
+            "sent_bytes": comm["sent_bytes"],
+            "received_bytes": comm["received_bytes"],
             "uncompressed_buckets": comm["uncompressed_buckets"],
+            "fused_buckets": comm["fused_buckets"],
             "tokens": tokens_per_step * (step + 1),
         }
         if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
@@ -186,6 +189,8 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
         compressor=cfg.compressor if not cfg.no_exchange else "no-exchange",
         optimizer=cfg.optimizer,
         hook="torch" if is_torch_hook(hook_state) else "gradzip",
+        collective=cfg.collective,
+        min_compress_bytes=cfg.min_compress_bytes,
         world_size=world_size,
         backend=backend,
         parameters=count_parameters(model),
