@@ -52,7 +52,7 @@ def test_memory_with_topk_is_dgc_algorithm_1(seed, world_size, momentum, ratio):
     memories = [DGCMemory(momentum=momentum, clip_norm=clip_norm, world_size=world_size) for _ in range(world_size)]
     expected = reference_dgc(steps, ratio=ratio, momentum=momentum, clip_norm=clip_norm)
     for step, grads in enumerate(steps):
-        got = simulate_ranks(f"topk:ratio={ratio}", grads, step=step, feedback=memories)
+        got = simulate_ranks(f"topk:ratio={ratio}", grads, step=step, feedback=memories, collective="allgather")
         torch.testing.assert_close(got, expected[step], rtol=1e-12, atol=1e-12)
 
 
