@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -10,8 +11,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradzip.comm.simulate import simulate_ranks
+from gradzip.comm.traffic import choose_collective, plan_chunks
+from gradzip.compressors import build
 from gradzip.control.sparsity import warmup_ratio
-from gradzip.optim.dgc import DGCMemory
+from gradzip.feedback import ErrorFeedback
+from gradzip.optim.dgc import DGCMemory, WarmupReducer, split_training_options
+from gradzip.testing import run_ranks
 
 
 def reference_dgc(grads_per_step, *, ratio, momentum, clip_norm):
@@ -120,3 +125,64 @@ def test_warmup_ratio_bad_values(kwargs, name):
     step = args.pop("step")
     with pytest.raises(ValueError, match=name):
         warmup_ratio(step, **args)
+
+
+def test_split_training_options():
+    assert split_training_options("dgc:ratio=0.001,warmup_steps=100,clip_norm=1.5") == (
+        "dgc:ratio=0.001", {"warmup_steps": 100, "clip_norm": 1.5}
+    )
+    assert split_training_options("topk:ratio=0.01") == ("topk:ratio=0.01", {})
+    assert split_training_options("none") == ("none", {})
+
+
+def test_warmup_reducer_bad_values():
+    with pytest.raises(ValueError, match="need a codec with a ratio"):
+        WarmupReducer("fp16", warmup_steps=10)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        WarmupReducer("topk:ratio=0.01", warmup_steps=-1)
+    with pytest.raises(ValueError, match="clip_norm"):
+        WarmupReducer("topk:ratio=0.01", clip_norm=0)
+
+
+def _ranks_warmup(rank: int, world_size: int) -> dict:
+    spec, warm, clip = "topk:ratio=0.01", 6, 2.0
+
+    def grad_at(r: int, step: int) -> torch.Tensor:
+        return torch.randn(3000, generator=torch.Generator().manual_seed(100 * step + r))
+
+    reducer = WarmupReducer(spec, warmup_steps=warm, warmup_stages=3, clip_norm=clip)
+    means, nbytes, saved = [], [], None
+    for step in range(9):
+        if step == 4:
+            saved = copy.deepcopy(reducer.state_dict())
+        means.append(reducer.reduce(0, grad_at(rank, step), step=step).wait())
+        nbytes.append(reducer.options["metrics"].pop()["payload_bytes"])
+    resumed = WarmupReducer(spec, warmup_steps=warm, warmup_stages=3, clip_norm=clip)
+    resumed.load_state_dict(saved)
+    again = [resumed.reduce(0, grad_at(rank, step), step=step).wait() for step in range(4, 9)]
+    return {"means": means, "bytes": nbytes, "resumed": again}
+
+
+def test_warmup_reducer_on_gloo_ranks_keeps_its_residuals_across_ratios():
+    world_size, warm = 2, 6
+    results = run_ranks(_ranks_warmup, world_size)
+    # the reference: one error-feedback memory per rank (and per server chunk) across the
+    # whole run, the codec's ratio following the schedule, gradients clipped to 2 / sqrt(2)
+    feedback = [ErrorFeedback() for _ in range(world_size)]
+    server = [ErrorFeedback() for _ in range(world_size)]
+    for step in range(9):
+        ratio = warmup_ratio(step, ratio=0.01, warmup_steps=warm, stages=3)
+        grads = []
+        for r in range(world_size):
+            g = torch.randn(3000, generator=torch.Generator().manual_seed(100 * step + r))
+            grads.append(g * min(1.0, 2.0 / math.sqrt(world_size) / float(g.norm())))
+        expected = simulate_ranks(f"topk:ratio={ratio}", grads, step=step, key=0, feedback=feedback, server_feedback=server)
+        for result in results:
+            assert torch.equal(result["means"][step], expected), step
+        # the payload of the codec at this step's ratio, on the route the reducer picks
+        codec = build(f"topk:ratio={ratio}")
+        route = choose_collective("auto", codec, 3000, torch.float32, world_size)
+        payload = plan_chunks(codec, 3000, torch.float32, world_size).total_payload_nbytes
+        assert results[0]["bytes"][step] == (payload if route == "twophase" else codec.payload_nbytes(3000)), step
+    for result in results:
+        assert all(torch.equal(a, b) for a, b in zip(result["resumed"], result["means"][4:]))

@@ -41,10 +41,13 @@ def test_onebit_adam_in_the_main_job(tmp_path):
         ("onebit-adam:warmup_steps=0", "warmup_steps must be an integer >= 1"),
         ("onebit-adam:freeze=3", "--optimizer onebit-adam has no parameter 'freeze'; it takes warmup_steps"),
         ("zeroone-adam:local_step_clipper=0", "local_step_clipper must be an integer >= 1"),
+        ("fp16:warmup_steps=10", "warmup_steps and clip_norm need a codec with a ratio"),
+        ("topk:ratio=0.01,clip_norm=-1", "clip_norm must be a number > 0"),
     ],
 )
-def test_bad_optimizer_is_one_line_and_exit_code_2(spec, message, capsys, tmp_path):
-    assert main(["train", "--optimizer", spec, "--out", str(tmp_path / "x")]) == 2
+def test_bad_optimizer_or_dgc_option_is_one_line_and_exit_code_2(spec, message, capsys, tmp_path):
+    flag = "--compressor" if spec.startswith(("fp16", "topk")) else "--optimizer"
+    assert main(["train", flag, spec, "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err
     assert message in err
     assert err.count("\n") == 1 and "Traceback" not in err

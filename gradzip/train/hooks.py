@@ -13,6 +13,7 @@ from gradzip.comm.traffic import allreduce_bytes
 from gradzip.compressors import SpecError, parse_spec
 from gradzip.ddp import CompressionState, compression_hook
 from gradzip.metrics import StepMetrics
+from gradzip.optim.dgc import WarmupState, split_training_options
 
 TORCH_HOOKS = ("allreduce", "fp16", "bf16", "powersgd")
 
@@ -98,6 +99,10 @@ def make_hook(spec: str, *, collective: str = "auto", min_compress_bytes: int = 
             raise SpecError(f"unknown PyTorch hook {rest!r}; known: {', '.join('torch:' + h for h in TORCH_HOOKS)}")
         name, params = parts[0]
         return TorchHookState(name, params), torch_hook
+    codec_spec, warmup = split_training_options(spec)  # DGC's warm-up and clipping, if asked for
+    if warmup:
+        state = WarmupState(codec_spec, **warmup, collective=collective, min_compress_bytes=min_compress_bytes)
+        return state, compression_hook
     return CompressionState(spec, collective=collective, min_compress_bytes=min_compress_bytes), compression_hook
 
 
