@@ -23,11 +23,18 @@ buckets back cannot deadlock and the fused collective is issued at the same poin
 
 Every collective goes through the group's :class:`~gradzip.comm.queue.CollectiveQueue`, and
 each round's compression runs inside its launch, so ``reduce`` returns a future at once.
+
+On the steps :meth:`gradzip.metrics.StepMetrics.wants_quality` names, the ``allreduce`` and
+``allgather`` routes record quality figures of the bucket (its local decode against what was
+handed to the codec; codecs without error feedback decode once more for it, outside the timed
+compression); the ``dense`` and ``fused`` routes record the exact figures; the ``twophase``
+route records none.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,12 +46,19 @@ from torch.futures import Future
 
 from gradzip import wire
 from gradzip.comm.queue import CollectiveQueue, completed
-from gradzip.comm.traffic import COLLECTIVES, allgather_bytes, allreduce_bytes, check_collective, choose_collective
+from gradzip.comm.traffic import (
+    COLLECTIVES,
+    allgather_bytes,
+    allreduce_bytes,
+    check_collective,
+    choose_collective,
+    route_bytes,
+)
 from gradzip.comm.twophase import TwoPhaseAllReduce
 from gradzip.comm.twophase import mean_of_payloads as decode_gathered
 from gradzip.compressors import Compressor, Payload, check_int
 from gradzip.feedback import ErrorFeedback
-from gradzip.metrics import StepMetrics
+from gradzip.metrics import StepMetrics, quality_figures
 
 __all__ = ["COLLECTIVES", "CompressedReducer", "decode_gathered", "predivide"]
 
@@ -153,6 +167,8 @@ class CompressedReducer:
             route = self.route(grad.numel(), grad.dtype)
             if route == "fused":
                 fut = self._hold(key, grad)
+                if self.metrics.wants_quality(step):
+                    self.metrics.add_quality(key, quality_figures(grad, grad))
             else:
                 launch = {
                     "dense": self._reduce_dense,
@@ -175,17 +191,79 @@ class CompressedReducer:
         for group in by_dtype.values():
             self._send_fused(group)
 
-    def _compress(self, key: Hashable, grad: Tensor, step: int) -> Payload:
-        """Compensate, compress, update the residual; returns the payload (its bytes checked)."""
+    def _compress(self, key: Hashable, grad: Tensor, step: int, box: dict[str, Any]) -> Payload:
+        """Compensate, compress, update the residual; returns the payload (its bytes checked).
+        On monitored steps leaves what the quality check needs in ``box``."""
         compensated = grad if self.feedback is None else self.feedback.compensate(key, grad, step=step)
         payload = self.compressor.compress(compensated, step=step, key=key)
+        decoded = None
         if self.feedback is not None:
-            self.feedback.update(key, compensated, self.compressor.decompress(payload, like=compensated), step=step)
+            decoded = self.compressor.decompress(payload, like=compensated)
+            self.feedback.update(key, compensated, decoded, step=step)
         assert payload.nbytes == self.compressor.payload_nbytes(grad.numel(), grad.dtype), (
             f"{self.compressor.name}: payload of {payload.nbytes} bytes, formula says "
             f"{self.compressor.payload_nbytes(grad.numel(), grad.dtype)}"
         )
+        if self.metrics.wants_quality(step):
+            # After an update at this step the residual is exactly compensated - decoded.
+            updated = self.feedback is not None and step >= self.feedback.start_step
+            box["quality"] = (compensated, decoded, payload, updated)
         return payload
+
+    def _record_quality(self, key: Hashable, grad: Tensor, box: dict[str, Any]) -> None:
+        """Quality figures of a monitored step, computed outside the timed compression."""
+        if "quality" not in box:
+            return
+        compensated, decoded, payload, updated = box.pop("quality")
+        if decoded is None:
+            decoded = self.compressor.decompress(payload, like=compensated)
+        residual = None if self.feedback is None else self.feedback.residuals.get(key)
+        difference = residual if updated and residual is not None and residual.shape == compensated.shape else None
+        self.metrics.add_quality(
+            key, quality_figures(compensated, decoded, grad=grad, residual=residual, difference=difference)
+        )
+
+    def probe(
+        self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None
+    ) -> dict[str, Any]:
+        """Compress and decode ``grad`` locally, with no collective and no state change.
+
+        Used by controllers to price a codec on a real bucket.
+
+        Returns:
+            ``compress_s`` and ``decompress_s`` (seconds; for the ``allgather`` route decoding is
+            counted once per rank, as every rank decodes every payload), ``payload_bytes``,
+            ``sent_bytes`` (what this rank sends by the route the bucket takes), ``collectives``
+            (1; 2 for ``twophase``) and ``decoded`` (the local decode, ``grad``'s shape).
+        """
+        world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        route = self.route(grad.numel(), grad.dtype)
+        raw = grad.numel() * grad.element_size()
+        if grad.numel() == 0 or route in ("dense", "fused"):
+            return {"compress_s": 0.0, "decompress_s": 0.0, "payload_bytes": raw, "collectives": 1,
+                    "sent_bytes": allreduce_bytes(raw, world_size), "decoded": grad}
+        start = time.perf_counter()
+        payload = self.compressor.compress(grad, step=step, key=key)
+        middle = time.perf_counter()
+        decoded = self.compressor.decompress(payload, like=grad)
+        end = time.perf_counter()
+        return {
+            "compress_s": middle - start,
+            "decompress_s": (end - middle) * (world_size if route == "allgather" else 1),
+            "payload_bytes": payload.nbytes,
+            "sent_bytes": route_bytes(route, self.compressor, grad.numel(), grad.dtype, world_size, rank),
+            "collectives": 2 if route == "twophase" else 1,
+            "decoded": decoded,
+        }
+
+    def take_residual(self, key: Hashable, shapes: Sequence[torch.Size] | None = None) -> Tensor | None:
+        """Remove and return the worker-side residual of ``key`` (flat), or None; used when a bucket
+        changes codec. (The two-phase route's server-side residual stays where it is.)"""
+        if self.feedback is None:
+            return None
+        residual = self.feedback.residuals.pop(key, None)
+        return None if residual is None else residual.reshape(-1)
 
     def _reduce_dense(self, key: Hashable, grad: Tensor, *, step: int) -> Future:
         world_size = dist.get_world_size(self.group)
@@ -193,8 +271,10 @@ class CompressedReducer:
         sent = allreduce_bytes(raw, world_size)
         self.metrics.add_bucket(
             key, payload_bytes=raw, dense_bytes=raw, collective="dense", compressed=False,
-            sent_bytes=sent, received_bytes=sent,
+            sent_bytes=sent, received_bytes=sent, codec=self.compressor.spec,
         )
+        if self.metrics.wants_quality(step):
+            self.metrics.add_quality(key, quality_figures(grad, grad))
         tensor = torch.empty_like(grad)
 
         def launch() -> Future:
@@ -210,14 +290,15 @@ class CompressedReducer:
         sent = allreduce_bytes(payload_bytes, world_size)
         self.metrics.add_bucket(
             key, payload_bytes=payload_bytes, dense_bytes=wire.nbytes([grad]), collective="allreduce",
-            sent_bytes=sent, received_bytes=sent,
+            sent_bytes=sent, received_bytes=sent, codec=self.compressor.spec,
         )
         box: dict[str, Any] = {}
 
         def launch() -> Future:
             with self.metrics.timed("compress_s", key):
-                payload = self._compress(key, grad, step)
+                payload = self._compress(key, grad, step, box)
                 box["ctx"], box["tensors"] = payload.ctx, predivide(payload, world_size)
+            self._record_quality(key, grad, box)
             works = [dist.all_reduce(t, group=self.group, async_op=True).get_future() for t in box["tensors"]]
             fut = works[0] if len(works) == 1 else torch.futures.collect_all(works)
             return self.metrics.track(fut, (key,))
@@ -234,15 +315,16 @@ class CompressedReducer:
         sent = allgather_bytes(payload_bytes, world_size)
         self.metrics.add_bucket(
             key, payload_bytes=payload_bytes, dense_bytes=wire.nbytes([grad]), collective="allgather",
-            sent_bytes=sent, received_bytes=sent,
+            sent_bytes=sent, received_bytes=sent, codec=self.compressor.spec,
         )
         recv = torch.empty(world_size * payload_bytes, dtype=torch.uint8, device=grad.device)
-        box: dict[str, Payload] = {}
+        box: dict[str, Any] = {}
 
         def launch() -> Future:
             with self.metrics.timed("compress_s", key):
-                box["payload"] = self._compress(key, grad, step)
+                box["payload"] = self._compress(key, grad, step, box)
                 send = wire.to_bytes(box["payload"].tensors)
+            self._record_quality(key, grad, box)
             work = dist.all_gather_single(recv, send, group=self.group, async_op=True)
             return self.metrics.track(work.get_future(), (key,))
 

@@ -262,6 +262,7 @@ def format_spec(name: str, params: dict[str, Any]) -> str:
 class WarmupState(CompressionState):
     """:class:`~gradzip.ddp.CompressionState` whose reducer is a :class:`WarmupReducer`, for
     ``compression_hook``: ``WarmupState("dgc:ratio=0.001", warmup_steps=200, clip_norm=1.0)``.
+    Other keyword arguments as :class:`~gradzip.ddp.CompressionState`.
 
     Raises:
         ValueError: as :class:`WarmupReducer`.
@@ -270,13 +271,12 @@ class WarmupState(CompressionState):
     def __init__(self, compressor: str, *, warmup_steps: int = 0, warmup_stages: int = 4,
                  clip_norm: float | None = None, **kwargs: Any) -> None:
         self.warmup = {"warmup_steps": warmup_steps, "warmup_stages": warmup_stages, "clip_norm": clip_norm}
-        self.spec = compressor
         super().__init__(compressor, **kwargs)
 
     def _make_reducer(self) -> Reducer:
         return WarmupReducer(
             self.spec, **self.warmup, group=self.process_group, error_feedback=self.error_feedback,
-            collective=self.collective, min_compress_bytes=self.min_compress_bytes, queue=CollectiveQueue(),
+            collective=self.collective, min_compress_bytes=self.min_compress_bytes, queue=self.queue,
             metrics=self.metrics,
         )
 
@@ -284,8 +284,8 @@ class WarmupState(CompressionState):
         return {**super().__getstate__(), "warmup": self.warmup}
 
     def __setstate__(self, data: dict[str, Any]) -> None:
-        self.__init__(
-            data["compressor"], **data["warmup"], error_feedback=data["error_feedback"],
-            collective=data["collective"], min_compress_bytes=data.get("min_compress_bytes", 0),
-        )
+        warmup = data["warmup"]
+        super().__setstate__(data)  # re-runs __init__ without the warm-up options: rebuild with them
+        self.warmup = warmup
+        self.reducer = self._make_reducer()
         self.load_state_dict(data["state"])

@@ -22,6 +22,7 @@ examples:
   gradzip train --compressor topk:ratio=0.01 --collective twophase --world-size 4
   gradzip train --compressor torch:powersgd:approx_rank=4      # PyTorch's own hook, as an anchor
   gradzip train --optimizer onebit-adam --compressor none      # 1-bit Adam after a dense warm-up
+  gradzip train --compressor auto --adapt-every 50 --verify-every 100
   torchrun --nproc-per-node 2 -m gradzip train --steps 50
 """
 
@@ -64,6 +65,24 @@ def add_parser(sub) -> None:
     p.add_argument("--backend", default=d.backend, choices=["auto", "gloo", "nccl"], help="process-group backend (default auto)")
     p.add_argument("--threads", type=int, default=d.threads, help="CPU threads per worker; 0 shares the cores (default 0)")
     p.add_argument("--out", default=d.out, metavar="DIR", help=f"output folder (default {d.out})")
+    g = p.add_argument_group("monitoring and auto")
+    g.add_argument("--monitor-every", type=int, default=d.monitor_every, metavar="N",
+                   help=f"quality checks (norm ratio, cosine, relative error) every N steps; 0 off (default {d.monitor_every})")
+    g.add_argument("--verify-every", type=int, default=d.verify_every, metavar="N",
+                   help="dense all_reduce beside the compressed one every N steps, difference reported; 0 off")
+    g.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files to OUT/tensorboard")
+    g.add_argument("--norm-warn", type=float, default=d.norm_warn, metavar="R",
+                   help=f"warn when a bucket's norm ratio stays under R (default {d.norm_warn})")
+    g.add_argument("--norm-warn-checks", type=int, default=d.norm_warn_checks, metavar="K",
+                   help=f"... for K consecutive checks (default {d.norm_warn_checks})")
+    g.add_argument("--adapt-every", type=int, default=d.adapt_every, metavar="N",
+                   help=f"--compressor auto: re-decide every N steps (default {d.adapt_every})")
+    g.add_argument("--auto-schedule", default=d.auto_schedule, choices=["cost", "accordion", "legacy", "edgc"],
+                   help="--compressor auto: bandwidth-aware cost (default), accordion, legacy or edgc")
+    g.add_argument("--auto-candidates", default=None, metavar="SPECS",
+                   help="--compressor auto: codecs separated by ';', gentlest first (default: the schedule's list)")
+    g.add_argument("--auto-max-error", type=float, default=d.auto_max_error, metavar="E",
+                   help=f"--compressor auto: largest one-step relative error per bucket (default {d.auto_max_error})")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary table")
     p.set_defaults(func=run)
 
