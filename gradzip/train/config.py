@@ -17,6 +17,11 @@ class TrainConfig:
     """Codec spec (see ``gradzip list``), or ``torch:allreduce|fp16|bf16|powersgd[:approx_rank=R]``
     for PyTorch's own DDP hooks."""
 
+    optimizer: str = "adamw"
+    """``adamw``, ``onebit-adam[:warmup_steps=N]`` or ``zeroone-adam[:var_freeze_step=N,...]``
+    (see :mod:`gradzip.train.optimizers`); the last two exchange 1-bit momenta themselves after
+    their full-precision steps (default: 20% of ``steps``)."""
+
     world_size: int = 2
     """Local workers to spawn (ignored under torchrun, which sets it)."""
 
@@ -170,6 +175,9 @@ class TrainConfig:
             self.auto_config().validate()
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"--backend must be auto, gloo or nccl; got {self.backend!r}")
+        from gradzip.train.optimizers import check_optimizer
+
+        check_optimizer(self)
         if self.data is not None:
             if not os.path.exists(self.data):
                 raise FileNotFoundError(f"--data: no such file: {self.data}")

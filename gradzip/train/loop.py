@@ -11,7 +11,6 @@ import json
 import math
 import os
 import time
-from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -21,12 +20,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradzip.control.monitor import QualityMonitor
+from gradzip.optim import grad_sync
 from gradzip.train import report
 from gradzip.train.checkpoint import save_checkpoint
 from gradzip.train.config import TrainConfig
 from gradzip.train.data import Corpus, batch_generator, sample_batch, val_batches
 from gradzip.train.hooks import hook_options, is_torch_hook, make_hook
 from gradzip.train.model import build_model, count_parameters
+from gradzip.train.optimizers import build_optimizer, owns_communication
 
 CALIBRATION_STEPS = 3
 
@@ -105,7 +106,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     ddp = DDP(model, bucket_cap_mb=cfg.bucket_cap_mb)
     hook_state, hook = make_hook(cfg.compressor, **hook_options(cfg))
     ddp.register_comm_hook(hook_state, hook)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    optimizer = build_optimizer(cfg, model, metrics=hook_state.metrics)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     data_gen = batch_generator(cfg.seed, rank)
     val = val_batches(corpus, cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
@@ -125,7 +126,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     for step in range(cfg.steps):
         x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
         step_start = time.perf_counter()
-        with ddp.no_sync() if cfg.no_exchange else nullcontext():
+        with ddp.no_sync() if cfg.no_exchange else grad_sync(ddp, optimizer):
             loss = ddp(input_ids=x.to(device), labels=y.to(device)).loss
             loss.backward()
         backward_end = time.perf_counter()
@@ -165,6 +166,8 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
 
     if bar is not None:
         bar.close()
+    if owns_communication(optimizer):
+        optimizer.synchronize()  # 0/1 Adam: ranks that took local steps meet again
     final_val = evaluate(model, val, device)
     save_checkpoint(
         cfg.out,
@@ -176,7 +179,13 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
             "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(),
         },
-        per_rank={"hook": hook_state.state_dict(), "data_generator": data_gen.get_state(), "rank": rank},
+        per_rank={
+            "hook": hook_state.state_dict(),
+            "data_generator": data_gen.get_state(),
+            "rank": rank,
+            # error-feedback buffers (and, for local steps, momenta) differ per rank
+            "optimizer": optimizer.state_dict() if owns_communication(optimizer) else None,
+        },
         rank=rank,
     )
     if log is None:
@@ -186,6 +195,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     summary = report.summarize(
         log.records,
         compressor=cfg.compressor if not cfg.no_exchange else "no-exchange",
+        optimizer=cfg.optimizer,
         hook="torch" if is_torch_hook(hook_state) else "gradzip",
         collective=cfg.collective,
         min_compress_bytes=cfg.min_compress_bytes,
