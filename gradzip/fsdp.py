@@ -66,7 +66,6 @@ from gradzip import wire
 from gradzip.comm.powersgd import PowerSGDReducer
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.compressors import Compressor, Payload, build
-from gradzip.compressors.lowrank import matrix_view_shape
 from gradzip.feedback import ErrorFeedback
 from gradzip.metrics import StepMetrics
 

@@ -20,6 +20,7 @@ examples:
   gradzip train
   gradzip train --compressor topk:ratio=0.01 --steps 200 --out runs/topk
   gradzip train --compressor torch:powersgd:approx_rank=4      # PyTorch's own hook, as an anchor
+  gradzip train --fsdp --compressor topk:ratio=0.01           # sharded, compressed reduce-scatter
   torchrun --nproc-per-node 2 -m gradzip train --steps 50
 """
 
@@ -48,6 +49,7 @@ def add_parser(sub) -> None:
     p.add_argument("--eval-every", type=int, default=d.eval_every, help=f"steps between validation passes (default {d.eval_every})")
     p.add_argument("--eval-batches", type=int, default=d.eval_batches, help=f"validation batches per pass (default {d.eval_batches})")
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help=f"DDP bucket size in MB (default {d.bucket_cap_mb})")
+    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (fully_shard per block) and compress its gradient reduce-scatter")
     p.add_argument("--no-exchange", action="store_true", help="no gradient exchange at all: measures compute alone (replicas drift)")
     p.add_argument("--timeout-s", type=float, default=d.timeout_s, help=f"collective timeout in seconds (default {d.timeout_s:g})")
     p.add_argument("--backend", default=d.backend, choices=["auto", "gloo", "nccl"], help="process-group backend (default auto)")

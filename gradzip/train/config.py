@@ -63,6 +63,10 @@ class TrainConfig:
     bucket_cap_mb: float = 25.0
     """DDP bucket size in MB (DDP's default)."""
 
+    fsdp: bool = False
+    """Shard the model with FSDP2 (``fully_shard`` per transformer block and the root) and apply
+    the compressor to its gradient reduce-scatter instead of DDP's all-reduce."""
+
     no_exchange: bool = False
     """Train with no gradient exchange at all: compute alone, the limit of any speedup.
     Replicas drift apart; use only to measure time."""
@@ -120,6 +124,8 @@ class TrainConfig:
             raise ValueError(f"--weight-decay must be in [0, 1); got {self.weight_decay!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"--n-embd ({self.n_embd}) must be divisible by --n-head ({self.n_head})")
+        if self.fsdp and self.compressor.strip().lower().startswith("torch:"):
+            raise ValueError("--fsdp takes a gradzip codec (torch: names DDP hooks); 'none' is FSDP's own reduce-scatter")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"--backend must be auto, gloo or nccl; got {self.backend!r}")
         if self.data is not None:
