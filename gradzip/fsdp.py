@@ -66,6 +66,7 @@ from gradzip import wire
 from gradzip.comm.powersgd import PowerSGDReducer
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.compressors import Compressor, Payload, build
+from gradzip.compressors.lowrank import PowerSGD
 from gradzip.feedback import ErrorFeedback
 from gradzip.metrics import StepMetrics
 
@@ -84,7 +85,7 @@ try:  # a completed Work for callers that ask for async_op=True
 except ImportError:  # pragma: no cover - other torch versions
     _create_work_from_future = None
 
-EXCHANGES = ("reduce_scatter", "all_to_all", "powersgd")
+EXCHANGES = ("reduce_scatter", "all_to_all", "powersgd", "dense")
 ReduceOp = dist.ReduceOp
 
 
@@ -172,9 +173,13 @@ class CompressedReduceScatter(_ReduceScatterBase):
         self.metrics = metrics or StepMetrics()
         self.step = 0
         self.calls = 0
-        self._floating_payload: bool | None = None
+        #: the exchange of the latest call: ``reduce_scatter``, ``all_to_all``, ``powersgd``
+        #: or ``dense`` (FSDP's plain reduce-scatter)
+        self.last_exchange: str | None = None
         self._warned_layout = False
         if compressor.multi_round:
+            if not isinstance(compressor, PowerSGD):
+                raise ValueError(f"fsdp: multi-round codec {compressor.name!r} has no reduce-scatter exchange; use powersgd or a single-round codec")
             self.powersgd = PowerSGDReducer(compressor, queue=queue or CollectiveQueue(), metrics=self.metrics)
             self.feedback = None
         else:
@@ -221,7 +226,7 @@ class CompressedReduceScatter(_ReduceScatterBase):
         step = self.step
         if world_size == 1:
             output_tensor.copy_(input_tensor if kind != "premul" else input_tensor * factor)
-        elif self.exchange(input_tensor, world_size) == "powersgd":
+        elif self.powersgd is not None:
             self._powersgd(output_tensor, input_tensor, group, op, kind, factor, step, world_size, rank)
         else:
             self._single_round(output_tensor, input_tensor, group, op, kind, factor, step, world_size, rank)
@@ -234,25 +239,6 @@ class CompressedReduceScatter(_ReduceScatterBase):
             fut.set_result(output_tensor)
             return _create_work_from_future(fut)
         return None
-
-    # -- choosing the exchange ------------------------------------------------------------
-
-    def exchange(self, input_tensor: Tensor, world_size: int) -> str:
-        """Which exchange a buffer takes: ``reduce_scatter``, ``all_to_all`` or ``powersgd``."""
-        if self.powersgd is not None:
-            return "powersgd"
-        if self.compressor.aggregatable and self._payload_is_floating(input_tensor, world_size):
-            return "reduce_scatter"
-        return "all_to_all"
-
-    def _payload_is_floating(self, input_tensor: Tensor, world_size: int) -> bool:
-        # Summing on the wire needs every payload tensor to be floating point; integer parts
-        # (indices, codes) would be summed too. Probed once on a small slice of this dtype.
-        if self._floating_payload is None:
-            probe = torch.zeros(max(1, input_tensor.numel() // world_size), dtype=input_tensor.dtype)
-            payload = self.compressor.compress(probe, step=0, key=(self.name, "probe"))
-            self._floating_payload = all(t.is_floating_point() for t in payload.tensors)
-        return self._floating_payload
 
     # -- collectives ----------------------------------------------------------------------
 
@@ -279,6 +265,7 @@ class CompressedReduceScatter(_ReduceScatterBase):
     def _dense(self, output: Tensor, input: Tensor, group, op: Any, kind: str, factor: float) -> None:
         """FSDP's own reduce-scatter of the raw buffer."""
         nbytes = wire.nbytes([input])
+        self.last_exchange = "dense"
         self.metrics.add_bucket(
             self.name, payload_bytes=nbytes, dense_bytes=nbytes, collective="reduce_scatter", compressed=False
         )
@@ -307,12 +294,15 @@ class CompressedReduceScatter(_ReduceScatterBase):
         chunks = input.view(world_size, chunk_numel)
         with self.metrics.timed("compress_s"):
             payloads = [self._encode(chunks[j], j, step) for j in range(world_size)]
-        if self.exchange(input, world_size) == "reduce_scatter":
+        # Summing on the wire needs every payload tensor to be floating point (integer parts,
+        # indices or codes, would be summed too).
+        if self.compressor.aggregatable and all(t.is_floating_point() for t in payloads[0].tensors):
             self._exchange_reduce_scatter(output, chunks, payloads, group, op, kind, factor, rank, dense_bytes)
         else:
             self._exchange_all_to_all(output, chunks, payloads, group, kind, factor, rank, dense_bytes)
 
     def _exchange_reduce_scatter(self, output, chunks, payloads, group, op, kind, factor, rank, dense_bytes) -> None:
+        self.last_exchange = "reduce_scatter"
         own = payloads[rank]
         summed = []
         handed = 0
@@ -329,6 +319,7 @@ class CompressedReduceScatter(_ReduceScatterBase):
             output.copy_(self.compressor.decompress(Payload(tuple(summed), own.ctx), like=chunks[rank]))
 
     def _exchange_all_to_all(self, output, chunks, payloads, group, kind, factor, rank, dense_bytes) -> None:
+        self.last_exchange = "all_to_all"
         world_size = len(payloads)
         send = torch.stack([wire.to_bytes(p.tensors) for p in payloads])
         self._check_bytes(send.numel(), chunks)
@@ -369,6 +360,7 @@ class CompressedReduceScatter(_ReduceScatterBase):
         if step < self.compressor.start_step:
             self._dense(output, input, group, op, kind, factor)
             return
+        self.last_exchange = "powersgd"
         grid = input.view(world_size, chunk_numel)
         offsets = [0]
         for s in shapes[:-1]:
