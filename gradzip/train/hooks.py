@@ -48,7 +48,7 @@ class TorchHookState:
             self.hook = {
                 "allreduce": default_hooks.allreduce_hook,
                 "fp16": default_hooks.fp16_compress_hook,
-                "bf16": default_hooks.bf16_compress_hook,
+                "bf16": _bf16_compress_hook,
             }[kind]
 
     def state_dict(self) -> dict[str, Any]:
@@ -56,6 +56,12 @@ class TorchHookState:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = state["step"]
+
+
+def _bf16_compress_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    # DDP refuses PyTorch's bf16_compress_hook by name unless CUDA and NCCL are present; the hook
+    # itself runs on gloo, so it is called through this wrapper.
+    return default_hooks.bf16_compress_hook(state, bucket)
 
 
 def torch_hook(state: TorchHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
