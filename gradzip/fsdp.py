@@ -12,15 +12,18 @@ every parameter's first dimension to a multiple of ``world_size``). gradzip repl
 collective per module (``FSDPModule.set_custom_reduce_scatter``) by an exchange chosen from the
 codec's declared properties:
 
-1. ``reduce_scatter`` (aggregatable codecs whose payload is all floating point: ``none``,
-   ``fp16``, ``bf16``): compress each destination chunk, reduce-scatter the payloads (summed on
-   the wire), decode the own chunk once. With ``none`` this is the very collective FSDP issues,
-   so it equals FSDP's default bit for bit.
-2. ``all_to_all`` (every other single-round codec): compress each destination chunk,
-   exchange the ``world_size`` payloads with one ``all_to_all_single``, decode the payloads of
-   the own chunk and sum them in rank order. Nothing is re-compressed, so there is no
-   server-side residual; each rank sends ``world_size - 1`` chunk payloads, which does not grow
-   with the world size (a chunk holds ``numel / world_size`` elements).
+1. ``all_to_all`` (any single-round codec): compress each destination chunk, exchange the
+   ``world_size`` payloads with one ``all_to_all_single``, decode the payloads of the own chunk
+   and sum them in rank order. Nothing is re-compressed, so there is no server-side residual.
+   Each rank sends ``(world_size - 1)`` chunk payloads of a chunk of ``numel / world_size``
+   elements: flat in the world size.
+2. ``reduce_scatter``: compress each destination chunk, reduce-scatter the payloads (summed on
+   the wire), decode the own chunk once. The identity codec ``none`` always takes it (it is
+   FSDP's own collective, so it equals FSDP's default bit for bit); other aggregatable codecs
+   with an all floating-point payload take it where it sends no more bytes than the
+   all_to_all: on a ring reduce-scatter (NCCL), not on gloo, whose reduce-scatter moves as
+   much as an all_reduce (``2 (W-1)/W`` of the buffer per rank, measured; see
+   :func:`gradzip.comm.traffic.reduce_scatter_bytes`).
 3. PowerSGD (Vogels et al. 2019, arXiv 1905.13727): each parameter of 2 or more dims is taken
    as the matrix its ``world_size`` chunks stack into (``(world_size * rows, cols)``, the padded
    unsharded gradient for FSDP's default ``Shard(0)``) and reduced by
@@ -65,7 +68,9 @@ from torch import Tensor, nn
 from gradzip import wire
 from gradzip.comm.powersgd import PowerSGDReducer
 from gradzip.comm.queue import CollectiveQueue
+from gradzip.comm.traffic import all_to_all_bytes, reduce_scatter_bytes
 from gradzip.compressors import Compressor, Payload, build
+from gradzip.compressors.cast import Identity
 from gradzip.compressors.lowrank import PowerSGD
 from gradzip.feedback import ErrorFeedback
 from gradzip.metrics import StepMetrics
@@ -242,34 +247,35 @@ class CompressedReduceScatter(_ReduceScatterBase):
 
     # -- collectives ----------------------------------------------------------------------
 
-    def _reduce_scatter(self, output: Tensor, input: Tensor, group, op: Any, kind: str, factor: float) -> None:
-        """One reduce-scatter applying ``op``; gloo cannot PREMUL_SUM and fp16 sums overflow."""
+    def _timed_collective(self, issue) -> None:
+        """Run a blocking collective, timed as in flight (in total and for this module)."""
+        done: torch.futures.Future = torch.futures.Future()
+        self.metrics.track(done, (self.name,))
+        try:
+            issue()
+        finally:
+            done.set_result(None)
+
+    def _reduce_scatter(self, output: Tensor, input: Tensor, group, op: Any, kind: str, factor: float) -> int:
+        """One reduce-scatter applying ``op`` (gloo cannot PREMUL_SUM and fp16 sums overflow);
+        returns the bytes this rank sends."""
         world_size = group.size()
         if kind == "premul":
             input, op = input * factor, ReduceOp.SUM
         elif kind == "avg" and input.dtype == torch.float16:
             input, op = input / world_size, ReduceOp.SUM
-        self.metrics.collective_started()
-        try:
-            dist.reduce_scatter_single(output, input, op=op, group=group)
-        finally:
-            self.metrics.collective_finished()
-
-    def _all_to_all(self, recv: Tensor, send: Tensor, group) -> None:
-        self.metrics.collective_started()
-        try:
-            dist.all_to_all_single(recv, send, group=group)
-        finally:
-            self.metrics.collective_finished()
+        self._timed_collective(lambda: dist.reduce_scatter_single(output, input, op=op, group=group))
+        return reduce_scatter_bytes(wire.nbytes([input]), world_size, dist.get_backend(group))
 
     def _dense(self, output: Tensor, input: Tensor, group, op: Any, kind: str, factor: float) -> None:
         """FSDP's own reduce-scatter of the raw buffer."""
         nbytes = wire.nbytes([input])
         self.last_exchange = "dense"
+        sent = self._reduce_scatter(output, input, group, op, kind, factor)
         self.metrics.add_bucket(
-            self.name, payload_bytes=nbytes, dense_bytes=nbytes, collective="reduce_scatter", compressed=False
+            self.name, payload_bytes=nbytes, dense_bytes=nbytes, collective="dense", compressed=False,
+            sent_bytes=sent, received_bytes=sent,
         )
-        self._reduce_scatter(output, input, group, op, kind, factor)
 
     # -- single-round codecs --------------------------------------------------------------
 
@@ -292,29 +298,50 @@ class CompressedReduceScatter(_ReduceScatterBase):
             self._dense(output, input, group, op, kind, factor)
             return
         chunks = input.view(world_size, chunk_numel)
-        with self.metrics.timed("compress_s"):
+        with self.metrics.timed("compress_s", self.name):
             payloads = [self._encode(chunks[j], j, step) for j in range(world_size)]
-        # Summing on the wire needs every payload tensor to be floating point (integer parts,
-        # indices or codes, would be summed too).
-        if self.compressor.aggregatable and all(t.is_floating_point() for t in payloads[0].tensors):
+        if self._sums_on_the_wire(payloads[0], payload_bytes, group):
             self._exchange_reduce_scatter(output, chunks, payloads, group, op, kind, factor, rank, dense_bytes)
         else:
             self._exchange_all_to_all(output, chunks, payloads, group, kind, factor, rank, dense_bytes)
+
+    def _sums_on_the_wire(self, payload: Payload, payload_bytes: int, group) -> bool:
+        """Whether to reduce-scatter the payloads rather than all_to_all them.
+
+        The identity codec always does: it is FSDP's own collective, bit for bit. Other codecs
+        need to be aggregatable with an all floating-point payload (integer parts, indices or
+        codes, would be summed too), and the reduce-scatter must send no more bytes than the
+        all_to_all: true of NCCL's ring (one decode then replaces ``world_size``), not of gloo,
+        whose reduce-scatter moves as much as an all_reduce.
+        """
+        if isinstance(self.compressor, Identity):
+            return True
+        if not (self.compressor.aggregatable and all(t.is_floating_point() for t in payload.tensors)):
+            return False
+        world_size = group.size()
+        backend = dist.get_backend(group)
+        return reduce_scatter_bytes(payload_bytes, world_size, backend) <= all_to_all_bytes(
+            payload_bytes // world_size, world_size
+        )
 
     def _exchange_reduce_scatter(self, output, chunks, payloads, group, op, kind, factor, rank, dense_bytes) -> None:
         self.last_exchange = "reduce_scatter"
         own = payloads[rank]
         summed = []
         handed = 0
+        sent = 0
         for t in range(len(own.tensors)):
             stacked = torch.stack([p.tensors[t].reshape(-1) for p in payloads])
             recv = stacked.new_empty(stacked.shape[1])
-            self._reduce_scatter(recv, stacked.view(-1), group, op, kind, factor)
+            sent += self._reduce_scatter(recv, stacked.view(-1), group, op, kind, factor)
             summed.append(recv.view(own.tensors[t].shape))
             handed += wire.nbytes([stacked])
         self._check_bytes(handed, chunks)
-        self.metrics.add_bucket(self.name, payload_bytes=handed, dense_bytes=dense_bytes, collective="reduce_scatter")
-        with self.metrics.timed("decompress_s"):
+        self.metrics.add_bucket(
+            self.name, payload_bytes=handed, dense_bytes=dense_bytes, collective="reduce_scatter",
+            sent_bytes=sent, received_bytes=sent,
+        )
+        with self.metrics.timed("decompress_s", self.name):
             # The op was applied to the payload on the wire; the decoder is linear.
             output.copy_(self.compressor.decompress(Payload(tuple(summed), own.ctx), like=chunks[rank]))
 
@@ -324,9 +351,13 @@ class CompressedReduceScatter(_ReduceScatterBase):
         send = torch.stack([wire.to_bytes(p.tensors) for p in payloads])
         self._check_bytes(send.numel(), chunks)
         recv = torch.empty_like(send)
-        self.metrics.add_bucket(self.name, payload_bytes=send.numel(), dense_bytes=dense_bytes, collective="all_to_all")
-        self._all_to_all(recv, send, group)
-        with self.metrics.timed("decompress_s"):
+        sent = all_to_all_bytes(send.shape[1], world_size)
+        self.metrics.add_bucket(
+            self.name, payload_bytes=send.numel(), dense_bytes=dense_bytes, collective="all_to_all",
+            sent_bytes=sent, received_bytes=sent,
+        )
+        self._timed_collective(lambda: dist.all_to_all_single(recv, send, group=group))
+        with self.metrics.timed("decompress_s", self.name):
             own = payloads[rank]
             received = [Payload(wire.from_bytes(recv[r], own.tensors), own.ctx) for r in range(world_size)]
             # Half-precision chunks are summed in fp32 and rounded once.
@@ -372,14 +403,14 @@ class CompressedReduceScatter(_ReduceScatterBase):
 
         if matrices:
             self.powersgd.group = group
-            with self.metrics.timed("compress_s"):
+            with self.metrics.timed("compress_s", self.name):
                 flat = torch.cat([grid[:, offsets[i] : offsets[i] + shapes[i].numel()].reshape(-1) for i in matrices])
             mean = self.powersgd.reduce(
                 self.name, flat, step=step, shapes=[stacked_shapes[i] for i in matrices]
             ).wait()
             # PowerSGDReducer returns the mean; scale it to what the op asks for.
             scale = {"avg": 1.0, "sum": float(world_size), "premul": world_size * factor}[kind]
-            with self.metrics.timed("decompress_s"):
+            with self.metrics.timed("decompress_s", self.name):
                 offset = 0
                 for i in matrices:
                     numel = shapes[i].numel()
@@ -390,11 +421,11 @@ class CompressedReduceScatter(_ReduceScatterBase):
             rest = torch.cat([grid[:, offsets[i] : offsets[i] + shapes[i].numel()] for i in dense], dim=1)
             recv = rest.new_empty(rest.shape[1])
             nbytes = wire.nbytes([rest])
+            sent = self._reduce_scatter(recv, rest.reshape(-1), group, op, kind, factor)
             self.metrics.add_bucket(
                 self.name, payload_bytes=nbytes, dense_bytes=nbytes, collective="reduce_scatter",
-                compressed=bool(matrices),
+                compressed=bool(matrices), sent_bytes=sent, received_bytes=sent,
             )
-            self._reduce_scatter(recv, rest.reshape(-1), group, op, kind, factor)
             offset = 0
             for i in dense:
                 numel = shapes[i].numel()

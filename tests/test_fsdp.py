@@ -59,20 +59,20 @@ def exchange_on_buffers(rank, world_size, specs):
                 comm(output, inp, dist.group.WORLD, op)
                 assert torch.equal(inp, before), "the input buffer was modified"
                 outputs.append(output)
-                payload.append(comm.metrics.pop()["payload_bytes"])
+                payload.append(comm.metrics.pop())
             results[label] = outputs
             if label == "avg":
-                results["payload_bytes"] = payload
+                results["payload_bytes"] = [m["payload_bytes"] for m in payload]
+                results["metrics"] = payload
                 results["exchange"] = comm.last_exchange
                 results["state"] = comm.state_dict()
         out[spec] = results
     return out
 
 
-def _reference_single_round(spec: str, world_size: int) -> list[torch.Tensor]:
+def _reference_single_round(spec: str, world_size: int, exchange: str) -> list[torch.Tensor]:
     """Per step, the full (world_size * CHUNK) mean a single-round codec should produce."""
     codec = build(spec)
-    aggregatable = codec.aggregatable
     feedback = {j: [ErrorFeedback() for _ in range(world_size)] for j in range(world_size)}
     means = []
     for step in range(STEPS):
@@ -81,7 +81,7 @@ def _reference_single_round(spec: str, world_size: int) -> list[torch.Tensor]:
             simulate_ranks(
                 codec, [g[j] for g in grids], step=step, key=("m", j),
                 feedback=feedback[j] if codec.error_feedback else None,
-                collective="allreduce" if aggregatable else "allgather",
+                collective="allreduce" if exchange == "reduce_scatter" else "allgather",
             )
             for j in range(world_size)
         ]
@@ -128,7 +128,7 @@ def test_exchange_equals_reference_for_every_codec(ranks):
             for t in range(STEPS):
                 torch.testing.assert_close(full[t], true_means[t], msg=spec)
             continue
-        expected = _reference_single_round(spec, world_size)
+        expected = _reference_single_round(spec, world_size, per_rank[0]["exchange"])
         exact = per_rank[0]["exchange"] == "all_to_all"
         for t in range(STEPS):
             if exact:  # the same decodes summed in the same order
@@ -137,10 +137,13 @@ def test_exchange_equals_reference_for_every_codec(ranks):
                 bound = 2**-7 if spec in ("bf16", "fp16") else 1e-6
                 torch.testing.assert_close(full[t], expected[t], rtol=bound, atol=bound * expected[t].abs().max(), msg=spec)
         assert per_rank[0]["payload_bytes"] == [world_size * codec.payload_nbytes(CHUNK, torch.float32)] * STEPS, spec
-        if spec in ("none", "fp16", "bf16"):
-            assert per_rank[0]["exchange"] == "reduce_scatter"
-        elif not codec.aggregatable:
-            assert per_rank[0]["exchange"] == "all_to_all"
+        # gloo's reduce-scatter sends twice the all_to_all's bytes: only the identity takes it.
+        assert per_rank[0]["exchange"] == ("reduce_scatter" if spec == "none" else "all_to_all"), spec
+        sent = [r["sent_bytes"] for r in per_rank[0]["metrics"]]
+        if spec == "none":
+            assert sent == [2 * (world_size - 1) * CHUNK * 4] * STEPS
+        else:
+            assert sent == [(world_size - 1) * codec.payload_nbytes(CHUNK, torch.float32)] * STEPS, spec
 
 
 def _check_powersgd_feedback_invariant(spec, per_rank, full, true_means, world_size):

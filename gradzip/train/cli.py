@@ -19,6 +19,7 @@ checkpoint.
 examples:
   gradzip train
   gradzip train --compressor topk:ratio=0.01 --steps 200 --out runs/topk
+  gradzip train --compressor topk:ratio=0.01 --collective twophase --world-size 4
   gradzip train --compressor torch:powersgd:approx_rank=4      # PyTorch's own hook, as an anchor
   gradzip train --fsdp --compressor topk:ratio=0.01           # sharded, compressed reduce-scatter
   torchrun --nproc-per-node 2 -m gradzip train --steps 50
@@ -50,6 +51,11 @@ def add_parser(sub) -> None:
     p.add_argument("--eval-batches", type=int, default=d.eval_batches, help=f"validation batches per pass (default {d.eval_batches})")
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help=f"DDP bucket size in MB (default {d.bucket_cap_mb})")
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (fully_shard per block) and compress its gradient reduce-scatter")
+    p.add_argument("--collective", default=d.collective, choices=["auto", "allreduce", "allgather", "twophase"],
+                   help="how compressed buckets travel: auto picks by bytes; twophase is the compressed all_reduce "
+                        "whose bytes per worker stay flat in the world size (default auto)")
+    p.add_argument("--min-compress-bytes", type=int, default=d.min_compress_bytes, metavar="N",
+                   help=f"buckets below N bytes travel uncompressed, fused into one all_reduce (default {d.min_compress_bytes})")
     p.add_argument("--no-exchange", action="store_true", help="no gradient exchange at all: measures compute alone (replicas drift)")
     p.add_argument("--timeout-s", type=float, default=d.timeout_s, help=f"collective timeout in seconds (default {d.timeout_s:g})")
     p.add_argument("--backend", default=d.backend, choices=["auto", "gloo", "nccl"], help="process-group backend (default auto)")

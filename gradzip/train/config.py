@@ -6,6 +6,8 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
+from gradzip.comm.traffic import COLLECTIVES
+
 
 @dataclass
 class TrainConfig:
@@ -67,6 +69,13 @@ class TrainConfig:
     """Shard the model with FSDP2 (``fully_shard`` per transformer block and the root) and apply
     the compressor to its gradient reduce-scatter instead of DDP's all-reduce."""
 
+    collective: str = "auto"
+    """How compressed buckets travel: ``auto`` (the route sending the fewest bytes), ``allreduce``
+    (aggregatable codecs), ``allgather`` or ``twophase`` (see :mod:`gradzip.comm.traffic`)."""
+
+    min_compress_bytes: int = 0
+    """Buckets with fewer raw bytes travel uncompressed, fused into one all_reduce per step."""
+
     no_exchange: bool = False
     """Train with no gradient exchange at all: compute alone, the limit of any speedup.
     Replicas drift apart; use only to measure time."""
@@ -110,6 +119,7 @@ class TrainConfig:
             "warmup_steps": (0, None),
             "seed": (0, 2**63 - 1),
             "threads": (0, 1024),
+            "min_compress_bytes": (0, None),
         }
         for name, (low, high) in ints.items():
             value = getattr(self, name)
@@ -126,6 +136,10 @@ class TrainConfig:
             raise ValueError(f"--n-embd ({self.n_embd}) must be divisible by --n-head ({self.n_head})")
         if self.fsdp and self.compressor.strip().lower().startswith("torch:"):
             raise ValueError("--fsdp takes a gradzip codec (torch: names DDP hooks); 'none' is FSDP's own reduce-scatter")
+        if self.fsdp and (self.collective != "auto" or self.min_compress_bytes):
+            raise ValueError("--collective and --min-compress-bytes shape DDP buckets; with --fsdp the codec picks the exchange")
+        if self.collective not in COLLECTIVES:
+            raise ValueError(f"--collective must be one of {', '.join(COLLECTIVES)}; got {self.collective!r}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"--backend must be auto, gloo or nccl; got {self.backend!r}")
         if self.data is not None:

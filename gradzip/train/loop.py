@@ -142,7 +142,10 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
             "compress_s": comm["compress_s"],
             "decompress_s": comm["decompress_s"],
             "communicate_s": comm["communicate_s"],
+            "sent_bytes": comm["sent_bytes"],
+            "received_bytes": comm["received_bytes"],
             "uncompressed_buckets": comm["uncompressed_buckets"],
+            "fused_buckets": comm["fused_buckets"],
             "tokens": tokens_per_step * (step + 1),
         }
         if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
@@ -176,6 +179,8 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
         compressor=cfg.compressor if not cfg.no_exchange else "no-exchange",
         hook=par.hook,
         parallel=par.kind,
+        collective=cfg.collective,
+        min_compress_bytes=cfg.min_compress_bytes,
         world_size=world_size,
         backend=backend,
         parameters=count_parameters(model),

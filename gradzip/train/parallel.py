@@ -76,7 +76,7 @@ def make_parallel(model: nn.Module, cfg: TrainConfig) -> Parallel:
     """
     if not cfg.fsdp:
         ddp = DDP(model, bucket_cap_mb=cfg.bucket_cap_mb)
-        state, hook = make_hook(cfg.compressor)
+        state, hook = make_hook(cfg.compressor, collective=cfg.collective, min_compress_bytes=cfg.min_compress_bytes)
         ddp.register_comm_hook(state, hook)
         return Parallel(ddp, state, "ddp", "torch" if is_torch_hook(state) else "gradzip", ddp.no_sync)
     from gradzip.fsdp import compress_reduce_scatter
