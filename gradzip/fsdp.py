@@ -533,7 +533,7 @@ def compress_reduce_scatter(
     Args:
         model: a module on which ``fully_shard`` was applied (to it and/or its submodules).
         compressor: a codec spec such as ``"topk:ratio=0.01"`` (see ``gradzip list``) or a built
-            codec; every module gets its own instance built from the spec.
+            codec; every module gets its own instance, built from the (canonical) spec.
         error_feedback: override the codec's default (single-round codecs; PowerSGD always
             keeps residuals).
         reduce_scatter_unused_params: reduce-scatter zeros for parameters without a gradient
@@ -561,7 +561,7 @@ def compress_reduce_scatter(
         if shapes == []:
             continue  # no parameters of its own, so FSDP never reduce-scatters for it
         comm = CompressedReduceScatter(
-            build(spec) if isinstance(compressor, str) else codec, name=name, shard_shapes=shapes,
+            build(spec), name=name, shard_shapes=shapes,
             error_feedback=error_feedback, metrics=metrics, queue=queue,
         )
         unused = comm.keeps_residuals if reduce_scatter_unused_params is None else reduce_scatter_unused_params
