@@ -23,6 +23,7 @@ examples:
   gradzip train --compressor torch:powersgd:approx_rank=4      # PyTorch's own hook, as an anchor
   gradzip train --optimizer onebit-adam --compressor none      # 1-bit Adam after a dense warm-up
   gradzip train --compressor auto --adapt-every 50 --verify-every 100
+  gradzip train --fsdp --compressor topk:ratio=0.01           # sharded, compressed reduce-scatter
   torchrun --nproc-per-node 2 -m gradzip train --steps 50
 """
 
@@ -55,6 +56,7 @@ def add_parser(sub) -> None:
     p.add_argument("--eval-every", type=int, default=d.eval_every, help=f"steps between validation passes (default {d.eval_every})")
     p.add_argument("--eval-batches", type=int, default=d.eval_batches, help=f"validation batches per pass (default {d.eval_batches})")
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help=f"DDP bucket size in MB (default {d.bucket_cap_mb})")
+    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (fully_shard per block) and compress its gradient reduce-scatter")
     p.add_argument("--collective", default=d.collective, choices=["auto", "allreduce", "allgather", "twophase"],
                    help="how compressed buckets travel: auto picks by bytes; twophase is the compressed all_reduce "
                         "whose bytes per worker stay flat in the world size (default auto)")
