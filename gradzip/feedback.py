@@ -24,6 +24,9 @@ class ErrorFeedback:
             an integer >= 0.
         dtype: dtype of the residuals; None keeps each gradient's own dtype. fp32 residuals for
             half-precision gradients keep small dropped values from flushing to zero.
+        deferred: stage every :meth:`update` until :meth:`commit` (or drop it with
+            :meth:`discard`), so that a step skipped for a non-finite gradient leaves the
+            residuals exactly as they were. Costs one extra residual per key during a step.
 
     Raises:
         ValueError: if ``start_step`` is not an integer >= 0.
@@ -32,12 +35,14 @@ class ErrorFeedback:
     at zeros of the new shape, with a warning, so memory stays one residual per key.
     """
 
-    def __init__(self, *, start_step: int = 0, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, *, start_step: int = 0, dtype: torch.dtype | None = None, deferred: bool = False) -> None:
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise ValueError(f"start_step must be an integer >= 0; got {start_step!r}")
         self.start_step = start_step
         self.dtype = dtype
+        self.deferred = deferred
         self.residuals: dict[Hashable, Tensor] = {}
+        self.pending: dict[Hashable, Tensor] = {}
 
     def compensate(self, key: Hashable, grad: Tensor, *, step: int) -> Tensor:
         """Return ``grad + residual[key]`` as a new tensor (``grad`` is never modified).
@@ -68,11 +73,23 @@ class ErrorFeedback:
         """Store ``compensated - decoded`` as the residual of ``key`` (nothing before ``start_step``)."""
         if step < self.start_step:
             return
+        if self.deferred:
+            self.pending[key] = compensated - decoded.to(compensated.dtype)
+            return
         residual = self.residuals.get(key)
         if residual is not None and residual.shape == compensated.shape:
             torch.sub(compensated, decoded.to(compensated.dtype), out=residual)
         else:
             self.residuals[key] = compensated - decoded.to(compensated.dtype)
+
+    def commit(self) -> None:
+        """Make the staged updates the residuals (``deferred`` mode)."""
+        self.residuals.update(self.pending)
+        self.pending = {}
+
+    def discard(self) -> None:
+        """Drop the staged updates: the residuals stay as before the step (``deferred`` mode)."""
+        self.pending = {}
 
     def residual_norm(self, key: Hashable) -> float:
         """L2 norm of the residual of ``key`` (0.0 if none)."""
@@ -80,7 +97,7 @@ class ErrorFeedback:
         return 0.0 if residual is None else float(residual.float().norm())
 
     def state_dict(self) -> dict[str, Any]:
-        """Residuals (cloned) and settings, for checkpoints."""
+        """Committed residuals (cloned) and settings, for checkpoints."""
         return {
             "start_step": self.start_step,
             "residuals": {k: v.detach().clone() for k, v in self.residuals.items()},
@@ -90,3 +107,4 @@ class ErrorFeedback:
         """Restore what :meth:`state_dict` returned."""
         self.start_step = state["start_step"]
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+        self.pending = {}

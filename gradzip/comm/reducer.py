@@ -3,8 +3,12 @@
 Aggregatable payloads are divided by world_size and ``all_reduce``-d (dividing first keeps fp16
 sums from overflowing, and is the order of PyTorch's ``allreduce_hook`` and
 ``fp16_compress_hook``). Other payloads are packed into one byte buffer and ``all_gather``-ed;
-every rank then decodes all of them in rank order, sums and divides, so all ranks end with
-bit-identical results.
+every rank then decodes all of them in rank order, divides each by world_size and sums, so all
+ranks end with bit-identical results and finite values near the dtype's maximum do not overflow.
+
+Non-finite gradients follow :mod:`gradzip.comm.guard`: a rank whose input holds inf or NaN sends
+a NaN-marked payload in the same collective, every rank returns all NaN for that bucket, and the
+step's error-feedback and codec updates are dropped.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from gradzip import wire
+from gradzip.comm import guard
 from gradzip.comm.queue import CollectiveQueue, completed
 from gradzip.compressors import Compressor, Payload
 from gradzip.feedback import ErrorFeedback
@@ -32,16 +37,21 @@ def predivide(payload: Payload, world_size: int) -> tuple[Tensor, ...]:
 
 
 def decode_gathered(compressor: Compressor, payloads: Sequence[Payload], like: Tensor) -> Tensor:
-    """Mean of the decoded payloads of every rank, summed in rank order.
+    """Mean of the decoded payloads of every rank, each divided by their number, summed in rank order.
+
+    Dividing before summing keeps values near the dtype's maximum from overflowing.
 
     Args:
         payloads: one per rank, rank 0 first.
         like: gives the output shape, dtype and device.
     """
-    total = compressor.decompress(payloads[0], like=like).clone()
+    world_size = len(payloads)
+    total = compressor.decompress(payloads[0], like=like).div(world_size)
     for payload in payloads[1:]:
-        total += compressor.decompress(payload, like=like)
-    return total.div_(len(payloads))
+        total += compressor.decompress(payload, like=like).div(world_size)
+    if not guard.is_finite(total):
+        guard.saturate_(total)  # the summands are finite: only rounding past the maximum gets here
+    return total
 
 
 class CompressedReducer:
@@ -83,9 +93,12 @@ class CompressedReducer:
         self.group = group
         self.collective = collective
         use_feedback = compressor.error_feedback if error_feedback is None else error_feedback
-        self.feedback = ErrorFeedback() if use_feedback else None
+        # Residual updates are staged until the step is known to be finite on every rank.
+        self.feedback = ErrorFeedback(deferred=True) if use_feedback else None
         self.queue = queue or CollectiveQueue()
         self.metrics = metrics or StepMetrics()
+        self.ledger = guard.StepLedger()
+        self._codec_snapshot: dict[str, Any] | None = None
 
     def uses_allreduce(self) -> bool:
         """Whether payloads are summed by all_reduce (else gathered)."""
@@ -103,8 +116,11 @@ class CompressedReducer:
             shapes: ignored (single-round codecs see the flat tensor).
 
         Returns:
-            a future whose value is the mean, with ``grad``'s shape and dtype.
+            a future whose value is the mean, with ``grad``'s shape and dtype; all NaN on every
+            rank if ``grad`` held inf or NaN on any rank (see :mod:`gradzip.comm.guard`). The
+            future carries the collective's error if the collective failed.
         """
+        self._begin(key, step)
         world_size = dist.get_world_size(self.group)
         dense_bytes = grad.numel() * grad.element_size()
         if grad.numel() == 0:
@@ -113,18 +129,56 @@ class CompressedReducer:
             return self._reduce_dense(key, grad, world_size)
 
         with self.metrics.timed("compress_s"):
-            compensated = grad if self.feedback is None else self.feedback.compensate(key, grad, step=step)
-            payload = self.compressor.compress(compensated, step=step, key=key)
-            if self.feedback is not None:
-                decoded = self.compressor.decompress(payload, like=compensated)
-                self.feedback.update(key, compensated, decoded, step=step)
+            payload, sendable = self._encode(key, grad, step)
         assert payload.nbytes == self.compressor.payload_nbytes(grad.numel(), grad.dtype), (
             f"{self.compressor.name}: payload of {payload.nbytes} bytes, formula says "
             f"{self.compressor.payload_nbytes(grad.numel(), grad.dtype)}"
         )
+        wire_tensors = payload.tensors
+        if not guard.has_float(wire_tensors):
+            wire_tensors = wire_tensors + (guard.flag(not sendable, grad.device),)
         if self.uses_allreduce():
-            return self._all_reduce(key, payload, grad, world_size, dense_bytes)
-        return self._all_gather(key, payload, grad, world_size, dense_bytes)
+            return self._all_reduce(key, payload, wire_tensors, grad, world_size, dense_bytes)
+        return self._all_gather(key, payload, wire_tensors, grad, world_size, dense_bytes)
+
+    def _encode(self, key: Hashable, grad: Tensor, step: int) -> tuple[Payload, bool]:
+        """The payload to send and whether it is real (False: NaN-marked, the input was not finite)."""
+        compensated = grad if self.feedback is None else self.feedback.compensate(key, grad, step=step)
+        compensated, sendable = guard.checked_input(grad, compensated)
+        if not sendable:
+            # Codecs need not accept inf or NaN: encode zeros for the payload's shapes, then mark it.
+            blank = self.compressor.compress(torch.zeros_like(compensated), step=step, key=key)
+            return Payload(guard.poison(blank.tensors), blank.ctx), False
+        payload = self.compressor.compress(compensated, step=step, key=key)
+        if self.feedback is not None:
+            decoded = self.compressor.decompress(payload, like=compensated)
+            self.feedback.update(key, compensated, decoded, step=step)
+        return payload, True
+
+    def _begin(self, key: Hashable, step: int) -> None:
+        """Settle the previous step when a new one starts, and snapshot a stateful codec."""
+        self._settle(self.ledger.begin(key, step))
+        if len(self.ledger.keys) == 1:
+            state = self.compressor.state_dict()
+            self._codec_snapshot = guard.clone_state(state) if state else None
+
+    def _settle(self, verdict: bool | None) -> None:
+        if verdict is None:
+            return
+        if verdict and self.feedback is not None:
+            self.feedback.commit()
+        elif not verdict:
+            if self.feedback is not None:
+                self.feedback.discard()
+            if self._codec_snapshot is not None:
+                self.compressor.load_state_dict(self._codec_snapshot)
+        self._codec_snapshot = None
+
+    def settle(self) -> None:
+        """End the current step now: commit its staged updates, or drop them if any bucket of
+        the step was non-finite on some rank. ``reduce`` does this by itself when the next step
+        starts, and :meth:`state_dict` before it reads the state."""
+        self._settle(self.ledger.finish())
 
     def _launch(self, issue) -> Future:
         """Issue one collective with its in-flight time recorded."""
@@ -135,6 +189,8 @@ class CompressedReducer:
 
     def _reduce_dense(self, key: Hashable, grad: Tensor, world_size: int) -> Future:
         tensor = grad.div(world_size)
+        if not guard.is_finite(grad):
+            tensor.fill_(float("nan"))  # the marker; an inf alone could pass for an overflow
         self.metrics.add_bucket(
             key, payload_bytes=wire.nbytes([tensor]), dense_bytes=wire.nbytes([grad]),
             collective="allreduce", compressed=False,
@@ -143,10 +199,18 @@ class CompressedReducer:
         def launch() -> Future:
             return self._launch(lambda: dist.all_reduce(tensor, group=self.group, async_op=True).get_future())
 
-        return self.queue.submit(launch).then(lambda _f: tensor)
+        def finish(fut: Future) -> Tensor:
+            fut.value()  # re-raises a failed collective
+            return self._marker(tensor) if guard.received_marker([tensor]) else tensor
 
-    def _all_reduce(self, key, payload: Payload, grad: Tensor, world_size: int, dense_bytes: int) -> Future:
-        tensors = predivide(payload, world_size)
+        return self.queue.submit(launch).then(finish)
+
+    def _marker(self, like: Tensor) -> Tensor:
+        self.ledger.mark_nonfinite()
+        return guard.marker_like(like)
+
+    def _all_reduce(self, key, payload: Payload, wire_tensors, grad: Tensor, world_size: int, dense_bytes: int) -> Future:
+        tensors = predivide(Payload(wire_tensors), world_size)
         self.metrics.add_bucket(key, payload_bytes=wire.nbytes(tensors), dense_bytes=dense_bytes, collective="allreduce")
 
         def launch() -> Future:
@@ -156,14 +220,18 @@ class CompressedReducer:
 
             return self._launch(issue)
 
-        def decode(_fut: Future) -> Tensor:
+        def decode(fut: Future) -> Tensor:
+            fut.value()  # re-raises a failed collective
             with self.metrics.timed("decompress_s"):
-                return self.compressor.decompress(Payload(tensors, payload.ctx), like=grad)
+                if guard.received_marker(tensors):
+                    return self._marker(grad)
+                summed = Payload(tensors[: len(payload.tensors)], payload.ctx)
+                return self.compressor.decompress(summed, like=grad)
 
         return self.queue.submit(launch).then(decode)
 
-    def _all_gather(self, key, payload: Payload, grad: Tensor, world_size: int, dense_bytes: int) -> Future:
-        send = wire.to_bytes(payload.tensors)
+    def _all_gather(self, key, payload: Payload, wire_tensors, grad: Tensor, world_size: int, dense_bytes: int) -> Future:
+        send = wire.to_bytes(wire_tensors)
         recv = torch.empty(world_size * send.numel(), dtype=torch.uint8, device=send.device)
         self.metrics.add_bucket(key, payload_bytes=send.numel(), dense_bytes=dense_bytes, collective="allgather")
 
@@ -172,23 +240,32 @@ class CompressedReducer:
                 lambda: dist.all_gather_single(recv, send, group=self.group, async_op=True).get_future()
             )
 
-        def decode(_fut: Future) -> Tensor:
+        def decode(fut: Future) -> Tensor:
+            fut.value()  # re-raises a failed collective
             with self.metrics.timed("decompress_s"):
                 chunks = recv.view(world_size, -1)
-                payloads = [Payload(wire.from_bytes(chunks[r], payload.tensors), payload.ctx) for r in range(world_size)]
+                received = [wire.from_bytes(chunks[r], wire_tensors) for r in range(world_size)]
+                if any(guard.received_marker(tensors) for tensors in received):
+                    return self._marker(grad)
+                payloads = [Payload(tensors[: len(payload.tensors)], payload.ctx) for tensors in received]
                 return decode_gathered(self.compressor, payloads, grad)
 
         return self.queue.submit(launch).then(decode)
 
     def state_dict(self) -> dict[str, Any]:
-        """Codec and error-feedback state."""
+        """Codec and error-feedback state, after settling the step in progress."""
+        self.settle()
         return {
             "compressor": self.compressor.state_dict(),
             "feedback": None if self.feedback is None else self.feedback.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned (anything staged is dropped)."""
+        self.ledger = guard.StepLedger()
+        self._codec_snapshot = None
         self.compressor.load_state_dict(state["compressor"])
-        if self.feedback is not None and state["feedback"] is not None:
-            self.feedback.load_state_dict(state["feedback"])
+        if self.feedback is not None:
+            self.feedback.discard()
+            if state["feedback"] is not None:
+                self.feedback.load_state_dict(state["feedback"])

@@ -68,7 +68,19 @@ class TrainConfig:
     Replicas drift apart; use only to measure time."""
 
     timeout_s: float = 300.0
-    """Timeout of every collective: a dead or hung worker stops the others after this long."""
+    """Timeout of every collective: a hung worker stops the others after this long (a worker
+    that dies is noticed at once, as its connections close)."""
+
+    checkpoint_every: int = 0
+    """Steps between checkpoints (0: only the final one)."""
+
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept, the newest; 0 keeps all. Two leave one to fall back on if the
+    newest is damaged."""
+
+    resume: str | None = None
+    """A run folder (its newest complete checkpoint) or one checkpoint folder to continue from,
+    bit-identically to a run that was never interrupted."""
 
     backend: str = "auto"
     """``gloo``, ``nccl`` or ``auto`` (nccl when CUDA is available)."""
@@ -106,6 +118,8 @@ class TrainConfig:
             "warmup_steps": (0, None),
             "seed": (0, 2**63 - 1),
             "threads": (0, 1024),
+            "checkpoint_every": (0, None),
+            "keep_checkpoints": (0, None),
         }
         for name, (low, high) in ints.items():
             value = getattr(self, name)
@@ -122,6 +136,8 @@ class TrainConfig:
             raise ValueError(f"--n-embd ({self.n_embd}) must be divisible by --n-head ({self.n_head})")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"--backend must be auto, gloo or nccl; got {self.backend!r}")
+        if self.resume is not None and not os.path.isdir(self.resume):
+            raise FileNotFoundError(f"--resume: no such folder: {self.resume}")
         if self.data is not None:
             if not os.path.exists(self.data):
                 raise FileNotFoundError(f"--data: no such file: {self.data}")

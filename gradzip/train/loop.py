@@ -1,8 +1,10 @@
 """The main job's worker: one rank of data-parallel training with a compressed DDP hook.
 
 Read top to bottom: set up the process group, data, model, DDP with the hook and the optimizer;
-measure compute alone; train with a validation pass every ``eval_every`` steps; save a
-checkpoint; rank 0 writes the metrics, the summary and the plot.
+restore a checkpoint when resuming; measure compute alone; train with a validation pass every
+``eval_every`` steps, skipping on every rank a step whose gradient is not finite on some rank,
+and a checkpoint every ``checkpoint_every`` steps; save the final checkpoint; rank 0 writes the
+metrics, the summary and the plot.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from gradzip.train import report
-from gradzip.train.checkpoint import save_checkpoint
+from gradzip.train import faults, report
+from gradzip.train.checkpoint import Progress, find_checkpoint, restore_training_state, save_training_state
 from gradzip.train.config import TrainConfig
 from gradzip.train.data import Corpus, batch_generator, sample_batch, val_batches
 from gradzip.train.hooks import is_torch_hook, make_hook
@@ -72,19 +74,45 @@ def measure_compute(ddp: DDP, corpus: Corpus, cfg: TrainConfig, device) -> float
     return report.median(times)
 
 
+def settle_buckets(ddp: DDP, corpus: Corpus, cfg: TrainConfig, device) -> None:
+    """One synced forward + backward with DDP's own all_reduce, before the hook is registered.
+
+    DDP rebuilds its buckets after its first synced backward. Doing that here gives every step,
+    the first one included, the final bucket layout, so state keyed by bucket (error feedback,
+    PowerSGD factors) always meets the buckets it was made for, also in a run resumed at any step.
+    The gradients are dropped; the model is unchanged.
+    """
+    gen = batch_generator(cfg.seed + 2, dist.get_rank())
+    x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, gen)
+    ddp(input_ids=x.to(device), labels=y.to(device)).loss.backward()
+    ddp.zero_grad(set_to_none=True)
+
+
 def train_worker(cfg: TrainConfig) -> dict[str, Any] | None:
     """Run one rank. The process group is read from the environment (``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT``), as torchrun and gradzip's launcher set it.
+    ``MASTER_ADDR``, ``MASTER_PORT``), as torchrun and gradzip's launcher set it, unless one is
+    already initialised (then it is used and left open).
 
     Returns:
         the summary on rank 0, None elsewhere.
+
+    Raises:
+        faults.PeerLost: when another rank died or stopped responding (a one-line message).
     """
     backend = pick_backend(cfg)
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
     try:
-        return _train(cfg, backend)
+        return _train(cfg, dist.get_backend())
+    except RuntimeError as exc:
+        lost = faults.lost_peer(exc, rank=dist.get_rank(), world_size=dist.get_world_size(), step=None) if faults.is_lost_peer_error(exc) else None
+        if lost is None:
+            raise
+        raise lost from None
     finally:
-        dist.destroy_process_group()
+        if owns_group:
+            dist.destroy_process_group()
 
 
 def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
@@ -102,6 +130,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     corpus.check_fits(cfg.seq_len)
     model = build_model(cfg, corpus.vocab_size).to(device)
     ddp = DDP(model, bucket_cap_mb=cfg.bucket_cap_mb)
+    settle_buckets(ddp, corpus, cfg, device)
     hook_state, hook = make_hook(cfg.compressor)
     ddp.register_comm_hook(hook_state, hook)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -109,23 +138,38 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     data_gen = batch_generator(cfg.seed, rank)
     val = val_batches(corpus, cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
     tokens_per_step = world_size * cfg.batch_size * cfg.seq_len
+    state = dict(model=model, optimizer=optimizer, scheduler=scheduler, hook_state=hook_state, data_gen=data_gen)
 
-    # Starting point and the floor of the step time.
-    initial_val = evaluate(model, val, device)
+    # Starting point (step 0, or where the checkpoint left off) and the floor of the step time.
+    progress = Progress()
+    if cfg.resume:
+        folder, passed_over = find_checkpoint(cfg.resume)
+        progress = restore_training_state(folder, cfg, rank=rank, world_size=world_size, **state)
+        if is_main and cfg.progress:
+            print(f"resuming from {folder} (step {progress.step})" + "".join(f"; skipped {n}" for n in passed_over))
+    if progress.initial_val_loss is None:
+        progress.initial_val_loss = evaluate(model, val, device)
     compute_s = measure_compute(ddp, corpus, cfg, device)
 
-    log = report.RunLog(cfg.out) if is_main else None
-    bar = _progress(cfg, is_main)
-    train_start = time.perf_counter()
-    for step in range(cfg.steps):
+    log = report.RunLog(cfg.out, start_step=progress.step) if is_main else None
+    bar = _progress(cfg, is_main, progress.step)
+    fault_plan = faults.FaultPlan.from_env()  # test-only injection; empty unless GRADZIP_FAULTS is set
+    train_start = time.perf_counter() - progress.elapsed_s
+    for step in range(progress.step, cfg.steps):
+        fault_plan.at_step(model, rank=rank, step=step)
         x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
         step_start = time.perf_counter()
         with ddp.no_sync() if cfg.no_exchange else nullcontext():
             loss = ddp(input_ids=x.to(device), labels=y.to(device)).loss
             loss.backward()
         backward_end = time.perf_counter()
-        optimizer.step()
-        scheduler.step()
+        # Every rank holds the same averaged gradient, so all agree to skip a non-finite step.
+        finite = faults.gradients_finite(model)
+        if finite:
+            optimizer.step()
+            scheduler.step()
+        else:
+            progress.skipped_steps += 1
         optimizer.zero_grad(set_to_none=True)
         step_end = time.perf_counter()
 
@@ -146,29 +190,22 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
             "communicate_s": comm["communicate_s"],
             "uncompressed_buckets": comm["uncompressed_buckets"],
             "tokens": tokens_per_step * (step + 1),
+            "skipped": not finite,
         }
         if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
             record["val_loss"] = evaluate(model, val, device)
         if log is not None:
             log.write(record)
-            _update_progress(bar, record, tokens_per_step)
+            _update_progress(bar, record, tokens_per_step, progress.skipped_steps)
+        progress.step, progress.elapsed_s = step + 1, step_end - train_start
+        if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0 and progress.step < cfg.steps:
+            save_training_state(cfg, progress, rank=rank, world_size=world_size, **state)
 
     if bar is not None:
         bar.close()
     final_val = evaluate(model, val, device)
-    save_checkpoint(
-        cfg.out,
-        cfg.steps,
-        shared={
-            "step": cfg.steps,
-            "config": cfg.to_dict(),
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict(),
-        },
-        per_rank={"hook": hook_state.state_dict(), "data_generator": data_gen.get_state(), "rank": rank},
-        rank=rank,
-    )
+    progress.step = max(progress.step, cfg.steps)
+    save_training_state(cfg, progress, rank=rank, world_size=world_size, **state)
     if log is None:
         return None
     log.close()
@@ -183,13 +220,14 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
         batch_size=cfg.batch_size,
         seq_len=cfg.seq_len,
         seed=cfg.seed,
-        initial_val_loss=initial_val,
+        initial_val_loss=progress.initial_val_loss,
         final_val_loss=final_val,
         initial_train_loss=log.records[0]["loss"],
         final_train_loss=log.records[-1]["loss"],
         compute_s=compute_s,
     )
     summary["tokens_per_s"] = tokens_per_step / summary["step_s_median"] if summary["step_s_median"] else 0.0
+    summary["skipped_steps"] = sum(1 for r in log.records if r.get("skipped"))
     out = Path(cfg.out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     report.plot_losses(log.records, out / "loss.png", f"{summary['compressor']} on {world_size} workers")
@@ -199,15 +237,15 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     return summary
 
 
-def _progress(cfg: TrainConfig, is_main: bool):
+def _progress(cfg: TrainConfig, is_main: bool, start_step: int = 0):
     if not (is_main and cfg.progress):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=cfg.steps, desc=f"train {cfg.compressor}", unit="step", dynamic_ncols=True)
+    return tqdm(total=cfg.steps, initial=start_step, desc=f"train {cfg.compressor}", unit="step", dynamic_ncols=True)
 
 
-def _update_progress(bar, record: dict[str, Any], tokens_per_step: int) -> None:
+def _update_progress(bar, record: dict[str, Any], tokens_per_step: int, skipped_steps: int = 0) -> None:
     if bar is None:
         return
     postfix = {
@@ -217,5 +255,7 @@ def _update_progress(bar, record: dict[str, Any], tokens_per_step: int) -> None:
     }
     if "val_loss" in record:
         postfix["val"] = f"{record['val_loss']:.3f}"
+    if skipped_steps:
+        postfix["skipped"] = f"{skipped_steps} (non-finite gradient)"
     bar.set_postfix(postfix, refresh=False)
     bar.update(1)

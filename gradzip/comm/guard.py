@@ -1,0 +1,145 @@
+"""Non-finite gradients: every rank learns of them in the round that carries the payload.
+
+The contract every reducer keeps (tested for every registered codec on real gloo ranks):
+
+1. If the tensor handed to ``reduce`` holds inf or NaN on any rank, the result on every rank is
+   entirely NaN: the marker a training loop tests for to skip the step on all ranks together.
+   No extra collective and no extra byte is needed: the rank with the bad input sends a payload
+   whose floating tensors are NaN, and every rank checks the floating tensors it receives
+   (an all_reduce sum or every gathered payload) for NaN before decoding; the sum of the NaN
+   with anything stays NaN. Only a codec whose payload holds no floating tensor at all gets a
+   one-element fp16 flag beside it (2 bytes, counted).
+2. A step whose result was the marker leaves no trace in the reducer: error-feedback residuals,
+   PowerSGD's warm-start factors and codec state are staged during a step and committed only
+   when the next step starts (or on :meth:`settle`, or before ``state_dict``), and only if no
+   bucket of the step carried the marker.
+3. Finite input never becomes non-finite on the way: codecs saturate at their wire dtype's
+   largest finite value, payloads are divided by world_size before they are summed, a sum that
+   still overflows by rounding (an inf, never a NaN, as every summand is finite) is saturated,
+   and an error-compensated gradient that overflows where the gradient itself is finite is
+   saturated too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable
+
+import torch
+from torch import Tensor
+
+
+def is_finite(t: Tensor) -> bool:
+    """Whether every element of ``t`` is finite (True for an empty or integer tensor)."""
+    if t.numel() == 0 or not t.is_floating_point():
+        return True
+    return bool(torch.isfinite(t).all())
+
+
+def saturate(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """``t`` clamped to the finite range of ``dtype`` (default ``t.dtype``); NaN stays NaN."""
+    limit = torch.finfo(dtype or t.dtype).max
+    return t.clamp(-limit, limit)
+
+
+def checked_input(grad: Tensor, compensated: Tensor) -> tuple[Tensor, bool]:
+    """The tensor to compress and whether it may be sent.
+
+    Args:
+        grad: the gradient as handed to the reducer.
+        compensated: ``grad`` plus the error-feedback residual (or ``grad`` itself).
+
+    Returns:
+        ``(compensated, True)`` when it is finite; ``(saturated compensated, True)`` when only the
+        residual sum overflowed (``grad`` is finite: compression must not turn that into inf);
+        ``(compensated, False)`` when ``grad`` itself holds inf or NaN.
+    """
+    if is_finite(compensated):
+        return compensated, True
+    if compensated is not grad and is_finite(grad):
+        return saturate(compensated), True
+    return compensated, False
+
+
+def has_float(tensors: Iterable[Tensor]) -> bool:
+    """Whether any tensor is floating with at least one element (a place for the NaN marker)."""
+    return any(t.is_floating_point() and t.numel() > 0 for t in tensors)
+
+
+def poison(tensors: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    """Copies of ``tensors`` with every floating tensor filled with NaN (integer parts as they are)."""
+    return tuple(torch.full_like(t, float("nan")) if t.is_floating_point() else t for t in tensors)
+
+
+def received_marker(tensors: Iterable[Tensor]) -> bool:
+    """Whether a received payload (a sum over ranks, or one rank's gathered payload) carries the
+    NaN marker. An inf, which only a sum of finite values that overflowed can produce, is
+    saturated in place at the dtype's range instead."""
+    for t in tensors:
+        if is_finite(t):
+            continue
+        if bool(torch.isnan(t).any()):
+            return True
+        saturate_(t)
+    return False
+
+
+def saturate_(t: Tensor) -> Tensor:
+    """Replace +-inf in ``t`` by the dtype's largest finite value, in place; NaN stays NaN."""
+    limit = torch.finfo(t.dtype).max
+    return t.nan_to_num_(nan=float("nan"), posinf=limit, neginf=-limit)
+
+
+def flag(bad: bool, device: torch.device | str = "cpu") -> Tensor:
+    """The one-element fp16 flag sent beside payloads that have no floating tensor: 0 or NaN."""
+    return torch.full((1,), float("nan") if bad else 0.0, dtype=torch.float16, device=device)
+
+
+def marker_like(t: Tensor) -> Tensor:
+    """The result a reducer returns for a step some rank could not send: all NaN, ``t``'s shape."""
+    return torch.full_like(t, float("nan"))
+
+
+class StepLedger:
+    """Which step a reducer's staged updates belong to, and whether that step stays.
+
+    ``begin(key, step)`` is called at the start of every ``reduce``. When it returns a verdict the
+    previous step is over: True to commit its staged updates, False to discard them. A step is
+    over when a later step number arrives or when a key comes back within the same step number
+    (a caller that reuses step numbers); ``finish()`` ends the current step explicitly.
+    """
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.keys: set[Hashable] = set()
+        self.finite = True
+
+    def begin(self, key: Hashable, step: int) -> bool | None:
+        verdict = None
+        if self.step is not None and (step != self.step or key in self.keys):
+            verdict = self.finish()
+        self.step = step
+        self.keys.add(key)
+        return verdict
+
+    def mark_nonfinite(self) -> None:
+        """Some bucket of the current step carried the marker: its updates will be discarded."""
+        self.finite = False
+
+    def finish(self) -> bool | None:
+        """End the current step; returns its verdict (None if no step was open)."""
+        if self.step is None:
+            return None
+        verdict = self.finite
+        self.step, self.keys, self.finite = None, set(), True
+        return verdict
+
+
+def clone_state(state):
+    """A deep copy of a state dict's tensors (containers rebuilt, other values shared)."""
+    if isinstance(state, Tensor):
+        return state.detach().clone()
+    if isinstance(state, dict):
+        return {k: clone_state(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(clone_state(v) for v in state)
+    return state
