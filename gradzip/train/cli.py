@@ -86,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
     except WorkerFailed as exc:
         import sys
 
-        print(f"gradzip: {exc}", file=sys.stderr)
+        from gradzip.cli import one_line
+
+        print(f"gradzip: {one_line(exc)}", file=sys.stderr)
         return 1
     return 0

@@ -126,16 +126,22 @@ class TrainConfig:
             bound = f"[{low}, {high}]" if high is not None else f">= {low}"
             if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer {bound}; got {value!r}")
-        for name in ("lr", "bucket_cap_mb", "timeout_s"):
+        for name, high in (("lr", None), ("bucket_cap_mb", 1e5), ("timeout_s", 1e6)):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be a number > 0; got {value!r}")
+            bound = f"in (0, {high:g}]" if high else "> 0"
+            if (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or value <= 0 or (high and value > high)
+            ):
+                raise ValueError(f"--{name.replace('_', '-')} must be a number {bound}; got {value!r}")
         if not (isinstance(self.weight_decay, (int, float)) and 0 <= self.weight_decay < 1):
             raise ValueError(f"--weight-decay must be in [0, 1); got {self.weight_decay!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"--n-embd ({self.n_embd}) must be divisible by --n-head ({self.n_head})")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"--backend must be auto, gloo or nccl; got {self.backend!r}")
+        if os.path.exists(self.out) and not os.path.isdir(self.out):
+            raise ValueError(f"--out must be a folder; {self.out} is a file")
         if self.resume is not None and not os.path.isdir(self.resume):
             raise FileNotFoundError(f"--resume: no such folder: {self.resume}")
         if self.data is not None:

@@ -127,7 +127,15 @@ EXIT_LOST_PEER = 75
 
 
 class PeerLost(RuntimeError):
-    """This rank stopped because another rank died or stopped responding (one-line message)."""
+    """This rank stopped because another rank died or stopped responding (one-line message).
+
+    Attributes:
+        silent: the ranks that did not answer the roll call (None: the store was unreachable).
+    """
+
+    def __init__(self, message: str, silent: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.silent = silent
 
 
 def leave(message: str, code: int = EXIT_LOST_PEER) -> None:
@@ -192,4 +200,4 @@ def lost_peer(exc: BaseException, *, rank: int, world_size: int, step: int | Non
         who = "the rendezvous store is unreachable"
     else:
         who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped responding"
-    return PeerLost(f"rank {rank} stopped{where}: {who} ({short_cause(exc)})")
+    return PeerLost(f"rank {rank} stopped{where}: {who} ({short_cause(exc)})", silent)

@@ -12,6 +12,7 @@ to resume from.
 
 from __future__ import annotations
 
+import json
 import multiprocessing.connection
 import os
 import signal
@@ -59,18 +60,30 @@ def _spawned(local_rank: int, cfg: TrainConfig, port: int, status_dir: str) -> N
         train_worker(cfg)
         dist.destroy_process_group()
     except PeerLost as exc:
-        _write_status(status_dir, local_rank, f"lost {exc}")
+        _write_status(status_dir, local_rank, {"kind": "lost", "message": str(exc), "silent": exc.silent or []})
         leave(str(exc))
     except Exception as exc:
         lines = str(exc).strip().splitlines()
-        _write_status(status_dir, local_rank, f"error {type(exc).__name__}: {lines[-1] if lines else ''}")
+        message = f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+        _write_status(status_dir, local_rank, {"kind": "error", "message": message})
         raise
 
 
-def _write_status(status_dir: str, rank: int, line: str) -> None:
-    """Leave this worker's one-line account of its failure for the launcher."""
-    with open(os.path.join(status_dir, f"rank-{rank}.txt"), "w") as f:
-        f.write(line.replace("\n", " ") + "\n")
+def _write_status(status_dir: str, rank: int, status: dict) -> None:
+    """Leave this worker's account of its failure for the launcher (written whole, then renamed)."""
+    path = os.path.join(status_dir, f"rank-{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(status, f)
+    os.replace(path + ".tmp", path)
+
+
+def _read_status(status_dir: str, rank: int) -> dict:
+    path = os.path.join(status_dir, f"rank-{rank}.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
 def launch(cfg: TrainConfig) -> dict[str, Any] | None:
@@ -92,7 +105,21 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
         from gradzip.train.loop import train_worker
 
         return train_worker(cfg)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=cfg.timeout_s))
+    spawn_workers(cfg)
+    from pathlib import Path
+
+    summary_path = Path(cfg.out) / "summary.json"
+    return json.loads(summary_path.read_text()) if summary_path.exists() else None
+
+
+def spawn_workers(cfg: TrainConfig) -> None:
+    """Run ``cfg.world_size`` local workers to the end.
+
+    Raises:
+        WorkerFailed: if a worker fails (the others stopped, none left running).
+    """
+    timeout = timedelta(seconds=cfg.timeout_s)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
     with tempfile.TemporaryDirectory(prefix="gradzip-workers-") as status_dir:
         ctx = mp.start_processes(
             _spawned, args=(cfg, store.port, status_dir), nprocs=cfg.world_size, join=False, start_method="spawn"
@@ -106,11 +133,6 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
             raise
     if failure is not None:
         raise WorkerFailed(failure + _resume_hint(cfg.out)) from None
-    import json
-    from pathlib import Path
-
-    summary_path = Path(cfg.out) / "summary.json"
-    return json.loads(summary_path.read_text()) if summary_path.exists() else None
 
 
 def wait_for_workers(procs, status_dir: str, grace_s: float) -> str | None:
@@ -128,8 +150,8 @@ def wait_for_workers(procs, status_dir: str, grace_s: float) -> str | None:
     if not any(proc.exitcode not in (None, 0) for proc in procs):
         return None
     deadline = time.monotonic() + grace_s
-    for proc in procs:
-        proc.join(max(0.0, deadline - time.monotonic()))
+    while time.monotonic() < deadline and not _only_silent_alive(procs, status_dir):
+        multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=0.2)
     stopped = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
     for rank in stopped:
         procs[rank].terminate()
@@ -141,18 +163,27 @@ def wait_for_workers(procs, status_dir: str, grace_s: float) -> str | None:
     return _diagnose(procs, status_dir, stopped)
 
 
+def _only_silent_alive(procs, status_dir: str) -> bool:
+    """Whether every worker still running is one the others found silent in their roll call (a
+    hung worker: no reason to wait for it)."""
+    alive = {rank for rank, proc in enumerate(procs) if proc.is_alive()}
+    silent = set()
+    for rank, proc in enumerate(procs):
+        if not proc.is_alive():
+            silent.update(_read_status(status_dir, rank).get("silent", []))
+    return alive <= silent
+
+
 def _diagnose(procs, status_dir: str, stopped: list[int]) -> str:
     died, raised, lost = [], [], []
     for rank, proc in enumerate(procs):
         if rank in stopped or proc.exitcode == 0:
             continue
-        path = os.path.join(status_dir, f"rank-{rank}.txt")
-        status = open(path).read().strip() if os.path.exists(path) else ""
-        kind, _, text = status.partition(" ")
-        if kind == "lost":
-            lost.append(f"worker {text}")
-        elif kind == "error":
-            raised.append(f"worker rank {rank} failed: {text}")
+        status = _read_status(status_dir, rank)
+        if status.get("kind") == "lost":
+            lost.append(f"worker {status['message']}")
+        elif status.get("kind") == "error":
+            raised.append(f"worker rank {rank} failed: {status['message']}")
         else:
             died.append(f"worker rank {rank} died ({_exit_text(proc.exitcode)})")
     first = (died + raised + lost + ["a worker failed"])[0]
