@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_run import same
 
 import gradzip
 from gradzip.comm import make_reducer
@@ -105,16 +106,6 @@ def _reduce(reducer, step: int, grads: dict[int, torch.Tensor]) -> dict[int, tor
     return {key: fut.wait().clone() for key, fut in futures.items()}
 
 
-def _same_state(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 def _nonfinite_worker(rank: int, world_size: int, specs: list[tuple[str, str]]) -> dict:
     report = {}
     for spec, collective in specs:
@@ -151,9 +142,9 @@ def _nonfinite_worker(rank: int, world_size: int, specs: list[tuple[str, str]]) 
             extremes[case] = _reduce(fresh, 0, {0: x})[0]
         report[f"{spec}/{collective}"] = {
             "bad_bucket_all_nan": bool(torch.isnan(out1[0]).all()) and bool(torch.isnan(out2[1]).all()),
-            "state_unchanged": _same_state(before, after),
+            "state_unchanged": same(before, after),
             "next_step_equal_to_twin": all(torch.equal(out3[k], ref3[k]) for k in out3),
-            "state_equal_to_twin": _same_state(reducer.state_dict(), twin.state_dict()),
+            "state_equal_to_twin": same(reducer.state_dict(), twin.state_dict()),
             "out3": out3,
             "extremes_finite": {case: bool(torch.isfinite(t).all()) for case, t in extremes.items()},
             "extremes": extremes,

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from tiny_run import load, same, tiny_config, without_plots, write_corpus
 
 from gradzip.cli import main
 from gradzip.testing import run_ranks
 from gradzip.train.checkpoint import NoUsableCheckpoint, find_checkpoint, save_checkpoint
 from gradzip.train.loop import train_worker
-from tiny_run import load, same, tiny_config, without_plots, write_corpus
 
 SPECS = ["powersgd:approx_rank=4", "topk:ratio=0.1"]  # the default codec; a sparse codec with error feedback
 STEPS = 6

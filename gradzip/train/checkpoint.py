@@ -310,3 +310,20 @@ def restore_training_state(
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ValueError(f"--resume: {folder} does not fit this run: {first}") from None
     return Progress(**shared["progress"])
+
+
+def resume(cfg, *, rank: int, world_size: int, model, optimizer, scheduler, hook_state, data_gen) -> Progress:
+    """Find the checkpoint ``cfg.resume`` names and load it into this rank's live objects; rank 0
+    says which one (and which newer ones it passed over) when progress output is on.
+
+    Raises:
+        NoUsableCheckpoint, ValueError: as :func:`find_checkpoint` and :func:`restore_training_state`.
+    """
+    folder, passed_over = find_checkpoint(cfg.resume)
+    progress = restore_training_state(
+        folder, cfg, rank=rank, world_size=world_size, model=model, optimizer=optimizer,
+        scheduler=scheduler, hook_state=hook_state, data_gen=data_gen,
+    )
+    if rank == 0 and cfg.progress:
+        print(f"resuming from {folder} (step {progress.step})" + "".join(f"; passed over {n}" for n in passed_over))
+    return progress

@@ -8,7 +8,8 @@ on all of them: the step is skipped everywhere, with no extra collective.
 Lost workers: a worker that dies closes its connections and the others' next collective fails at
 once; a worker that hangs makes it fail after the collective timeout (``--timeout-s``). The
 survivors then hold a roll call in the rendezvous store to name the rank that is gone, and stop
-with :class:`PeerLost`, whose message is one line.
+with :class:`PeerLost`, whose message is one line. They wait up to ``ROLL_CALL_WAIT_S`` for each
+other, less where gradzip's launcher has already marked the silent ranks as gone.
 
 Fault injection, for tests and drills. It is inert unless the environment variable
 ``GRADZIP_FAULTS`` is set, to one or more specs joined by ``+`` (the codec spec grammar):
@@ -32,7 +33,7 @@ import torch.distributed as dist
 
 ENV = "GRADZIP_FAULTS"
 KINDS = ("exit", "hang", "nonfinite")
-ROLL_CALL_KEY = "gradzip/roll-call/"
+ROLL_CALL_WAIT_S = 5.0
 
 #: words in the errors of a collective whose peer died or timed out (gloo and NCCL)
 _LOST_PEER_WORDS = ("connection closed", "connection reset", "broken pipe", "timed out", "timeout", "peer")
@@ -160,19 +161,35 @@ def is_lost_peer_error(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(word in text for word in _LOST_PEER_WORDS)
 
 
+def roll_call_key(rank: int, what: str) -> str:
+    """Store key of ``rank``'s answer (``here``) or of the launcher's word that it is ``gone``;
+    per torchrun restart, as a restarted group reuses the store."""
+    return f"gradzip/roll-call/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{what}/{rank}"
+
+
+def rendezvous_store() -> dist.Store:
+    """The store the process group met in, without the group's key prefixes."""
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
 def missing_ranks(rank: int, world_size: int, wait_s: float) -> list[int] | None:
-    """Roll call in the rendezvous store: the ranks that did not check in within ``wait_s``.
+    """Roll call in the rendezvous store: the ranks that did not check in within ``wait_s``
+    (sooner when every silent rank is marked gone).
 
     Returns:
         the silent ranks (empty if all answered), or None if the store itself is unreachable.
     """
     try:
-        store = dist.distributed_c10d._get_default_store()
-        store.set(f"{ROLL_CALL_KEY}{rank}", "here")
+        store = rendezvous_store()
+        store.set(roll_call_key(rank, "here"), "1")
         deadline = time.monotonic() + wait_s
         while True:
-            silent = [r for r in range(world_size) if r != rank and not store.check([f"{ROLL_CALL_KEY}{r}"])]
-            if not silent or time.monotonic() > deadline:
+            silent = [r for r in range(world_size) if r != rank and not store.check([roll_call_key(r, "here")])]
+            gone = all(store.check([roll_call_key(r, "gone")]) for r in silent)
+            if not silent or gone or time.monotonic() > deadline:
                 return silent
             time.sleep(0.05)
     except Exception:  # noqa: BLE001 - an unreachable store is an answer too
@@ -189,15 +206,14 @@ def short_cause(exc: BaseException) -> str:
     return (lines[-1] if lines else type(exc).__name__)[:160]
 
 
-def lost_peer(exc: BaseException, *, rank: int, world_size: int, step: int | None, wait_s: float = 5.0) -> PeerLost | None:
+def lost_peer(exc: BaseException, *, rank: int, world_size: int, wait_s: float = ROLL_CALL_WAIT_S) -> PeerLost | None:
     """A :class:`PeerLost` naming the rank that is gone, or None if every rank answered (then
     ``exc`` is not about a lost worker and should propagate as it is)."""
     silent = missing_ranks(rank, world_size, wait_s)
     if silent == []:
         return None
-    where = f" at step {step}" if step is not None else ""
     if silent is None:
         who = "the rendezvous store is unreachable"
     else:
         who = f"rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} stopped responding"
-    return PeerLost(f"rank {rank} stopped{where}: {who} ({short_cause(exc)})", silent)
+    return PeerLost(f"rank {rank} stopped: {who} ({short_cause(exc)})", silent)

@@ -125,7 +125,7 @@ def spawn_workers(cfg: TrainConfig) -> None:
             _spawned, args=(cfg, store.port, status_dir), nprocs=cfg.world_size, join=False, start_method="spawn"
         )
         try:
-            failure = wait_for_workers(ctx.processes, status_dir, GRACE_S)
+            failure = wait_for_workers(ctx.processes, status_dir, GRACE_S, store)
         except KeyboardInterrupt:
             for proc in ctx.processes:
                 if proc.is_alive():
@@ -135,9 +135,10 @@ def spawn_workers(cfg: TrainConfig) -> None:
         raise WorkerFailed(failure + _resume_hint(cfg.out)) from None
 
 
-def wait_for_workers(procs, status_dir: str, grace_s: float) -> str | None:
+def wait_for_workers(procs, status_dir: str, grace_s: float, store: dist.Store | None = None) -> str | None:
     """Wait for every worker; after the first failure give the rest ``grace_s`` seconds to stop
-    by themselves, then SIGTERM, then SIGKILL, so no process is left running.
+    by themselves, then SIGTERM, then SIGKILL, so no process is left running. Workers that have
+    exited are marked gone in ``store``, so the survivors' roll call need not wait for them.
 
     Returns:
         None if all succeeded, else one line naming the rank at fault: one that died (exited
@@ -151,6 +152,8 @@ def wait_for_workers(procs, status_dir: str, grace_s: float) -> str | None:
         return None
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and not _only_silent_alive(procs, status_dir):
+        if store is not None:
+            _mark_gone(procs, store)
         multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=0.2)
     stopped = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
     for rank in stopped:
@@ -161,6 +164,14 @@ def wait_for_workers(procs, status_dir: str, grace_s: float) -> str | None:
             procs[rank].kill()
             procs[rank].join()
     return _diagnose(procs, status_dir, stopped)
+
+
+def _mark_gone(procs, store: dist.Store) -> None:
+    from gradzip.train.faults import roll_call_key
+
+    for rank, proc in enumerate(procs):
+        if not proc.is_alive():
+            store.set(roll_call_key(rank, "gone"), str(proc.exitcode))
 
 
 def _only_silent_alive(procs, status_dir: str) -> bool:

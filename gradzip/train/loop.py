@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradzip.train import faults, report
-from gradzip.train.checkpoint import Progress, find_checkpoint, restore_training_state, save_training_state
+from gradzip.train.checkpoint import Progress, resume, save_training_state
 from gradzip.train.config import TrainConfig
 from gradzip.train.data import Corpus, batch_generator, sample_batch, val_batches
 from gradzip.train.hooks import is_torch_hook, make_hook
@@ -106,7 +106,9 @@ def train_worker(cfg: TrainConfig) -> dict[str, Any] | None:
     try:
         return _train(cfg, dist.get_backend())
     except RuntimeError as exc:
-        lost = faults.lost_peer(exc, rank=dist.get_rank(), world_size=dist.get_world_size(), step=None) if faults.is_lost_peer_error(exc) else None
+        if not faults.is_lost_peer_error(exc):
+            raise
+        lost = faults.lost_peer(exc, rank=dist.get_rank(), world_size=dist.get_world_size())
         if lost is None:
             raise
         raise lost from None
@@ -141,12 +143,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, hook_state=hook_state, data_gen=data_gen)
 
     # Starting point (step 0, or where the checkpoint left off) and the floor of the step time.
-    progress = Progress()
-    if cfg.resume:
-        folder, passed_over = find_checkpoint(cfg.resume)
-        progress = restore_training_state(folder, cfg, rank=rank, world_size=world_size, **state)
-        if is_main and cfg.progress:
-            print(f"resuming from {folder} (step {progress.step})" + "".join(f"; skipped {n}" for n in passed_over))
+    progress = resume(cfg, rank=rank, world_size=world_size, **state) if cfg.resume else Progress()
     if progress.initial_val_loss is None:
         progress.initial_val_loss = evaluate(model, val, device)
     compute_s = measure_compute(ddp, corpus, cfg, device)
@@ -204,7 +201,6 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     if bar is not None:
         bar.close()
     final_val = evaluate(model, val, device)
-    progress.step = max(progress.step, cfg.steps)
     save_training_state(cfg, progress, rank=rank, world_size=world_size, **state)
     if log is None:
         return None
@@ -227,7 +223,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
         compute_s=compute_s,
     )
     summary["tokens_per_s"] = tokens_per_step / summary["step_s_median"] if summary["step_s_median"] else 0.0
-    summary["skipped_steps"] = sum(1 for r in log.records if r.get("skipped"))
+    summary["skipped_steps"] = progress.skipped_steps
     out = Path(cfg.out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     report.plot_losses(log.records, out / "loss.png", f"{summary['compressor']} on {world_size} workers")
