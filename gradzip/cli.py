@@ -15,6 +15,7 @@ import sys
 COMMANDS = [
     "gradzip.train.cli",
     "gradzip.listing",
+    "gradzip.simulate.cli",
 ]
 
 

@@ -3,7 +3,9 @@
     ddp_model.register_comm_hook(gradzip.CompressionState("topk:ratio=0.01"), gradzip.compression_hook)
 
 Buckets are keyed by ``bucket.index()``; the step counter advances after the last bucket of each
-backward pass, as in PyTorch's ``powerSGD_hook``.
+backward pass, as in PyTorch's ``powerSGD_hook``. Buckets below ``min_compress_bytes`` are held
+back and sent fused, uncompressed, with the last bucket of the pass (see
+:mod:`gradzip.comm.reducer`).
 """
 
 
@@ -25,10 +27,14 @@ class CompressionState:
         compressor: a spec such as ``"powersgd:approx_rank=4"`` or a built codec.
         process_group: None for the default group.
         error_feedback: override the codec's default.
-        collective: ``auto``, ``allreduce`` or ``allgather`` (single-round codecs).
+        collective: ``auto`` (by bytes), ``allreduce``, ``allgather`` or ``twophase``
+            (single-round codecs; see :mod:`gradzip.comm.traffic`).
+        min_compress_bytes: buckets with fewer raw bytes travel uncompressed, fused into one
+            all_reduce per backward pass (single-round codecs); an integer >= 0.
 
     Raises:
-        ValueError: for a bad spec or collective (at construction, before training starts).
+        ValueError: for a bad spec, collective or threshold (at construction, before training
+            starts).
 
     Pickles without its process group (it uses the default group after unpickling), and
     carries its reducer's residuals in :meth:`state_dict`.
@@ -41,11 +47,13 @@ class CompressionState:
         process_group: dist.ProcessGroup | None = None,
         error_feedback: bool | None = None,
         collective: str = "auto",
+        min_compress_bytes: int = 0,
     ) -> None:
         self.compressor = build(compressor)
         self.process_group = process_group
         self.error_feedback = error_feedback
         self.collective = collective
+        self.min_compress_bytes = min_compress_bytes
         self.step = 0
         self.metrics = StepMetrics()
         self.reducer: Reducer = self._make_reducer()
@@ -56,6 +64,7 @@ class CompressionState:
             group=self.process_group,
             error_feedback=self.error_feedback,
             collective=self.collective,
+            min_compress_bytes=self.min_compress_bytes,
             queue=CollectiveQueue(),
             metrics=self.metrics,
         )
@@ -82,11 +91,15 @@ class CompressionState:
             "compressor": self.compressor.spec,
             "error_feedback": self.error_feedback,
             "collective": self.collective,
+            "min_compress_bytes": self.min_compress_bytes,
             "state": self.state_dict(),
         }
 
     def __setstate__(self, data: dict[str, Any]) -> None:
-        self.__init__(data["compressor"], error_feedback=data["error_feedback"], collective=data["collective"])
+        self.__init__(
+            data["compressor"], error_feedback=data["error_feedback"], collective=data["collective"],
+            min_compress_bytes=data.get("min_compress_bytes", 0),
+        )
         self.load_state_dict(data["state"])
 
 
@@ -101,7 +114,8 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         a future whose value is the averaged flat bucket (same shape and dtype).
     """
     shapes = [g.shape for g in bucket.gradients()]
-    fut = state.reducer.reduce(bucket.index(), bucket.buffer(), step=state.step, shapes=shapes)
-    if bucket.is_last():
+    last = bucket.is_last()
+    fut = state.reducer.reduce(bucket.index(), bucket.buffer(), step=state.step, shapes=shapes, flush=last)
+    if last:
         state.step += 1
     return fut

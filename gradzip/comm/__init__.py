@@ -1,7 +1,9 @@
 """Reducers: the mean over a process group of compressed tensors.
 
 :func:`make_reducer` picks the reducer from the codec's declared properties: multi-round
-codecs (PowerSGD) bring their own; single-round codecs use :class:`CompressedReducer`.
+codecs (PowerSGD) bring their own; single-round codecs use :class:`CompressedReducer`, which
+picks a collective per bucket by bytes (:mod:`gradzip.comm.traffic`): all_reduce, all_gather,
+the two-phase compressed all_reduce (:mod:`gradzip.comm.twophase`) or dense.
 """
 
 from __future__ import annotations
@@ -14,14 +16,22 @@ from torch.futures import Future
 
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.comm.reducer import CompressedReducer
+from gradzip.comm.traffic import COLLECTIVES
+from gradzip.comm.twophase import TwoPhaseAllReduce
 from gradzip.compressors import Compressor, build
 from gradzip.metrics import StepMetrics
 
 
 class Reducer(Protocol):
-    """Averages a tensor over a process group, asynchronously."""
+    """Averages a tensor over a process group, asynchronously.
 
-    def reduce(self, key, grad: Tensor, *, step: int, shapes=None) -> Future: ...
+    ``flush=False`` lets a reducer hold a small tensor back to send it fused with later ones;
+    ``flush()`` (or a later ``reduce`` with ``flush=True``) sends whatever is held.
+    """
+
+    def reduce(self, key, grad: Tensor, *, step: int, shapes=None, flush: bool = True) -> Future: ...
+
+    def flush(self) -> None: ...
 
     def state_dict(self) -> dict: ...
 
@@ -34,30 +44,42 @@ def make_reducer(
     group: dist.ProcessGroup | None = None,
     error_feedback: bool | None = None,
     collective: str = "auto",
+    min_compress_bytes: int = 0,
     queue: CollectiveQueue | None = None,
     metrics: StepMetrics | None = None,
 ) -> Reducer:
     """Build the reducer for ``compressor`` (a spec string or a built codec).
 
+    ``make_reducer("efsignsgd", collective="twophase").reduce(key, tensor, step=step)`` is the
+    two-phase compressed all_reduce of any tensor, with worker- and server-side error feedback.
+
     Args:
         compressor: e.g. ``"topk:ratio=0.01"``.
         group: process group; None for the default group.
         error_feedback: override the codec's default (single-round codecs only).
-        collective: ``auto``, ``allreduce`` or ``allgather`` (single-round codecs only).
+        collective: ``auto``, ``allreduce``, ``allgather`` or ``twophase`` (single-round codecs;
+            multi-round codecs take only ``auto``).
+        min_compress_bytes: tensors with fewer raw bytes travel uncompressed, fused (single-round
+            codecs; an integer >= 0).
         queue: the group's ordered launch queue; share one among all reducers of a group.
         metrics: collects bytes and times.
 
     Raises:
-        ValueError: for a bad spec or an impossible collective.
+        ValueError: for a bad spec, an impossible collective or a negative ``min_compress_bytes``.
     """
     codec = build(compressor)
     if codec.multi_round:
         from gradzip.comm.powersgd import PowerSGDReducer
 
+        if collective != "auto":
+            raise ValueError(f"collective must be auto for {codec.name}, which brings its own rounds; got {collective!r}")
+        if min_compress_bytes:
+            raise ValueError(f"min_compress_bytes applies to single-round codecs, not {codec.name}; got {min_compress_bytes!r}")
         return PowerSGDReducer(codec, group=group, queue=queue, metrics=metrics)
     return CompressedReducer(
-        codec, group=group, error_feedback=error_feedback, collective=collective, queue=queue, metrics=metrics
+        codec, group=group, error_feedback=error_feedback, collective=collective,
+        min_compress_bytes=min_compress_bytes, queue=queue, metrics=metrics,
     )
 
 
-__all__ = ["CollectiveQueue", "CompressedReducer", "Reducer", "make_reducer"]
+__all__ = ["COLLECTIVES", "CollectiveQueue", "CompressedReducer", "Reducer", "TwoPhaseAllReduce", "make_reducer"]

@@ -8,7 +8,7 @@ The contract every reducer keeps (tested for every registered codec on real gloo
    whose floating tensors are NaN, and every rank checks the floating tensors it receives
    (an all_reduce sum or every gathered payload) for NaN before decoding; the sum of the NaN
    with anything stays NaN. Only a codec whose payload holds no floating tensor at all gets a
-   one-element fp16 flag beside it (2 bytes, counted).
+   one-element fp16 slot beside it (:class:`MarkerSlot`, 2 bytes, counted).
 2. A step whose result was the marker leaves no trace in the reducer: error-feedback residuals,
    PowerSGD's warm-start factors and codec state are staged during a step and committed only
    when the next step starts (or on :meth:`settle`, or before ``state_dict``), and only if no
@@ -22,10 +22,14 @@ The contract every reducer keeps (tested for every registered codec on real gloo
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Hashable, Iterable
+from typing import Any
 
 import torch
 from torch import Tensor
+
+from gradzip.compressors import Compressor, Payload
 
 
 def is_finite(t: Tensor) -> bool:
@@ -89,9 +93,47 @@ def saturate_(t: Tensor) -> Tensor:
     return t.nan_to_num_(nan=float("nan"), posinf=limit, neginf=-limit)
 
 
-def flag(bad: bool, device: torch.device | str = "cpu") -> Tensor:
-    """The one-element fp16 flag sent beside payloads that have no floating tensor: 0 or NaN."""
-    return torch.full((1,), float("nan") if bad else 0.0, dtype=torch.float16, device=device)
+class MarkerSlot(Compressor):
+    """A codec whose payload holds no floating tensor, with a one-element fp16 tensor (0, or NaN
+    as the marker) sent beside it: 2 bytes more than the codec's own payload, counted.
+
+    Everything else (name, spec, properties, state) is the wrapped codec's.
+    """
+
+    def __init__(self, inner: Compressor) -> None:
+        self.inner = inner
+        self.params = inner.params
+        for attr in ("name", "aggregatable", "unbiased", "needs_shared_seed", "error_feedback", "multi_round"):
+            setattr(self, attr, getattr(inner, attr))
+
+    def compress(self, x: Tensor, *, step: int = 0, key: Hashable = 0) -> Payload:
+        payload = self.inner.compress(x, step=step, key=key)
+        return Payload(payload.tensors + (torch.zeros(1, dtype=torch.float16, device=x.device),), payload.ctx)
+
+    def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
+        return self.inner.decompress(Payload(payload.tensors[:-1], payload.ctx), like=like)
+
+    def payload_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        return self.inner.payload_nbytes(numel, dtype) + 2
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.inner.load_state_dict(state)
+
+
+def with_marker_slot(codec: Compressor) -> Compressor:
+    """``codec`` itself if its payload has a floating tensor to carry the NaN marker, else
+    wrapped in :class:`MarkerSlot` (found by encoding zeros with a copy of the codec)."""
+    probe = copy.deepcopy(codec).compress(torch.zeros(4096), step=0, key="marker-probe")
+    return codec if has_float(probe.tensors) else MarkerSlot(codec)
+
+
+def marked(payload: Payload) -> Payload:
+    """``payload`` with the NaN marker in every floating tensor (see :func:`with_marker_slot`
+    for codecs that have none)."""
+    return Payload(poison(payload.tensors), payload.ctx)
 
 
 def marker_like(t: Tensor) -> Tensor:

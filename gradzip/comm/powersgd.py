@@ -35,8 +35,10 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
+from gradzip import wire
 from gradzip.comm import guard
 from gradzip.comm.queue import CollectiveQueue, completed
+from gradzip.comm.traffic import allreduce_bytes
 from gradzip.compressors.base import seeded_generator
 from gradzip.compressors.lowrank import PowerSGD, matrix_view_shape
 from gradzip.feedback import ErrorFeedback
@@ -124,7 +126,15 @@ class PowerSGDReducer:
         gen = seeded_generator(self.compressor.seed, step, key)
         return torch.randn(m, r, generator=gen, dtype=torch.float32).to(device)
 
-    def reduce(self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None) -> Future:
+    def reduce(
+        self,
+        key: Hashable,
+        grad: Tensor,
+        *,
+        step: int,
+        shapes: Sequence[torch.Size] | None = None,
+        flush: bool = True,
+    ) -> Future:
         """Start averaging a bucket.
 
         Args:
@@ -133,6 +143,8 @@ class PowerSGDReducer:
             step: the training step.
             shapes: shapes of the gradients laid end to end in ``grad``; None treats ``grad``
                 as one tensor of its own shape.
+            flush: accepted for the :class:`~gradzip.comm.Reducer` interface; nothing is held
+                back (small tensors already travel uncompressed in round 1).
 
         Returns:
             a future whose value is the approximate mean, ``grad``'s shape and dtype; all NaN on
@@ -176,10 +188,11 @@ class PowerSGDReducer:
         ).to(wire_dtype)
         n_uncompressed = sum(p.numel() for p in uncompressed)
         round2 = torch.empty(sum(q.numel() for q in qs), dtype=wire_dtype, device=grad.device)
+        sent = allreduce_bytes(wire.nbytes([round1]), world_size) + allreduce_bytes(wire.nbytes([round2]), world_size)
         self.metrics.add_bucket(
             key, payload_bytes=(round1.numel() + round2.numel()) * round1.element_size(),
             dense_bytes=grad.numel() * grad.element_size(), collective="allreduce",
-            compressed=bool(matrices),
+            compressed=bool(matrices), sent_bytes=sent, received_bytes=sent,
         )
         p_hat: list[Tensor] = []
         q_local_list: list[Tensor] = []
@@ -272,6 +285,9 @@ class PowerSGDReducer:
         next step starts, and :meth:`state_dict` before it reads the state)."""
         self._settle(self.ledger.finish())
 
+    def flush(self) -> None:
+        """Nothing is held back; see :meth:`reduce`."""
+
     def _all_reduce(self, tensor: Tensor) -> Future:
         self.metrics.collective_started()
         fut = dist.all_reduce(tensor, group=self.group, async_op=True).get_future()
@@ -282,9 +298,11 @@ class PowerSGDReducer:
         tensor = grad.div(world_size)
         if not guard.is_finite(grad):
             tensor.fill_(float("nan"))  # the marker; an inf alone could pass for an overflow
+        sent = allreduce_bytes(wire.nbytes([tensor]), world_size)
         self.metrics.add_bucket(
             key, payload_bytes=tensor.numel() * tensor.element_size(),
-            dense_bytes=grad.numel() * grad.element_size(), collective="allreduce", compressed=False,
+            dense_bytes=grad.numel() * grad.element_size(), collective="dense", compressed=False,
+            sent_bytes=sent, received_bytes=sent,
         )
 
         def finish(fut: Future) -> Tensor:

@@ -1,19 +1,39 @@
 """The single-round reducer: the mean over a process group of compressed tensors.
 
-Aggregatable payloads are divided by world_size and ``all_reduce``-d (dividing first keeps fp16
-sums from overflowing, and is the order of PyTorch's ``allreduce_hook`` and
-``fp16_compress_hook``). Other payloads are packed into one byte buffer and ``all_gather``-ed;
-every rank then decodes all of them in rank order, divides each by world_size and sums, so all
-ranks end with bit-identical results and finite values near the dtype's maximum do not overflow.
+Each bucket takes one route (:func:`gradzip.comm.traffic.choose_collective`, by the bytes each
+would send for the codec, the bucket and the world size, identical on every rank):
 
-Non-finite gradients follow :mod:`gradzip.comm.guard`: a rank whose input holds inf or NaN sends
-a NaN-marked payload in the same collective, every rank returns all NaN for that bucket, and the
-step's error-feedback and codec updates are dropped.
+- ``allreduce``: aggregatable payloads are divided by world_size and ``all_reduce``-d (dividing
+  first keeps fp16 sums from overflowing, and is the order of PyTorch's ``allreduce_hook`` and
+  ``fp16_compress_hook``);
+- ``allgather``: other payloads are packed into one byte buffer and ``all_gather``-ed; every rank
+  decodes all of them in rank order, sums and divides, so all ranks end with bit-identical results;
+- ``twophase``: the compressed all_reduce of :mod:`gradzip.comm.twophase`, whose bytes per rank
+  stay flat as the world grows;
+- ``dense``: the raw bucket, divided by world_size and ``all_reduce``-d, where compressing would
+  not send fewer bytes.
+
+Buckets smaller than ``min_compress_bytes`` are held back and sent uncompressed, concatenated
+into one ``all_reduce`` (one per dtype): a DDP hook sees one bucket at a time, so the reducer
+keeps them until the caller says no more are coming this step (``flush=True``, which the DDP
+hook passes with the last bucket of the backward pass) or until they add up to
+``min_compress_bytes``. Their futures complete when that collective does. DDP hooks every
+bucket before it waits on any future, and does so in the same order on every rank, so holding
+buckets back cannot deadlock and the fused collective is issued at the same point everywhere.
+
+Every collective goes through the group's :class:`~gradzip.comm.queue.CollectiveQueue`, and
+each round's compression runs inside its launch, so ``reduce`` returns a future at once.
+
+Non-finite gradients follow :mod:`gradzip.comm.guard` on every route: a rank whose input holds
+inf or NaN sends a NaN-marked payload in the same collective, every rank returns all NaN for
+that bucket, and the step's error-feedback and codec updates are dropped.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,11 +44,14 @@ from torch.futures import Future
 from gradzip import wire
 from gradzip.comm import guard
 from gradzip.comm.queue import CollectiveQueue, completed
-from gradzip.compressors import Compressor, Payload
+from gradzip.comm.traffic import COLLECTIVES, allgather_bytes, allreduce_bytes, check_collective, choose_collective
+from gradzip.comm.twophase import TwoPhaseAllReduce
+from gradzip.comm.twophase import mean_of_payloads as decode_gathered
+from gradzip.compressors import Compressor, Payload, check_int
 from gradzip.feedback import ErrorFeedback
 from gradzip.metrics import StepMetrics
 
-COLLECTIVES = ("auto", "allreduce", "allgather")
+__all__ = ["COLLECTIVES", "CompressedReducer", "decode_gathered", "predivide"]
 
 
 def predivide(payload: Payload, world_size: int) -> tuple[Tensor, ...]:
@@ -36,39 +59,34 @@ def predivide(payload: Payload, world_size: int) -> tuple[Tensor, ...]:
     return tuple(t.div(world_size) if t.is_floating_point() else t for t in payload.tensors)
 
 
-def decode_gathered(compressor: Compressor, payloads: Sequence[Payload], like: Tensor) -> Tensor:
-    """Mean of the decoded payloads of every rank, each divided by their number, summed in rank order.
+@dataclass
+class _Held:
+    """A small bucket waiting for the fused all_reduce."""
 
-    Dividing before summing keeps values near the dtype's maximum from overflowing.
-
-    Args:
-        payloads: one per rank, rank 0 first.
-        like: gives the output shape, dtype and device.
-    """
-    world_size = len(payloads)
-    total = compressor.decompress(payloads[0], like=like).div(world_size)
-    for payload in payloads[1:]:
-        total += compressor.decompress(payload, like=like).div(world_size)
-    if not guard.is_finite(total):
-        guard.saturate_(total)  # the summands are finite: only rounding past the maximum gets here
-    return total
+    key: Hashable
+    grad: Tensor
+    future: Future
 
 
 class CompressedReducer:
-    """Averages tensors over ``group`` through ``compressor``, one collective per call.
+    """Averages tensors over ``group`` through ``compressor``.
 
     Args:
         compressor: a single-round codec.
         group: the process group (None: the default group).
-        error_feedback: keep a residual per key; None uses the codec's default.
-        collective: ``auto`` (all_reduce for aggregatable codecs, else all_gather),
-            ``allreduce`` or ``allgather``.
+        error_feedback: keep residuals per key (worker-side, and server-side for the two-phase
+            route); None uses the codec's default.
+        collective: ``auto`` (the route sending the fewest bytes), ``allreduce``, ``allgather``
+            or ``twophase``; a forced route still sends a bucket ``dense`` where the codec's
+            payload would exceed its raw bytes.
+        min_compress_bytes: buckets with fewer raw bytes travel uncompressed, fused into one
+            all_reduce (see the module docstring); an integer >= 0, 0 compresses everything.
         queue: the ordered launch queue shared by every reducer of ``group``.
         metrics: where bytes and times go.
 
     Raises:
-        ValueError: for an unknown ``collective``, or ``allreduce`` with a codec that is not
-            aggregatable.
+        ValueError: for an unknown ``collective``, ``allreduce`` with a codec that is not
+            aggregatable, or a negative ``min_compress_bytes``.
     """
 
     def __init__(
@@ -78,20 +96,15 @@ class CompressedReducer:
         group: dist.ProcessGroup | None = None,
         error_feedback: bool | None = None,
         collective: str = "auto",
+        min_compress_bytes: int = 0,
         queue: CollectiveQueue | None = None,
         metrics: StepMetrics | None = None,
     ) -> None:
         assert not compressor.multi_round, "multi-round codecs bring their own reducer"
-        if collective not in COLLECTIVES:
-            raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}; got {collective!r}")
-        if collective == "allreduce" and not compressor.aggregatable:
-            raise ValueError(
-                f"collective='allreduce' needs an aggregatable codec; {compressor.name} is not "
-                "(use allgather or auto)"
-            )
-        self.compressor = compressor
+        self.compressor = guard.with_marker_slot(compressor)
         self.group = group
-        self.collective = collective
+        self.collective = check_collective(collective, compressor)
+        self.min_compress_bytes = check_int(min_compress_bytes, name="min_compress_bytes", low=0)
         use_feedback = compressor.error_feedback if error_feedback is None else error_feedback
         # Residual updates are staged until the step is known to be finite on every rank.
         self.feedback = ErrorFeedback(deferred=True) if use_feedback else None
@@ -99,21 +112,45 @@ class CompressedReducer:
         self.metrics = metrics or StepMetrics()
         self.ledger = guard.StepLedger()
         self._codec_snapshot: dict[str, Any] | None = None
+        self.twophase = TwoPhaseAllReduce(
+            self.compressor, group=group, queue=self.queue, metrics=self.metrics, feedback=self.feedback,
+            server_feedback=ErrorFeedback(deferred=True) if use_feedback else None, ledger=self.ledger,
+        )
+        self._routes: dict[tuple[int, torch.dtype, int], str] = {}
+        self._held: list[_Held] = []
+        self._held_bytes = 0
+        self._lock = threading.Lock()
 
-    def uses_allreduce(self) -> bool:
-        """Whether payloads are summed by all_reduce (else gathered)."""
-        if self.collective == "auto":
-            return self.compressor.aggregatable
-        return self.collective == "allreduce"
+    def route(self, numel: int, dtype: torch.dtype) -> str:
+        """The route a tensor of ``numel`` elements of ``dtype`` takes: ``fused`` below
+        ``min_compress_bytes``, else one of :data:`gradzip.comm.traffic.ROUTES`."""
+        if numel * wire.dtype_nbytes(dtype) < self.min_compress_bytes:
+            return "fused"
+        world_size = dist.get_world_size(self.group)
+        cache_key = (numel, dtype, world_size)
+        if cache_key not in self._routes:
+            self._routes[cache_key] = choose_collective(self.collective, self.compressor, numel, dtype, world_size)
+        return self._routes[cache_key]
 
-    def reduce(self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None) -> Future:
-        """Start averaging ``grad`` over the group.
+    def reduce(
+        self,
+        key: Hashable,
+        grad: Tensor,
+        *,
+        step: int,
+        shapes: Sequence[torch.Size] | None = None,
+        flush: bool = True,
+    ) -> Future:
+        """Start averaging ``grad`` over the group; returns at once.
 
         Args:
-            key: names the tensor across steps (a bucket index); keys the residual.
-            grad: any shape, floating dtype; not modified.
+            key: names the tensor across steps (a bucket index); keys the residuals.
+            grad: any shape, floating dtype; not modified, and must stay unchanged until the
+                future completes (as DDP's bucket buffers do).
             step: the training step (seeds and schedules).
             shapes: ignored (single-round codecs see the flat tensor).
+            flush: send every held-back small tensor now (see the module docstring); pass False
+                only when more tensors of this step follow and a later call flushes.
 
         Returns:
             a future whose value is the mean, with ``grad``'s shape and dtype; all NaN on every
@@ -121,39 +158,33 @@ class CompressedReducer:
             future carries the collective's error if the collective failed.
         """
         self._begin(key, step)
-        world_size = dist.get_world_size(self.group)
-        dense_bytes = grad.numel() * grad.element_size()
         if grad.numel() == 0:
-            return completed(grad.clone())
-        if self.compressor.payload_nbytes(grad.numel(), grad.dtype) > dense_bytes:
-            return self._reduce_dense(key, grad, world_size)
+            fut = completed(grad.clone())
+        else:
+            route = self.route(grad.numel(), grad.dtype)
+            if route == "fused":
+                fut = self._hold(key, grad)
+            else:
+                launch = {
+                    "dense": self._reduce_dense,
+                    "allreduce": self._all_reduce,
+                    "allgather": self._all_gather,
+                    "twophase": self.twophase.reduce,
+                }[route]
+                fut = launch(key, grad, step=step)
+        if flush or self._held_bytes >= max(self.min_compress_bytes, 1):
+            self.flush()
+        return fut
 
-        with self.metrics.timed("compress_s"):
-            payload, sendable = self._encode(key, grad, step)
-        assert payload.nbytes == self.compressor.payload_nbytes(grad.numel(), grad.dtype), (
-            f"{self.compressor.name}: payload of {payload.nbytes} bytes, formula says "
-            f"{self.compressor.payload_nbytes(grad.numel(), grad.dtype)}"
-        )
-        wire_tensors = payload.tensors
-        if not guard.has_float(wire_tensors):
-            wire_tensors = wire_tensors + (guard.flag(not sendable, grad.device),)
-        if self.uses_allreduce():
-            return self._all_reduce(key, payload, wire_tensors, grad, world_size, dense_bytes)
-        return self._all_gather(key, payload, wire_tensors, grad, world_size, dense_bytes)
-
-    def _encode(self, key: Hashable, grad: Tensor, step: int) -> tuple[Payload, bool]:
-        """The payload to send and whether it is real (False: NaN-marked, the input was not finite)."""
-        compensated = grad if self.feedback is None else self.feedback.compensate(key, grad, step=step)
-        compensated, sendable = guard.checked_input(grad, compensated)
-        if not sendable:
-            # Codecs need not accept inf or NaN: encode zeros for the payload's shapes, then mark it.
-            blank = self.compressor.compress(torch.zeros_like(compensated), step=step, key=key)
-            return Payload(guard.poison(blank.tensors), blank.ctx), False
-        payload = self.compressor.compress(compensated, step=step, key=key)
-        if self.feedback is not None:
-            decoded = self.compressor.decompress(payload, like=compensated)
-            self.feedback.update(key, compensated, decoded, step=step)
-        return payload, True
+    def flush(self) -> None:
+        """Send the held-back small tensors: one uncompressed all_reduce per dtype."""
+        with self._lock:
+            held, self._held, self._held_bytes = self._held, [], 0
+        by_dtype: dict[torch.dtype, list[_Held]] = {}
+        for item in held:
+            by_dtype.setdefault(item.grad.dtype, []).append(item)
+        for group in by_dtype.values():
+            self._send_fused(group)
 
     def _begin(self, key: Hashable, step: int) -> None:
         """Settle the previous step when a new one starts, and snapshot a stateful codec."""
@@ -165,13 +196,13 @@ class CompressedReducer:
     def _settle(self, verdict: bool | None) -> None:
         if verdict is None:
             return
-        if verdict and self.feedback is not None:
-            self.feedback.commit()
-        elif not verdict:
-            if self.feedback is not None:
-                self.feedback.discard()
-            if self._codec_snapshot is not None:
-                self.compressor.load_state_dict(self._codec_snapshot)
+        for feedback in (self.feedback, self.twophase.server_feedback):
+            if feedback is not None and verdict:
+                feedback.commit()
+            elif feedback is not None:
+                feedback.discard()
+        if not verdict and self._codec_snapshot is not None:
+            self.compressor.load_state_dict(self._codec_snapshot)
         self._codec_snapshot = None
 
     def settle(self) -> None:
@@ -180,24 +211,44 @@ class CompressedReducer:
         starts, and :meth:`state_dict` before it reads the state."""
         self._settle(self.ledger.finish())
 
-    def _launch(self, issue) -> Future:
-        """Issue one collective with its in-flight time recorded."""
-        self.metrics.collective_started()
-        fut = issue()
-        fut.add_done_callback(lambda _f: self.metrics.collective_finished())
-        return fut
+    def _marker(self, like: Tensor) -> Tensor:
+        self.ledger.mark_nonfinite()
+        return guard.marker_like(like)
 
-    def _reduce_dense(self, key: Hashable, grad: Tensor, world_size: int) -> Future:
-        tensor = grad.div(world_size)
-        if not guard.is_finite(grad):
-            tensor.fill_(float("nan"))  # the marker; an inf alone could pass for an overflow
-        self.metrics.add_bucket(
-            key, payload_bytes=wire.nbytes([tensor]), dense_bytes=wire.nbytes([grad]),
-            collective="allreduce", compressed=False,
+    def _compress(self, key: Hashable, grad: Tensor, step: int) -> Payload:
+        """Compensate, compress, stage the residual; returns the payload (its bytes checked),
+        NaN-marked if ``grad`` holds inf or NaN."""
+        compensated = grad if self.feedback is None else self.feedback.compensate(key, grad, step=step)
+        compensated, sendable = guard.checked_input(grad, compensated)
+        if sendable:
+            payload = self.compressor.compress(compensated, step=step, key=key)
+            if self.feedback is not None:
+                self.feedback.update(key, compensated, self.compressor.decompress(payload, like=compensated), step=step)
+        else:
+            # Codecs need not accept inf or NaN: encode zeros for the payload's shapes, then mark it.
+            payload = guard.marked(self.compressor.compress(torch.zeros_like(compensated), step=step, key=key))
+        assert payload.nbytes == self.compressor.payload_nbytes(grad.numel(), grad.dtype), (
+            f"{self.compressor.name}: payload of {payload.nbytes} bytes, formula says "
+            f"{self.compressor.payload_nbytes(grad.numel(), grad.dtype)}"
         )
+        return payload
+
+    def _reduce_dense(self, key: Hashable, grad: Tensor, *, step: int) -> Future:
+        world_size = dist.get_world_size(self.group)
+        raw = wire.nbytes([grad])
+        sent = allreduce_bytes(raw, world_size)
+        self.metrics.add_bucket(
+            key, payload_bytes=raw, dense_bytes=raw, collective="dense", compressed=False,
+            sent_bytes=sent, received_bytes=sent,
+        )
+        tensor = torch.empty_like(grad)
 
         def launch() -> Future:
-            return self._launch(lambda: dist.all_reduce(tensor, group=self.group, async_op=True).get_future())
+            torch.div(grad, world_size, out=tensor)
+            if not guard.is_finite(grad):
+                tensor.fill_(float("nan"))  # the marker; an inf alone could pass for an overflow
+            work = dist.all_reduce(tensor, group=self.group, async_op=True)
+            return self.metrics.track(work.get_future(), (key,))
 
         def finish(fut: Future) -> Tensor:
             fut.value()  # re-raises a failed collective
@@ -205,67 +256,127 @@ class CompressedReducer:
 
         return self.queue.submit(launch).then(finish)
 
-    def _marker(self, like: Tensor) -> Tensor:
-        self.ledger.mark_nonfinite()
-        return guard.marker_like(like)
-
-    def _all_reduce(self, key, payload: Payload, wire_tensors, grad: Tensor, world_size: int, dense_bytes: int) -> Future:
-        tensors = predivide(Payload(wire_tensors), world_size)
-        self.metrics.add_bucket(key, payload_bytes=wire.nbytes(tensors), dense_bytes=dense_bytes, collective="allreduce")
+    def _all_reduce(self, key: Hashable, grad: Tensor, *, step: int) -> Future:
+        world_size = dist.get_world_size(self.group)
+        payload_bytes = self.compressor.payload_nbytes(grad.numel(), grad.dtype)
+        sent = allreduce_bytes(payload_bytes, world_size)
+        self.metrics.add_bucket(
+            key, payload_bytes=payload_bytes, dense_bytes=wire.nbytes([grad]), collective="allreduce",
+            sent_bytes=sent, received_bytes=sent,
+        )
+        box: dict[str, Any] = {}
 
         def launch() -> Future:
-            def issue() -> Future:
-                works = [dist.all_reduce(t, group=self.group, async_op=True).get_future() for t in tensors]
-                return works[0] if len(works) == 1 else torch.futures.collect_all(works)
-
-            return self._launch(issue)
+            with self.metrics.timed("compress_s", key):
+                payload = self._compress(key, grad, step)
+                box["ctx"], box["tensors"] = payload.ctx, predivide(payload, world_size)
+            works = [dist.all_reduce(t, group=self.group, async_op=True).get_future() for t in box["tensors"]]
+            fut = works[0] if len(works) == 1 else torch.futures.collect_all(works)
+            return self.metrics.track(fut, (key,))
 
         def decode(fut: Future) -> Tensor:
             fut.value()  # re-raises a failed collective
-            with self.metrics.timed("decompress_s"):
-                if guard.received_marker(tensors):
+            with self.metrics.timed("decompress_s", key):
+                if guard.received_marker(box["tensors"]):
                     return self._marker(grad)
-                summed = Payload(tensors[: len(payload.tensors)], payload.ctx)
-                return self.compressor.decompress(summed, like=grad)
+                return self.compressor.decompress(Payload(box["tensors"], box["ctx"]), like=grad)
 
         return self.queue.submit(launch).then(decode)
 
-    def _all_gather(self, key, payload: Payload, wire_tensors, grad: Tensor, world_size: int, dense_bytes: int) -> Future:
-        send = wire.to_bytes(wire_tensors)
-        recv = torch.empty(world_size * send.numel(), dtype=torch.uint8, device=send.device)
-        self.metrics.add_bucket(key, payload_bytes=send.numel(), dense_bytes=dense_bytes, collective="allgather")
+    def _all_gather(self, key: Hashable, grad: Tensor, *, step: int) -> Future:
+        world_size = dist.get_world_size(self.group)
+        payload_bytes = self.compressor.payload_nbytes(grad.numel(), grad.dtype)
+        sent = allgather_bytes(payload_bytes, world_size)
+        self.metrics.add_bucket(
+            key, payload_bytes=payload_bytes, dense_bytes=wire.nbytes([grad]), collective="allgather",
+            sent_bytes=sent, received_bytes=sent,
+        )
+        recv = torch.empty(world_size * payload_bytes, dtype=torch.uint8, device=grad.device)
+        box: dict[str, Payload] = {}
 
         def launch() -> Future:
-            return self._launch(
-                lambda: dist.all_gather_single(recv, send, group=self.group, async_op=True).get_future()
-            )
+            with self.metrics.timed("compress_s", key):
+                box["payload"] = self._compress(key, grad, step)
+                send = wire.to_bytes(box["payload"].tensors)
+            work = dist.all_gather_single(recv, send, group=self.group, async_op=True)
+            return self.metrics.track(work.get_future(), (key,))
 
         def decode(fut: Future) -> Tensor:
             fut.value()  # re-raises a failed collective
-            with self.metrics.timed("decompress_s"):
-                chunks = recv.view(world_size, -1)
-                received = [wire.from_bytes(chunks[r], wire_tensors) for r in range(world_size)]
-                if any(guard.received_marker(tensors) for tensors in received):
+            with self.metrics.timed("decompress_s", key):
+                template = box["payload"]
+                rows = recv.view(world_size, -1)
+                payloads = [Payload(wire.from_bytes(rows[r], template.tensors), template.ctx) for r in range(world_size)]
+                if any(guard.received_marker(p.tensors) for p in payloads):
                     return self._marker(grad)
-                payloads = [Payload(tensors[: len(payload.tensors)], payload.ctx) for tensors in received]
                 return decode_gathered(self.compressor, payloads, grad)
 
         return self.queue.submit(launch).then(decode)
 
+    def _hold(self, key: Hashable, grad: Tensor) -> Future:
+        world_size = dist.get_world_size(self.group)
+        raw = wire.nbytes([grad])
+        # Each bucket is counted as its own share of the fused ring all_reduce.
+        sent = allreduce_bytes(raw, world_size)
+        self.metrics.add_bucket(
+            key, payload_bytes=raw, dense_bytes=raw, collective="fused", compressed=False,
+            sent_bytes=sent, received_bytes=sent,
+        )
+        item = _Held(key, grad, Future())
+        with self._lock:
+            self._held.append(item)
+            self._held_bytes += raw
+        return item.future
+
+    def _send_fused(self, held: list[_Held]) -> None:
+        world_size = dist.get_world_size(self.group)
+        flat = torch.empty(sum(h.grad.numel() for h in held), dtype=held[0].grad.dtype, device=held[0].grad.device)
+
+        def launch() -> Future:
+            torch.cat([h.grad.reshape(-1) for h in held], out=flat).div_(world_size)
+            if not guard.is_finite(flat):
+                flat.fill_(float("nan"))  # the marker, for every bucket of this fused message
+            work = dist.all_reduce(flat, group=self.group, async_op=True)
+            return self.metrics.track(work.get_future(), tuple(h.key for h in held))
+
+        def deliver(fut: Future) -> None:
+            try:
+                fut.value()
+            except Exception as exc:  # noqa: BLE001 - handed to every waiting bucket
+                for h in held:
+                    h.future.set_exception(exc)
+                return
+            if guard.received_marker([flat]):
+                for h in held:
+                    h.future.set_result(self._marker(h.grad))
+                return
+            offset = 0
+            for h in held:
+                # A copy, not a view: DDP reads a hook's result with as_strided from the start of
+                # its storage, so a view at an offset would hand every bucket the first one's values.
+                h.future.set_result(flat[offset : offset + h.grad.numel()].view(h.grad.shape).clone())
+                offset += h.grad.numel()
+
+        self.queue.submit(launch).add_done_callback(deliver)
+
     def state_dict(self) -> dict[str, Any]:
-        """Codec and error-feedback state, after settling the step in progress."""
+        """Codec state and both error-feedback memories (worker-side, and server-side for the
+        two-phase route), after settling the step in progress; they differ across ranks."""
         self.settle()
         return {
             "compressor": self.compressor.state_dict(),
             "feedback": None if self.feedback is None else self.feedback.state_dict(),
+            **self.twophase.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (anything staged is dropped)."""
-        self.ledger = guard.StepLedger()
+        self.ledger.finish()
         self._codec_snapshot = None
+        for feedback in (self.feedback, self.twophase.server_feedback):
+            if feedback is not None:
+                feedback.discard()
         self.compressor.load_state_dict(state["compressor"])
-        if self.feedback is not None:
-            self.feedback.discard()
-            if state["feedback"] is not None:
-                self.feedback.load_state_dict(state["feedback"])
+        if self.feedback is not None and state["feedback"] is not None:
+            self.feedback.load_state_dict(state["feedback"])
+        self.twophase.load_state_dict(state)

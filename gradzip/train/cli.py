@@ -19,6 +19,7 @@ checkpoint.
 examples:
   gradzip train
   gradzip train --compressor topk:ratio=0.01 --steps 200 --out runs/topk
+  gradzip train --compressor topk:ratio=0.01 --collective twophase --world-size 4
   gradzip train --compressor torch:powersgd:approx_rank=4      # PyTorch's own hook, as an anchor
   torchrun --nproc-per-node 2 -m gradzip train --steps 50
   gradzip train --checkpoint-every 50 --out runs/a; gradzip train --resume runs/a   # exact resume
@@ -49,6 +50,11 @@ def add_parser(sub) -> None:
     p.add_argument("--eval-every", type=int, default=d.eval_every, help=f"steps between validation passes (default {d.eval_every})")
     p.add_argument("--eval-batches", type=int, default=d.eval_batches, help=f"validation batches per pass (default {d.eval_batches})")
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help=f"DDP bucket size in MB (default {d.bucket_cap_mb})")
+    p.add_argument("--collective", default=d.collective, choices=["auto", "allreduce", "allgather", "twophase"],
+                   help="how compressed buckets travel: auto picks by bytes; twophase is the compressed all_reduce "
+                        "whose bytes per worker stay flat in the world size (default auto)")
+    p.add_argument("--min-compress-bytes", type=int, default=d.min_compress_bytes, metavar="N",
+                   help=f"buckets below N bytes travel uncompressed, fused into one all_reduce (default {d.min_compress_bytes})")
     p.add_argument("--no-exchange", action="store_true", help="no gradient exchange at all: measures compute alone (replicas drift)")
     p.add_argument("--timeout-s", type=float, default=d.timeout_s, help=f"collective timeout in seconds (default {d.timeout_s:g})")
     p.add_argument("--backend", default=d.backend, choices=["auto", "gloo", "nccl"], help="process-group backend (default auto)")

@@ -6,6 +6,8 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
+from gradzip.comm.traffic import COLLECTIVES
+
 
 @dataclass
 class TrainConfig:
@@ -63,6 +65,13 @@ class TrainConfig:
     bucket_cap_mb: float = 25.0
     """DDP bucket size in MB (DDP's default)."""
 
+    collective: str = "auto"
+    """How compressed buckets travel: ``auto`` (the route sending the fewest bytes), ``allreduce``
+    (aggregatable codecs), ``allgather`` or ``twophase`` (see :mod:`gradzip.comm.traffic`)."""
+
+    min_compress_bytes: int = 0
+    """Buckets with fewer raw bytes travel uncompressed, fused into one all_reduce per step."""
+
     no_exchange: bool = False
     """Train with no gradient exchange at all: compute alone, the limit of any speedup.
     Replicas drift apart; use only to measure time."""
@@ -118,6 +127,7 @@ class TrainConfig:
             "warmup_steps": (0, None),
             "seed": (0, 2**63 - 1),
             "threads": (0, 1024),
+            "min_compress_bytes": (0, None),
             "checkpoint_every": (0, None),
             "keep_checkpoints": (0, None),
         }
@@ -138,6 +148,8 @@ class TrainConfig:
             raise ValueError(f"--weight-decay must be in [0, 1); got {self.weight_decay!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"--n-embd ({self.n_embd}) must be divisible by --n-head ({self.n_head})")
+        if self.collective not in COLLECTIVES:
+            raise ValueError(f"--collective must be one of {', '.join(COLLECTIVES)}; got {self.collective!r}")
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"--backend must be auto, gloo or nccl; got {self.backend!r}")
         if os.path.exists(self.out) and not os.path.isdir(self.out):

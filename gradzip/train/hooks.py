@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
+from gradzip.comm.traffic import allreduce_bytes
 from gradzip.compressors import SpecError, parse_spec
 from gradzip.ddp import CompressionState, compression_hook
 from gradzip.metrics import StepMetrics
@@ -48,7 +49,7 @@ class TorchHookState:
             self.hook = {
                 "allreduce": default_hooks.allreduce_hook,
                 "fp16": default_hooks.fp16_compress_hook,
-                "bf16": default_hooks.bf16_compress_hook,
+                "bf16": _bf16_compress_hook,
             }[kind]
 
     def state_dict(self) -> dict[str, Any]:
@@ -58,32 +59,46 @@ class TorchHookState:
         self.step = state["step"]
 
 
+def _bf16_compress_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    # DDP refuses PyTorch's bf16_compress_hook by name unless CUDA and NCCL are present; the hook
+    # itself runs on gloo, so it is called through this wrapper.
+    return default_hooks.bf16_compress_hook(state, bucket)
+
+
 def torch_hook(state: TorchHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Count the bucket's bytes, then run PyTorch's hook on it."""
     buffer = bucket.buffer()
     dense = buffer.numel() * buffer.element_size()
     payload = {"allreduce": dense, "fp16": buffer.numel() * 2, "bf16": buffer.numel() * 2}.get(state.kind, 0)
-    state.metrics.add_bucket(bucket.index(), payload_bytes=payload, dense_bytes=dense, collective="allreduce")
+    sent = allreduce_bytes(payload, dist.get_world_size())
+    state.metrics.add_bucket(
+        bucket.index(), payload_bytes=payload, dense_bytes=dense, collective="allreduce",
+        sent_bytes=sent, received_bytes=sent,
+    )
     if bucket.is_last():
         state.step += 1
     return state.hook(state.inner, bucket)
 
 
-def make_hook(spec: str):
+def make_hook(spec: str, *, collective: str = "auto", min_compress_bytes: int = 0):
     """``(state, hook)`` for ``spec``: ``torch:NAME[:params]`` picks PyTorch's hook, anything else
-    gradzip's :func:`~gradzip.ddp.compression_hook`.
+    gradzip's :func:`~gradzip.ddp.compression_hook` with ``collective`` and ``min_compress_bytes``
+    (see :class:`~gradzip.ddp.CompressionState`).
 
     Raises:
-        ValueError: for an unknown codec or hook, or a bad parameter.
+        ValueError: for an unknown codec or hook, a bad parameter, or a collective or threshold
+            that the codec or hook cannot take.
     """
     if spec.strip().lower().startswith("torch:"):
+        if collective != "auto" or min_compress_bytes:
+            raise ValueError("--collective and --min-compress-bytes apply to gradzip codecs, not torch: hooks")
         rest = spec.strip()[len("torch:") :]
         parts = parse_spec(rest)
         if len(parts) != 1 or parts[0][0] not in TORCH_HOOKS:
             raise SpecError(f"unknown PyTorch hook {rest!r}; known: {', '.join('torch:' + h for h in TORCH_HOOKS)}")
         name, params = parts[0]
         return TorchHookState(name, params), torch_hook
-    return CompressionState(spec), compression_hook
+    return CompressionState(spec, collective=collective, min_compress_bytes=min_compress_bytes), compression_hook
 
 
 def is_torch_hook(state: Any) -> bool:

@@ -94,7 +94,7 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
         WorkerFailed: if a worker fails.
     """
     cfg.validate()
-    make_hook(cfg.compressor)  # a bad spec fails here, in one line, not in every worker
+    make_hook(cfg.compressor, collective=cfg.collective, min_compress_bytes=cfg.min_compress_bytes)  # a bad spec fails here, in one line, not in every worker
     Corpus.load(cfg.data, cfg.vocab_size).check_fits(cfg.seq_len)
     if cfg.resume:
         from gradzip.train.checkpoint import check_compatible, find_checkpoint

@@ -133,7 +133,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     model = build_model(cfg, corpus.vocab_size).to(device)
     ddp = DDP(model, bucket_cap_mb=cfg.bucket_cap_mb)
     settle_buckets(ddp, corpus, cfg, device)
-    hook_state, hook = make_hook(cfg.compressor)
+    hook_state, hook = make_hook(cfg.compressor, collective=cfg.collective, min_compress_bytes=cfg.min_compress_bytes)
     ddp.register_comm_hook(hook_state, hook)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
@@ -185,7 +185,10 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
             "compress_s": comm["compress_s"],
             "decompress_s": comm["decompress_s"],
             "communicate_s": comm["communicate_s"],
+            "sent_bytes": comm["sent_bytes"],
+            "received_bytes": comm["received_bytes"],
             "uncompressed_buckets": comm["uncompressed_buckets"],
+            "fused_buckets": comm["fused_buckets"],
             "tokens": tokens_per_step * (step + 1),
             "skipped": not finite,
         }
@@ -209,6 +212,8 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
         log.records,
         compressor=cfg.compressor if not cfg.no_exchange else "no-exchange",
         hook="torch" if is_torch_hook(hook_state) else "gradzip",
+        collective=cfg.collective,
+        min_compress_bytes=cfg.min_compress_bytes,
         world_size=world_size,
         backend=backend,
         parameters=count_parameters(model),

@@ -64,6 +64,7 @@ def summarize(records: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
         {
             "steps": steps,
             "payload_bytes_per_step": payload / steps if steps else 0,
+            "sent_bytes_per_step": sum(r.get("sent_bytes", 0) for r in records) / steps if steps else 0,
             "dense_bytes_per_step": dense / steps if steps else 0,
             "compression_ratio": dense / payload if payload else None,
             "step_s_median": step_s,
@@ -96,6 +97,7 @@ def summary_table(s: dict[str, Any]) -> str:
     ratio = s.get("compression_ratio")
     rows = [
         ("compressor", s["compressor"]),
+        ("collective", s.get("collective", "auto")),
         ("world size", s["world_size"]),
         ("steps", s["steps"]),
         ("parameters", f"{s['parameters']:,}"),
@@ -104,6 +106,7 @@ def summary_table(s: dict[str, Any]) -> str:
         ("tokens/s (all workers)", f"{s['tokens_per_s']:,.0f}"),
         ("payload per step", _fmt_bytes(s["payload_bytes_per_step"])),
         ("uncompressed per step", _fmt_bytes(s["dense_bytes_per_step"])),
+        ("sent per worker per step", _fmt_bytes(s.get("sent_bytes_per_step"))),
         ("compression ratio", f"{ratio:.1f}x" if ratio else "-"),
         ("step time (median)", f"{s['step_s_median'] * 1000:.0f} ms"),
         ("  compute alone", f"{s['compute_s'] * 1000:.0f} ms" if s.get("compute_s") is not None else "-"),

@@ -1,0 +1,261 @@
+"""Two-phase compressed all_reduce for any single-round codec.
+
+Source: Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
+Convergence Speed" (2021, arXiv 2102.02888), section 4 (compressed allreduce with worker- and
+server-side error compensation); the same scheme as Bagua's ByteGrad. gather-based exchanges send
+``(W - 1) P`` bytes per rank for a payload of ``P`` bytes on ``W`` ranks; this one sends about
+``2 (W - 1) P / W``, flat in the world size (exact figures in :mod:`gradzip.comm.traffic`).
+
+For one bucket on rank ``r`` of ``W``:
+
+1. Compensate with the worker-side error feedback: ``c = g + e_worker``.
+2. Cut ``c`` into ``W`` chunks (:func:`~gradzip.comm.traffic.chunk_sizes`) and compress each,
+   chunk ``j`` under the codec key ``(key, j)``; ``e_worker <- c - decode(chunks)``.
+3. Round 1, ``all_to_all``: chunk ``j``'s payload goes to rank ``j``; rank ``r`` receives every
+   rank's payload of chunk ``r``.
+4. Rank ``r`` decodes those ``W`` payloads in rank order and averages them (``m``), compensates
+   with its server-side error feedback (``s = m + e_server``), compresses ``s`` under the key
+   ``(key, r, "mean")``; ``e_server <- s - decode(s)``.
+5. Round 2, ``all_gather``: every rank receives every chunk's compressed mean (with
+   ``all_to_all`` of the same bytes to every rank when chunk payloads differ in size, which
+   ``all_gather`` cannot carry).
+6. Every rank decodes chunk ``j`` from the same bytes, so all ranks hold bit-identical results.
+
+Both rounds go through the group's :class:`~gradzip.comm.queue.CollectiveQueue`, queued when the
+bucket is handed over, so every rank issues them in the same order however callbacks
+interleave; each round's compression runs inside its launch, not in the caller. An empty chunk
+(a bucket smaller than ``W``) is neither compressed nor sent. As with ``all_gather``, a codec's
+payload shapes and ``ctx`` must depend only on the number of elements and the dtype.
+
+Non-finite gradients (:mod:`gradzip.comm.guard`): a rank whose bucket holds inf or NaN sends
+NaN-marked payloads for every chunk in round 1, so every rank finds the marker among the payloads
+of its own chunk and sends a NaN-marked mean in round 2, and every rank returns all NaN. Worker-
+and server-side residual updates are staged by the caller and dropped for such a step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from gradzip import wire
+from gradzip.comm import guard
+from gradzip.comm.queue import CollectiveQueue
+from gradzip.comm.traffic import ChunkPlan, plan_chunks
+from gradzip.compressors import Compressor, Payload
+from gradzip.feedback import ErrorFeedback
+from gradzip.metrics import StepMetrics
+
+
+def chunk_key(key: Hashable, chunk: int) -> tuple:
+    """Codec key of chunk ``chunk`` of bucket ``key`` in round 1 (seeds shared-seed codecs)."""
+    return (key, chunk)
+
+
+def mean_key(key: Hashable, chunk: int) -> tuple:
+    """Codec key of the re-compressed mean of chunk ``chunk`` in round 2."""
+    return (key, chunk, "mean")
+
+
+def mean_of_payloads(compressor: Compressor, payloads: list[Payload], like: Tensor) -> Tensor:
+    """Decode ``payloads`` (one per rank, rank 0 first), sum them in rank order and divide by
+    their count; ``like`` gives shape, dtype and device. The order is fixed so that the
+    single-process reference (:func:`gradzip.comm.simulate.simulate_ranks`) matches bit for bit.
+
+    Decoded payloads are finite, so a sum that is not overflowed near the dtype's maximum: it is
+    then redone dividing each term first, and what still rounds past the maximum is saturated."""
+    total = compressor.decompress(payloads[0], like=like).clone()
+    for payload in payloads[1:]:
+        total += compressor.decompress(payload, like=like)
+    if not guard.is_finite(total):
+        total = compressor.decompress(payloads[0], like=like).div(len(payloads))
+        for payload in payloads[1:]:
+            total += compressor.decompress(payload, like=like).div(len(payloads))
+        return guard.saturate_(total)
+    return total.div_(len(payloads))
+
+
+class TwoPhaseAllReduce:
+    """The two-phase exchange of one process group (see the module docstring).
+
+    Reached through :func:`gradzip.comm.make_reducer` with ``collective="twophase"`` (or
+    ``auto``, when it sends the fewest bytes), which wraps it in a
+    :class:`~gradzip.comm.reducer.CompressedReducer`.
+
+    Args:
+        compressor: a single-round codec; any, aggregatable or not.
+        group: the process group (None: the default group).
+        queue: the ordered launch queue shared by every reducer of ``group``.
+        metrics: where bytes and times go.
+        feedback: the worker-side error feedback (one residual per bucket key), or None.
+        server_feedback: the server-side error feedback for the chunk this rank reduces (one
+            residual per bucket key), or None.
+        ledger: told when a bucket carried the NaN marker (the caller drops the step's staged
+            updates); None when nobody stages them.
+    """
+
+    def __init__(
+        self,
+        compressor: Compressor,
+        *,
+        group: dist.ProcessGroup | None = None,
+        queue: CollectiveQueue | None = None,
+        metrics: StepMetrics | None = None,
+        feedback: ErrorFeedback | None = None,
+        server_feedback: ErrorFeedback | None = None,
+        ledger: guard.StepLedger | None = None,
+    ) -> None:
+        assert not compressor.multi_round, "multi-round codecs bring their own reducer"
+        self.compressor = compressor
+        self.group = group
+        self.queue = queue or CollectiveQueue()
+        self.metrics = metrics or StepMetrics()
+        self.feedback = feedback
+        self.server_feedback = server_feedback
+        self.ledger = ledger or guard.StepLedger()
+
+    def reduce(self, key: Hashable, grad: Tensor, *, step: int) -> Future:
+        """Queue both rounds for ``grad`` and return at once.
+
+        Args:
+            key: the bucket's name across steps; keys both residuals and seeds the codec.
+            grad: any shape, floating dtype, at least one element; read flat, not modified
+                (it must stay unchanged until the future completes, as DDP's buckets do).
+            step: the training step.
+
+        Returns:
+            a future whose value is the approximate mean over the group, ``grad``'s shape and
+            dtype, bit-identical on every rank; all NaN if ``grad`` held inf or NaN on any rank.
+            The future carries the collective's error if a collective failed.
+        """
+        assert grad.numel() > 0, "empty buckets take no collective; the caller returns them"
+        world_size = dist.get_world_size(self.group)
+        rank = dist.get_rank(self.group)
+        plan = plan_chunks(self.compressor, grad.numel(), grad.dtype, world_size)
+        flat = grad.reshape(-1)
+        sent = plan.sent_bytes(rank)
+        self.metrics.add_bucket(
+            key, payload_bytes=plan.total_payload_nbytes, dense_bytes=wire.nbytes([grad]),
+            collective="twophase", sent_bytes=sent, received_bytes=sent,
+        )
+        # Filled by the launches: this rank's round-1 payloads (templates for decoding every
+        # chunk: payload shapes depend only on numel and dtype) and the receive buffers.
+        own: list[Payload | None] = []
+        recv_chunks = torch.empty(world_size * plan.payload_nbytes[rank], dtype=torch.uint8, device=grad.device)
+        recv_means = torch.empty(plan.total_payload_nbytes, dtype=torch.uint8, device=grad.device)
+
+        # Steps 1-3: compensate, compress every chunk, all_to_all.
+        def launch_scatter() -> Future:
+            with self.metrics.timed("compress_s", key):
+                send = self._compress_chunks(key, flat, plan, step, own)
+            work = dist.all_to_all_single(
+                recv_chunks, send, output_split_sizes=[plan.payload_nbytes[rank]] * world_size,
+                input_split_sizes=list(plan.payload_nbytes), group=self.group, async_op=True,
+            )
+            return self.metrics.track(work.get_future(), (key,))
+
+        # Steps 4-5: average this rank's chunk, re-compress it, all_gather.
+        def launch_gather() -> Future:
+            send = self._reduce_own_chunk(key, flat, plan, rank, step, own, recv_chunks)
+            if len(set(plan.payload_nbytes)) == 1:
+                work = dist.all_gather_single(recv_means, send, group=self.group, async_op=True)
+            else:
+                work = dist.all_to_all_single(
+                    recv_means, send.repeat(world_size), output_split_sizes=list(plan.payload_nbytes),
+                    input_split_sizes=[send.numel()] * world_size, group=self.group, async_op=True,
+                )
+            return self.metrics.track(work.get_future(), (key,))
+
+        # Step 6: decode every chunk's mean.
+        def finish(fut: Future) -> Tensor:
+            fut.value()  # re-raises a failed collective
+            with self.metrics.timed("decompress_s", key):
+                out = torch.empty_like(flat)
+                offset = 0
+                for j, (start, size) in enumerate(zip(plan.offsets, plan.sizes)):
+                    if size == 0:
+                        continue
+                    template = own[j]
+                    part = recv_means[offset : offset + plan.payload_nbytes[j]]
+                    offset += plan.payload_nbytes[j]
+                    payload = Payload(wire.from_bytes(part, template.tensors), template.ctx)
+                    if guard.received_marker(payload.tensors):
+                        self.ledger.mark_nonfinite()
+                        return guard.marker_like(grad)
+                    out[start : start + size] = self.compressor.decompress(payload, like=out[start : start + size])
+            return out.view(grad.shape)
+
+        scattered = self.queue.submit(launch_scatter)
+        return self.queue.submit(launch_gather, after=scattered).then(finish)
+
+    def _compress_chunks(
+        self, key: Hashable, flat: Tensor, plan: ChunkPlan, step: int, own: list[Payload | None]
+    ) -> Tensor:
+        """Steps 1-2; fills ``own`` with the chunk payloads and returns them as one byte buffer
+        (NaN-marked payloads if ``flat`` holds inf or NaN)."""
+        compensated = flat if self.feedback is None else self.feedback.compensate(key, flat, step=step)
+        compensated, sendable = guard.checked_input(flat, compensated)
+        if not sendable:
+            compensated = torch.zeros_like(compensated)  # codecs need not accept inf or NaN
+        decoded = torch.zeros_like(compensated) if self.feedback is not None and sendable else None
+        for j, (start, size) in enumerate(zip(plan.offsets, plan.sizes)):
+            if size == 0:
+                own.append(None)
+                continue
+            chunk = compensated[start : start + size]
+            payload = self.compressor.compress(chunk, step=step, key=chunk_key(key, j))
+            if not sendable:
+                payload = guard.marked(payload)
+            assert payload.nbytes == plan.payload_nbytes[j], (
+                f"{self.compressor.name}: chunk payload of {payload.nbytes} bytes, formula says {plan.payload_nbytes[j]}"
+            )
+            own.append(payload)
+            if decoded is not None:
+                decoded[start : start + size] = self.compressor.decompress(payload, like=chunk)
+        if decoded is not None:
+            self.feedback.update(key, compensated, decoded, step=step)
+        return wire.to_bytes(t for p in own if p is not None for t in p.tensors)
+
+    def _reduce_own_chunk(
+        self, key: Hashable, flat: Tensor, plan: ChunkPlan, rank: int, step: int,
+        own: list[Payload | None], recv_chunks: Tensor,
+    ) -> Tensor:
+        """Step 4; returns the compressed mean of this rank's chunk as bytes (empty if the chunk is)."""
+        size = plan.sizes[rank]
+        if size == 0:
+            return torch.empty(0, dtype=torch.uint8, device=flat.device)
+        template = own[rank]
+        like = flat.new_empty(size)
+        world_size = len(plan.sizes)
+        with self.metrics.timed("decompress_s", key):
+            rows = recv_chunks.view(world_size, -1)
+            payloads = [Payload(wire.from_bytes(rows[i], template.tensors), template.ctx) for i in range(world_size)]
+            if any(guard.received_marker(p.tensors) for p in payloads):
+                # Some rank's bucket was not finite: pass the marker on to every rank in round 2.
+                self.ledger.mark_nonfinite()
+                blank = self.compressor.compress(like.zero_(), step=step, key=mean_key(key, rank))
+                return wire.to_bytes(guard.marked(blank).tensors)
+            mean = mean_of_payloads(self.compressor, payloads, like)
+        with self.metrics.timed("compress_s", key):
+            server = self.server_feedback
+            compensated = mean if server is None else server.compensate(key, mean, step=step)
+            payload = self.compressor.compress(compensated, step=step, key=mean_key(key, rank))
+            if server is not None:
+                server.update(key, compensated, self.compressor.decompress(payload, like=compensated), step=step)
+            return wire.to_bytes(payload.tensors)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The server-side residuals (they differ across ranks); the worker-side ones belong to
+        the wrapping reducer."""
+        return {"server_feedback": None if self.server_feedback is None else self.server_feedback.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if self.server_feedback is not None and state.get("server_feedback") is not None:
+            self.server_feedback.load_state_dict(state["server_feedback"])
+

@@ -1,0 +1,124 @@
+"""``gradzip simulate``: the projection files, and ``--calibrate`` on a compare directory written here."""
+
+import json
+
+import pytest
+
+from gradzip.cli import main
+from gradzip.simulate.calibrate import TCP_GOODPUT, calibrate, parse_rate_bits
+from gradzip.simulate.cli import codec_speeds, split_specs
+from gradzip.simulate.exchange import Method
+
+
+def _write_compare_dir(root, *, limit=True, title="4 workers, 100mbit links"):
+    """A results directory laid out as 'gradzip compare' writes it: results.json, runs/<label>/, report.md."""
+    rows = [
+        {"compressor": "none", "status": "ok", "steps": 10, "step_s": 2.0, "payload_bytes_per_step": 16_000_000,
+         "compress_s": 0.0, "wire_bytes": 130_000_000, "wire_bytes_exchange": 125_000_000},
+        # codec seconds only in metrics.jsonl: medians 0.2 + 0.05
+        {"compressor": "topk:ratio=0.01", "status": "ok", "steps": 3, "step_s": 0.9, "payload_bytes_per_step": 1_000_000},
+        {"compressor": "torch:fp16", "status": "timeout", "steps": 2, "step_s": 5.0, "payload_bytes_per_step": 8_000_000},
+        {"compressor": "torch:powersgd", "status": "ok", "steps": 3, "step_s": 0.7, "payload_bytes_per_step": None},
+    ]
+    if limit:
+        rows.insert(0, {"compressor": "limit", "status": "ok", "steps": 10, "step_s": 0.5, "payload_bytes_per_step": 0})
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "results.json").write_text(json.dumps(rows))
+    (root / "report.md").write_text(f"# gradzip compare: time to loss, {title}\n\n- Network: ...\n")
+    metrics = {"topk_ratio_0.01": [(0.1, 0.05), (0.2, 0.05), (0.3, 0.5)]}
+    for row in rows:
+        run = root / "runs" / row["compressor"].replace(":", "_").replace("=", "_")
+        run.mkdir(parents=True)
+        (run / "summary.json").write_text(json.dumps({"world_size": 4, "compressor": row["compressor"]}))
+        lines = [{"compress_s": c, "decompress_s": d} for c, d in metrics.get(run.name, [(0.0, 0.0)])]
+        (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    return root
+
+
+def test_calibrate_hand_computed(tmp_path):
+    rows = {r.compressor: r for r in calibrate(_write_compare_dir(tmp_path / "cmp"), latency_us=50)}
+    rate = 100e6 / 8 * TCP_GOODPUT
+    # none: ring all_reduce of 16 MB over 4 ranks, no codec time
+    none = rows["none"]
+    assert none.predicted_step_s == pytest.approx(0.5 + 2 * 3 * 50e-6 + 2 * 3 / 4 * 16e6 / rate, rel=1e-12)
+    assert none.predicted_sent_bytes == pytest.approx(2 * 3 / 4 * 16e6)
+    assert none.measured_sent_bytes == pytest.approx(12_500_000)  # interface bytes of the exchange / steps
+    assert none.error == pytest.approx(none.predicted_step_s / 2.0 - 1)
+    # topk is not aggregatable: all_gather of 4 payloads of 1 MB, plus median codec seconds 0.2 + 0.05
+    topk = rows["topk:ratio=0.01"]
+    assert topk.collective == "allgather"
+    assert topk.predicted_step_s == pytest.approx(0.5 + 0.25 + 3 * 50e-6 + 3 / 4 * 4e6 / rate, rel=1e-12)
+    # PyTorch's hooks all_reduce; a run that did not finish has no error; unknown bytes, no prediction
+    assert rows["torch:fp16"].collective == "allreduce" and rows["torch:fp16"].error is None
+    assert rows["torch:powersgd"].predicted_step_s is None and rows["torch:powersgd"].error is None
+    assert list(rows)[0] == "limit" and rows["limit"].predicted_step_s == 0.5
+    # a rate given on the command line wins over the report's
+    fast = {r.compressor: r for r in calibrate(tmp_path / "cmp", bandwidth="1gbit", latency_us=0)}
+    assert fast["none"].comm_s == pytest.approx(2 * 3 / 4 * 16e6 / (1e9 / 8 * TCP_GOODPUT), rel=1e-12)
+
+
+def test_calibrate_cli_and_errors(tmp_path, capsys):
+    cmp = _write_compare_dir(tmp_path / "cmp")
+    assert main(["simulate", "--calibrate", str(cmp)]) == 0
+    out = capsys.readouterr().out
+    assert "topk:ratio=0.01" in out and "largest |error|" in out
+    assert main(["simulate", "--calibrate", str(_write_compare_dir(tmp_path / "nolimit", limit=False))]) == 2
+    assert "limit" in capsys.readouterr().err
+    assert main(["simulate", "--calibrate", str(tmp_path / "missing")]) == 2
+    loopback = _write_compare_dir(tmp_path / "loop", title="4 workers, loopback")
+    assert main(["simulate", "--calibrate", str(loopback)]) == 2
+    assert "bandwidth" in capsys.readouterr().err
+    assert parse_rate_bits("1gbit") == 1e9 and parse_rate_bits("20mbit") == 20e6 and parse_rate_bits(100) == 100e6
+    with pytest.raises(ValueError, match="bandwidth"):
+        parse_rate_bits("fast")
+
+
+def test_projection_writes_table_json_and_plot(tmp_path, capsys):
+    out = tmp_path / "proj"
+    argv = [
+        "simulate", "--model", "gpt2", "--gpus", "16", "--cluster", "h100-400ib",
+        "--compressors", "none,fp16,topk:ratio=0.01,powersgd:approx_rank=4,start_step=10,onebit-adam",
+        "--sweep", "8,32", "--out", str(out), "--price-per-gpu-hour", "2",
+    ]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "| powersgd:approx_rank=4,start_step=10 |" in printed
+    data = json.loads((out / "projection.json").read_text())
+    rows = {r["method"]: r for r in data["rows"]}
+    assert list(rows)[0] == "limit"
+    assert rows["none"]["speedup"] == 1.0
+    assert rows["limit"]["speedup"] == pytest.approx(rows["limit"]["limit_speedup"])
+    for row in rows.values():
+        assert row["usd_per_btok"] == pytest.approx(2 * row["gpu_hours_per_btok"])
+        assert row["step_s"] >= rows["limit"]["step_s"] - 1e-12
+    assert data["sweep"]["gpus"] == [8, 16, 32]
+    assert (out / "speedup_vs_gpus.png").read_bytes()[:4] == b"\x89PNG"
+    assert (out / "projection.md").exists()
+    assert main(["simulate", "--model", "gpt2", "--compressors", "zip", "--no-plot", "--out", str(out)]) == 2
+    assert main(["simulate", "--model", "gpt2", "--strategy", "fsdp", "--compressors", "onebit-adam", "--no-plot", "--out", str(out)]) == 2
+
+
+def test_split_specs_and_codec_speeds():
+    assert split_specs("none, powersgd:approx_rank=4,start_step=10,fp16") == [
+        "none", "powersgd:approx_rank=4,start_step=10", "fp16",
+    ]
+    with pytest.raises(ValueError, match="compressors"):
+        split_specs("ratio=1,none")
+    methods = [Method("fp16"), Method("powersgd:approx_rank=4")]
+    speeds = codec_speeds(methods, "fp16=2000,default=300")
+    assert speeds["fp16"].encode_bytes_per_s == 2000e9
+    assert speeds["powersgd:approx_rank=4"].decode_bytes_per_s == 300e9
+    assert codec_speeds(methods, "50")["fp16"].encode_bytes_per_s == 50e9
+    with pytest.raises(ValueError, match="codec-gbps"):
+        codec_speeds(methods, "fast")
+
+
+@pytest.mark.parametrize("spec", ["fp16", "topk:ratio=0.01", "powersgd:approx_rank=2", "onebit-adam"])
+def test_measured_codec_speed_is_a_finite_rate(spec):
+    from gradzip.simulate.codec_speed import measure_codec_speed
+
+    speed = measure_codec_speed(Method(spec), numel=1 << 14, repeats=2)
+    assert 0 < speed.encode_bytes_per_s < float("inf") and 0 < speed.decode_bytes_per_s < float("inf")
+    assert speed.source.startswith("measured")
+    with pytest.raises(ValueError, match="numel"):
+        measure_codec_speed(Method(spec), numel=10)

@@ -1,0 +1,154 @@
+"""Codec bytes in the model equal the real codecs' payloads, and the collective follows the codec."""
+
+import math
+
+import pytest
+import torch
+
+from gradzip import wire
+from gradzip.compressors import REGISTRY, build
+from gradzip.simulate.exchange import Method, lowrank_exchange, twophase_exchange
+from gradzip.testing import run_ranks
+
+SHAPES = [(16, 8), (8,), (6, 5), (40, 3)]
+NUMEL = sum(math.prod(s) for s in SHAPES)
+
+
+def _default_single_round_codecs():
+    specs = []
+    for name in sorted(REGISTRY):
+        try:
+            codec = build(name)
+        except (ValueError, TypeError):
+            continue  # a codec without defaults for every parameter
+        if not codec.multi_round:
+            specs.append(name)
+    return specs
+
+
+def _reduced_payload_bytes(rank, world_size, specs, shapes):
+    """On each rank: the bytes the real reducers record for one bucket of every spec."""
+    from gradzip.comm import make_reducer
+    from gradzip.metrics import StepMetrics
+
+    out = {}
+    numel = sum(math.prod(s) for s in shapes)
+    gen = torch.Generator().manual_seed(rank)
+    for spec in specs:
+        metrics = StepMetrics()
+        codec = build(spec)
+        # The model's all_gather route: auto would pick two phases where they send fewer bytes.
+        collective = "allgather" if not (codec.aggregatable or codec.multi_round) else "auto"
+        reducer = make_reducer(spec, metrics=metrics, collective=collective)
+        grad = torch.randn(numel, generator=gen)
+        reducer.reduce(0, grad, step=0, shapes=[torch.Size(s) for s in shapes]).wait()
+        out[spec] = metrics.pop()["payload_bytes"]
+    return out
+
+
+def _model_payload(spec, p):
+    candidates = Method(spec).ddp_candidates(SHAPES, torch.float32, p, "allgather")
+    assert len(candidates) == 1
+    return candidates[0].payload_bytes
+
+
+def test_model_bytes_equal_what_the_real_reducers_send():
+    specs = ["none", "fp16", "topk:ratio=0.1", "powersgd:approx_rank=2", *_default_single_round_codecs()]
+    specs = list(dict.fromkeys(specs))
+    results = run_ranks(_reduced_payload_bytes, 2, specs, SHAPES, timeout_s=120)
+    for spec in specs:
+        assert results[0][spec] == results[1][spec]
+        assert _model_payload(spec, 2) == results[0][spec], spec
+
+
+@pytest.mark.parametrize("spec", _default_single_round_codecs() + ["topk:ratio=0.3", "topk:ratio=1.0"])
+def test_payload_equals_compressed_tensor_bytes(spec):
+    codec = build(spec)
+    x = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0))
+    payload = codec.compress(x, step=0, key=0)
+    dense = NUMEL * 4
+    expected = payload.nbytes if payload.nbytes <= dense else dense  # the reducer's dense fallback
+    assert _model_payload(spec, 3) == expected
+
+
+def test_collective_follows_declared_properties():
+    aggregatable = Method("fp16").ddp_candidates(SHAPES, torch.float32, 4)
+    assert [e.method for e in aggregatable] == ["allreduce"]
+    assert aggregatable[0].rounds[0].collective == "allreduce"
+    both = Method("topk:ratio=0.1").ddp_candidates(SHAPES, torch.float32, 4)
+    assert [e.method for e in both] == ["allgather", "twophase"]
+    assert [e.method for e in Method("topk:ratio=0.1").ddp_candidates(SHAPES, torch.float32, 4, "twophase")] == ["twophase"]
+    assert [e.method for e in Method("none").ddp_candidates(SHAPES, torch.float32, 4)] == ["dense"]
+    with pytest.raises(ValueError, match="collective"):
+        Method("topk:ratio=0.1").ddp_candidates(SHAPES, torch.float32, 4, "ring")
+
+
+def test_allgather_hand_computed():
+    # topk at ratio 0.1 of 286 elements: k = 29 values (fp32) + 29 int16 indices = 174 bytes
+    assert NUMEL == 286
+    (gather,) = Method("topk:ratio=0.1").ddp_candidates(SHAPES, torch.float32, 4, "allgather")
+    assert gather.payload_bytes == 29 * (4 + 2) == 174
+    assert gather.rounds[0].nbytes == 4 * 174  # the gathered output
+    assert gather.sent_bytes(4) == 3 * 174
+    assert gather.decode_bytes == 4 * NUMEL * 4  # every rank decodes all four payloads
+
+
+def test_twophase_bytes_hand_computed_and_flat_in_world_size():
+    codec = build("topk:ratio=0.1")
+    # p = 4: chunks of ceil(286 / 4) = 72 elements, k = 7: 7 * (4 + 1) = 35 bytes (uint8 indices)
+    ex = twophase_exchange(codec.payload_nbytes, NUMEL, torch.float32, 4)
+    assert [r.collective for r in ex.rounds] == ["alltoall", "allgather"]
+    assert [r.nbytes for r in ex.rounds] == [4 * 35, 4 * 35]
+    assert ex.sent_bytes(4) == 2 * 3 * 35
+    assert ex.encode_bytes == 5 * 72 * 4 and ex.decode_bytes == 2 * 4 * 72 * 4
+    # 1-bit payload of a large tensor: two-phase sends about 2 payloads per worker for any p
+    sign = Method("onebit-adam")
+    n = 1 << 24
+    full = sign.sign_payload_nbytes(n)
+    for p in (8, 64, 1024):
+        sent = sign.onebit_momentum_exchange(n, p).sent_bytes(p)
+        assert sent == 2 * (p - 1) * sign.sign_payload_nbytes(-(-n // p))
+        assert 1.75 * full <= sent < 2 * full + 2 * p * 4  # 2 (p-1)/p payloads, plus per-chunk scales
+
+
+def test_onebit_adam_payload_and_warmup():
+    method = Method("onebit-adam:warmup=0.2")
+    assert method.onebit_adam and method.warmup_fraction == 0.2
+    assert Method("onebit-adam").warmup_fraction == 0.15
+    expected = wire.packed_nbytes(1001, 1) + 4
+    if any(name in REGISTRY for name in ("efsignsgd", "signsgd")):
+        expected = method.sign_codec.payload_nbytes(1001)
+    assert method.sign_payload_nbytes(1001) == expected
+    assert method.ddp_candidates(SHAPES, torch.float32, 4)[0].rounds == ()
+    with pytest.raises(ValueError, match="warmup"):
+        Method("onebit-adam:warmup=2")
+    with pytest.raises(ValueError, match="fsdp|ddp"):
+        method.fsdp_gradient_exchange(SHAPES, torch.float32, 4)
+
+
+def test_lowrank_rounds_hand_computed():
+    codec = build("powersgd:approx_rank=2")
+    ex = lowrank_exchange(codec, SHAPES, torch.float32)
+    # (16, 8): P 16x2, Q 8x2; (8,) travels dense in round 1; (6, 5): (6+5)*2 = 22 < 30
+    # compresses, P 6x2, Q 5x2; (40, 3): (40+3)*2 = 86 < 120 compresses, P 40x2, Q 3x2
+    round1 = (16 * 2 + 8 + 6 * 2 + 40 * 2) * 4
+    round2 = (8 * 2 + 5 * 2 + 3 * 2) * 4
+    assert [r.nbytes for r in ex.rounds] == [round1, round2]
+    assert ex.payload_bytes == sum(codec.matrix_payload_nbytes(s) for s in SHAPES)
+    # a bucket of vectors only takes one dense round
+    assert Method("powersgd:approx_rank=2").ddp_candidates([(10,), (3,)], torch.float32, 2)[0].method == "dense"
+
+
+def test_fsdp_gradient_exchanges():
+    p = 4
+    none = Method("none").fsdp_gradient_exchange(SHAPES, torch.float32, p)
+    assert none.rounds[0].collective == "reducescatter" and none.rounds[0].nbytes == NUMEL * 4
+    fp16 = Method("fp16").fsdp_gradient_exchange(SHAPES, torch.float32, p)
+    assert fp16.rounds[0].nbytes == NUMEL * 2
+    topk = Method("topk:ratio=0.1").fsdp_gradient_exchange(SHAPES, torch.float32, p)
+    assert topk.rounds[0].collective == "alltoall" and topk.rounds[0].nbytes == 4 * 35
+
+
+def test_unknown_codec_raises():
+    with pytest.raises(ValueError, match="unknown compressor"):
+        Method("zip:level=9")
