@@ -24,9 +24,10 @@ class ErrorFeedback:
             an integer >= 0.
         dtype: dtype of the residuals; None keeps each gradient's own dtype. fp32 residuals for
             half-precision gradients keep small dropped values from flushing to zero.
-        deferred: stage every :meth:`update` until :meth:`commit` (or drop it with
-            :meth:`discard`), so that a step skipped for a non-finite gradient leaves the
-            residuals exactly as they were. Costs one extra residual per key during a step.
+        deferred: keep the residual each :meth:`update` replaces until :meth:`commit`, so that
+            :meth:`discard` can put it back: a step skipped for a non-finite gradient then
+            leaves the residuals exactly as they were. Costs one extra residual per key during
+            a step (the old one, not a copy).
 
     Raises:
         ValueError: if ``start_step`` is not an integer >= 0.
@@ -42,7 +43,7 @@ class ErrorFeedback:
         self.dtype = dtype
         self.deferred = deferred
         self.residuals: dict[Hashable, Tensor] = {}
-        self.pending: dict[Hashable, Tensor] = {}
+        self.replaced: dict[Hashable, Tensor | None] = {}  # deferred mode: key -> residual before the step
 
     def compensate(self, key: Hashable, grad: Tensor, *, step: int) -> Tensor:
         """Return ``grad + residual[key]`` as a new tensor (``grad`` is never modified).
@@ -74,7 +75,9 @@ class ErrorFeedback:
         if step < self.start_step:
             return
         if self.deferred:
-            self.pending[key] = compensated - decoded.to(compensated.dtype)
+            if key not in self.replaced:
+                self.replaced[key] = self.residuals.get(key)
+            self.residuals[key] = compensated - decoded.to(compensated.dtype)
             return
         residual = self.residuals.get(key)
         if residual is not None and residual.shape == compensated.shape:
@@ -83,13 +86,18 @@ class ErrorFeedback:
             self.residuals[key] = compensated - decoded.to(compensated.dtype)
 
     def commit(self) -> None:
-        """Make the staged updates the residuals (``deferred`` mode)."""
-        self.residuals.update(self.pending)
-        self.pending = {}
+        """Keep the updates since the last commit (``deferred`` mode): forget the old residuals."""
+        self.replaced = {}
 
     def discard(self) -> None:
-        """Drop the staged updates: the residuals stay as before the step (``deferred`` mode)."""
-        self.pending = {}
+        """Undo the updates since the last commit (``deferred`` mode): the residuals are again
+        what they were before the step."""
+        for key, old in self.replaced.items():
+            if old is None:
+                self.residuals.pop(key, None)
+            else:
+                self.residuals[key] = old
+        self.replaced = {}
 
     def residual_norm(self, key: Hashable) -> float:
         """L2 norm of the residual of ``key`` (0.0 if none)."""
@@ -97,7 +105,7 @@ class ErrorFeedback:
         return 0.0 if residual is None else float(residual.float().norm())
 
     def state_dict(self) -> dict[str, Any]:
-        """Committed residuals (cloned) and settings, for checkpoints."""
+        """Residuals (cloned) and settings, for checkpoints."""
         return {
             "start_step": self.start_step,
             "residuals": {k: v.detach().clone() for k, v in self.residuals.items()},
@@ -107,4 +115,4 @@ class ErrorFeedback:
         """Restore what :meth:`state_dict` returned."""
         self.start_step = state["start_step"]
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
-        self.pending = {}
+        self.replaced = {}

@@ -67,11 +67,15 @@ def test_deferred_feedback_commits_or_discards():
     fb = ErrorFeedback(deferred=True)
     grad = torch.tensor([1.0, 2.0])
     fb.update("k", fb.compensate("k", grad, step=0), torch.tensor([1.0, 0.0]), step=0)
-    assert fb.residuals == {} and torch.equal(fb.pending["k"], torch.tensor([0.0, 2.0]))
+    fb.update("new", grad, grad, step=0)
+    fb.discard()
+    assert fb.residuals == {}, "a discarded first step left residuals"
+    fb.update("k", fb.compensate("k", grad, step=0), torch.tensor([1.0, 0.0]), step=0)
     fb.commit()
     assert torch.equal(fb.residuals["k"], torch.tensor([0.0, 2.0]))
     compensated = fb.compensate("k", grad, step=1)
     fb.update("k", compensated, torch.zeros(2), step=1)
+    assert torch.equal(fb.residuals["k"], torch.tensor([1.0, 4.0]))  # visible at once
     fb.discard()
     assert torch.equal(fb.residuals["k"], torch.tensor([0.0, 2.0])), "a discarded step changed the residual"
 
@@ -82,17 +86,18 @@ SHAPES = [torch.Size([12, 10]), torch.Size([10]), torch.Size([6, 8])]  # a bucke
 NUMEL = sum(s.numel() for s in SHAPES)
 
 
-def reducer_specs() -> list[tuple[str, str]]:
-    """(codec spec, collective) for every registered codec and every collective it allows."""
+def reducer_specs() -> list[tuple[str, dict]]:
+    """(codec spec, reducer options) for every registered codec on every route it allows, and
+    the fused route of small buckets."""
     out = []
     for name in gradzip.list_compressors():
         codec = build(name)
         if codec.multi_round:
-            out.append((name, "auto"))
+            out.append((name, {}))
             continue
-        out.append((name, "allgather"))
-        if codec.aggregatable:
-            out.append((name, "allreduce"))
+        for collective in ("allgather", "twophase") + (("allreduce",) if codec.aggregatable else ()):
+            out.append((name, {"collective": collective}))
+    out.append(("topk:ratio=0.1", {"min_compress_bytes": 1 << 30}))
     return out
 
 
@@ -106,10 +111,9 @@ def _reduce(reducer, step: int, grads: dict[int, torch.Tensor]) -> dict[int, tor
     return {key: fut.wait().clone() for key, fut in futures.items()}
 
 
-def _nonfinite_worker(rank: int, world_size: int, specs: list[tuple[str, str]]) -> dict:
+def _nonfinite_worker(rank: int, world_size: int, specs: list[tuple[str, dict]]) -> dict:
     report = {}
-    for spec, collective in specs:
-        kwargs = {} if build(spec).multi_round else {"collective": collective}
+    for spec, kwargs in specs:
         reducer = make_reducer(spec, **kwargs)
         twin = make_reducer(spec, **kwargs)  # never sees the bad steps
         steps = {s: {key: _grad(rank, s, key) for key in (0, 1)} for s in range(4)}
@@ -140,7 +144,7 @@ def _nonfinite_worker(rank: int, world_size: int, specs: list[tuple[str, str]]) 
         }.items():
             fresh = make_reducer(spec, **kwargs)
             extremes[case] = _reduce(fresh, 0, {0: x})[0]
-        report[f"{spec}/{collective}"] = {
+        report[f"{spec}/{kwargs}"] = {
             "bad_bucket_all_nan": bool(torch.isnan(out1[0]).all()) and bool(torch.isnan(out2[1]).all()),
             "state_unchanged": same(before, after),
             "next_step_equal_to_twin": all(torch.equal(out3[k], ref3[k]) for k in out3),

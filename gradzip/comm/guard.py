@@ -9,10 +9,10 @@ The contract every reducer keeps (tested for every registered codec on real gloo
    (an all_reduce sum or every gathered payload) for NaN before decoding; the sum of the NaN
    with anything stays NaN. Only a codec whose payload holds no floating tensor at all gets a
    one-element fp16 slot beside it (:class:`MarkerSlot`, 2 bytes, counted).
-2. A step whose result was the marker leaves no trace in the reducer: error-feedback residuals,
-   PowerSGD's warm-start factors and codec state are staged during a step and committed only
-   when the next step starts (or on :meth:`settle`, or before ``state_dict``), and only if no
-   bucket of the step carried the marker.
+2. A step whose result was the marker leaves no trace in the reducer: the error-feedback
+   residuals, PowerSGD warm-start factors and codec state a step replaces are kept until the
+   next step starts (or ``settle()``, or ``state_dict()``), and put back if any bucket of the
+   step carried the marker.
 3. Finite input never becomes non-finite on the way: codecs saturate at their wire dtype's
    largest finite value, payloads are divided by world_size before they are summed, a sum that
    still overflows by rounding (an inf, never a NaN, as every summand is finite) is saturated,

@@ -107,7 +107,7 @@ class PowerSGDReducer:
         # Residual and warm-start updates are staged until the step is known to be finite.
         self.feedback = ErrorFeedback(dtype=torch.float32, deferred=True)
         self.q_memory: dict[Hashable, Tensor] = {}
-        self.q_pending: dict[Hashable, Tensor] = {}
+        self.q_replaced: dict[Hashable, Tensor | None] = {}  # key -> warm start before the step
         self.ledger = guard.StepLedger()
 
     def _layout(self, grad: Tensor, shapes: Sequence[torch.Size] | None) -> _Layout:
@@ -251,7 +251,8 @@ class PowerSGDReducer:
                     out[o : o + mat.numel()] = self._decode(p, q_mean, out.dtype).reshape(-1)
                     self.feedback.update((key, i), mat, p @ q_local.T, step=step)
                     if self.compressor.warm_start:
-                        self.q_pending[(key, i)] = q_mean
+                        self.q_replaced.setdefault((key, i), self.q_memory.get((key, i)))
+                        self.q_memory[(key, i)] = q_mean
             return out.view(grad.shape)
 
         first = self.queue.submit(launch_p)
@@ -274,16 +275,21 @@ class PowerSGDReducer:
             return
         if verdict:
             self.feedback.commit()
-            self.q_memory.update(self.q_pending)
         else:
             self.feedback.discard()
-        self.q_pending = {}
+            for key, old in self.q_replaced.items():
+                if old is None:
+                    self.q_memory.pop(key, None)
+                else:
+                    self.q_memory[key] = old
+        self.q_replaced = {}
 
     def settle(self) -> None:
         """End the current step now: commit its staged residuals and warm-start factors, or drop
         them if any bucket of the step was non-finite on some rank (``reduce`` does this when the
         next step starts, and :meth:`state_dict` before it reads the state)."""
-        self._settle(self.ledger.finish())
+        verdict = self.ledger.finish()
+        self._settle(True if verdict is None else verdict)  # updates made outside a step stay
 
     def flush(self) -> None:
         """Nothing is held back; see :meth:`reduce`."""
@@ -326,6 +332,6 @@ class PowerSGDReducer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         self.ledger = guard.StepLedger()
-        self.q_pending = {}
+        self.q_replaced = {}
         self.feedback.load_state_dict(state["feedback"])
         self.q_memory = {k: v.clone() for k, v in state["q_memory"].items()}

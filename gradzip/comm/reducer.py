@@ -209,7 +209,8 @@ class CompressedReducer:
         """End the current step now: commit its staged updates, or drop them if any bucket of
         the step was non-finite on some rank. ``reduce`` does this by itself when the next step
         starts, and :meth:`state_dict` before it reads the state."""
-        self._settle(self.ledger.finish())
+        verdict = self.ledger.finish()
+        self._settle(True if verdict is None else verdict)  # updates made outside a step stay
 
     def _marker(self, like: Tensor) -> Tensor:
         self.ledger.mark_nonfinite()
