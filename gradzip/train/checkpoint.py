@@ -274,6 +274,7 @@ def save_training_state(
         cfg.out,
         progress.step,
         shared={
+            "step": progress.step,
             "progress": asdict(progress),
             "config": config,
             "model": model.state_dict(),
