@@ -103,6 +103,13 @@ def test_find_checkpoint_passes_over_cut_and_unfinished_writes(tmp_path):
     # Naming a damaged checkpoint folder directly is an error, not a silent fallback.
     with pytest.raises(NoUsableCheckpoint, match="rank-0.pt has 100 of"):
         find_checkpoint(newest)
+    # Bytes flipped in place, the size unchanged: the checksum says so.
+    older = tmp_path / "checkpoints" / "step-000002" / "shared.pt"
+    data = bytearray(older.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    older.write_bytes(bytes(data))
+    with pytest.raises(NoUsableCheckpoint, match="step-000002: shared.pt does not match its checksum"):
+        find_checkpoint(tmp_path)
 
 
 def test_resume_with_nothing_usable_is_one_line_exit_2(tmp_path, capsys, monkeypatch):

@@ -4,10 +4,11 @@ Layout under ``OUT/checkpoints/``: one folder per saved step, ``step-000300/`` (
 holding ``shared.pt`` (model, optimizer, scheduler, progress, config; written by rank 0),
 ``rank-R.pt`` for every rank (its compressor and error-feedback state and its data generator,
 which differ across ranks) and ``complete.json``. Every file is written to a temporary name,
-fsynced and renamed. ``complete.json`` (the size of every file, the world size and the config)
-is written by rank 0 only after every rank has written (a barrier), and ``latest`` (a one-line
-text file naming the folder) after that, so a folder without ``complete.json``, or with a file
-whose size differs from it, is one whose write was cut short.
+fsynced and renamed. ``complete.json`` (the size and SHA-256 of every file, the world size and
+the config) is written by rank 0 only after every rank has written (a barrier), and ``latest``
+(a one-line text file naming the folder) after that, so a folder without ``complete.json``, or
+with a file whose size or checksum differs from it, is one whose write was cut short or whose
+bytes were damaged since.
 
 ``--resume DIR`` takes the folder ``latest`` names, or, if that one is incomplete, the newest
 complete one before it; a checkpoint folder may also be named directly. Resuming restores the
@@ -18,6 +19,7 @@ counter, so the continued run is bit-identical to one that was never interrupted
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -133,7 +135,7 @@ def save_checkpoint(
         manifest = {
             "step": step,
             "world_size": world_size,
-            "files": {name: (folder / name).stat().st_size for name in names},
+            "files": {name: {"bytes": (folder / name).stat().st_size, "sha256": sha256(folder / name)} for name in names},
             "config": config or {},
         }
         atomic_write_text(folder / MANIFEST, json.dumps(manifest, indent=1) + "\n")
@@ -157,23 +159,33 @@ def prune(root: Path, *, newest: int, keep: int) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def incomplete_reason(folder: Path) -> str | None:
-    """Why ``folder`` is not a complete checkpoint, or None if it is."""
+    """Why ``folder`` is not a complete, intact checkpoint, or None if it is (reads every file)."""
     manifest_path = folder / MANIFEST
     if not manifest_path.is_file():
         return f"no {MANIFEST} (its write did not finish)"
     try:
         manifest = json.loads(manifest_path.read_text())
-        files = dict(manifest["files"])
-    except (ValueError, KeyError, TypeError):
+        files = {name: (int(entry["bytes"]), str(entry["sha256"])) for name, entry in manifest["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError):
         return f"{MANIFEST} is damaged"
-    for name, size in files.items():
+    for name, (size, digest) in files.items():
         path = folder / name
         if not path.is_file():
             return f"{name} is missing"
         actual = path.stat().st_size
         if actual != size:
             return f"{name} has {actual} of its {size} bytes"
+        if sha256(path) != digest:
+            return f"{name} does not match its checksum"
     return None
 
 

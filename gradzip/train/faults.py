@@ -17,6 +17,7 @@ Fault injection, for tests and drills. It is inert unless the environment variab
 - ``exit:rank=R,step=S[,code=C]``: rank R leaves at once (``os._exit(C)``, default code 1) when
   step S starts, as a killed process would.
 - ``hang:rank=R,step=S``: rank R stops responding (sleeps) when step S starts.
+- ``error:rank=R,step=S``: rank R raises a ``RuntimeError`` when step S starts, as a bug would.
 - ``nonfinite:rank=R,step=S[,value=inf|-inf|nan]``: rank R's gradient of its first parameter
   gets one non-finite element (default inf) in step S.
 """
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 ENV = "GRADZIP_FAULTS"
-KINDS = ("exit", "hang", "nonfinite")
+KINDS = ("exit", "hang", "error", "nonfinite")
 ROLL_CALL_WAIT_S = 5.0
 
 #: words in the errors of a collective whose peer died or timed out (gloo and NCCL)
@@ -69,7 +70,7 @@ def parse_faults(text: str | None) -> list[Fault]:
     for kind, params in parse_spec(text):
         if kind not in KINDS:
             raise ValueError(f"{ENV}: unknown fault {kind!r}; known: {', '.join(KINDS)}")
-        allowed = {"rank", "step"} | {"exit": {"code"}, "hang": set(), "nonfinite": {"value"}}[kind]
+        allowed = {"rank", "step"} | {"exit": {"code"}, "hang": set(), "error": set(), "nonfinite": {"value"}}[kind]
         unknown = set(params) - allowed
         if unknown or not {"rank", "step"} <= set(params):
             raise ValueError(f"{ENV}: {kind} takes {', '.join(sorted(allowed))} (rank and step required)")
@@ -108,6 +109,8 @@ class FaultPlan:
             if fault.kind == "hang":
                 while True:
                     time.sleep(60)
+            if fault.kind == "error":
+                raise RuntimeError(f"{ENV}: injected error at step {step}")
             if fault.kind == "nonfinite":
                 param = next(p for p in model.parameters() if p.requires_grad)
                 self._handles.append(param.register_hook(_spoil(fault.value)))
