@@ -68,6 +68,8 @@ class ErrorFeedback:
             residual = None
         if residual is None or step < self.start_step:
             return grad.to(dtype, copy=True)
+        if residual.device != grad.device:  # loaded from a checkpoint onto the CPU
+            residual = self.residuals[key] = residual.to(grad.device)
         return grad.to(dtype) + residual
 
     def update(self, key: Hashable, compensated: Tensor, decoded: Tensor, *, step: int) -> None:

@@ -177,6 +177,8 @@ class PowerSGDReducer:
                 matrices.append(mat)
                 sendable = sendable and finite
                 q = self.q_memory.get((key, i)) if self.compressor.warm_start else None
+                if q is not None and q.device != grad.device:  # loaded from a checkpoint onto the CPU
+                    q = self.q_memory[(key, i)] = q.to(grad.device)
                 if q is None or q.shape != (m, r):
                     q = self._initial_q((key, i), m, r, step if not self.compressor.warm_start else 0, grad.device)
                 qs.append(q)

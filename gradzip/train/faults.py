@@ -150,8 +150,11 @@ def leave(message: str, code: int = EXIT_LOST_PEER) -> None:
     """
     import sys
 
-    print(f"gradzip: {message}", file=sys.stderr, flush=True)
     sys.stdout.flush()
+    sys.stderr.flush()
+    # One write of the whole line: several workers share the terminal, and a line written in
+    # pieces can interleave with another's.
+    os.write(2, f"gradzip: {message}\n".encode())
     os._exit(code)
 
 
