@@ -6,6 +6,11 @@ Buckets are keyed by ``bucket.index()``; the step counter advances after the las
 backward pass, as in PyTorch's ``powerSGD_hook``. Buckets below ``min_compress_bytes`` are held
 back and sent fused, uncompressed, with the last bucket of the pass (see
 :mod:`gradzip.comm.reducer`).
+
+``CompressionState("auto")`` picks a codec per bucket (see :mod:`gradzip.control.auto`);
+``monitor_every`` adds quality figures to the metrics every that many steps; ``verify_every``
+runs a dense all_reduce beside the compressed one on every that many steps and records the
+difference (an exactness check that also catches codec or collective faults in the field).
 """
 
 
@@ -17,24 +22,29 @@ import torch.distributed as dist
 from gradzip.comm import Reducer, make_reducer
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.compressors import Compressor, build
-from gradzip.metrics import StepMetrics
+from gradzip.metrics import StepMetrics, relative_difference
+
+AUTO = "auto"
 
 
 class CompressionState:
     """State of :func:`compression_hook`: the codec, its reducer, the step and the metrics.
 
     Args:
-        compressor: a spec such as ``"powersgd:approx_rank=4"`` or a built codec.
+        compressor: a spec such as ``"powersgd:approx_rank=4"``, a built codec, or ``"auto"``.
         process_group: None for the default group.
         error_feedback: override the codec's default.
         collective: ``auto`` (by bytes), ``allreduce``, ``allgather`` or ``twophase``
             (single-round codecs; see :mod:`gradzip.comm.traffic`).
         min_compress_bytes: buckets with fewer raw bytes travel uncompressed, fused into one
             all_reduce per backward pass (single-round codecs); an integer >= 0.
+        monitor_every: quality figures every this many steps (0: never).
+        verify_every: exactness check every this many steps (0: never).
+        auto: a :class:`gradzip.control.auto.AutoConfig` for ``compressor="auto"`` (None: defaults).
 
     Raises:
-        ValueError: for a bad spec, collective or threshold (at construction, before training
-            starts).
+        ValueError: for a bad spec, collective, threshold or setting (at construction, before
+            training starts).
 
     Pickles without its process group (it uses the default group after unpickling), and
     carries its reducer's residuals in :meth:`state_dict`.
@@ -48,30 +58,51 @@ class CompressionState:
         error_feedback: bool | None = None,
         collective: str = "auto",
         min_compress_bytes: int = 0,
+        monitor_every: int = 0,
+        verify_every: int = 0,
+        auto: Any = None,
     ) -> None:
-        self.compressor = build(compressor)
+        for name, value in (("monitor_every", monitor_every), ("verify_every", verify_every)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
+        self.is_auto = isinstance(compressor, str) and compressor.strip().lower() == AUTO
+        self.compressor = None if self.is_auto else build(compressor)
+        self.spec = AUTO if self.is_auto else self.compressor.spec
         self.process_group = process_group
         self.error_feedback = error_feedback
         self.collective = collective
         self.min_compress_bytes = min_compress_bytes
+        self.monitor_every = monitor_every
+        self.verify_every = verify_every
+        self.auto = auto
         self.step = 0
-        self.metrics = StepMetrics()
+        self.metrics = StepMetrics(monitor_every)
+        self.queue = CollectiveQueue()
         self.reducer: Reducer = self._make_reducer()
 
     def _make_reducer(self) -> Reducer:
+        if self.is_auto:
+            from gradzip.comm.adaptive import AdaptiveReducer
+            from gradzip.control.auto import AutoConfig, make_controller
+
+            cfg = (self.auto or AutoConfig()).validate()
+            specs = cfg.candidate_specs()
+            return AdaptiveReducer(
+                specs, make_controller(cfg, specs), group=self.process_group, queue=self.queue, metrics=self.metrics
+            )
         return make_reducer(
             self.compressor,
             group=self.process_group,
             error_feedback=self.error_feedback,
             collective=self.collective,
             min_compress_bytes=self.min_compress_bytes,
-            queue=CollectiveQueue(),
+            queue=self.queue,
             metrics=self.metrics,
         )
 
     def state_dict(self) -> dict[str, Any]:
         """Spec, step and reducer state (residuals, factors); tensors cloned."""
-        return {"compressor": self.compressor.spec, "step": self.step, "reducer": self.reducer.state_dict()}
+        return {"compressor": self.spec, "step": self.step, "reducer": self.reducer.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned.
@@ -79,19 +110,20 @@ class CompressionState:
         Raises:
             ValueError: if the checkpoint was made with another codec spec.
         """
-        if state["compressor"] != self.compressor.spec:
-            raise ValueError(
-                f"checkpoint holds compressor state for {state['compressor']!r}, not {self.compressor.spec!r}"
-            )
+        if state["compressor"] != self.spec:
+            raise ValueError(f"checkpoint holds compressor state for {state['compressor']!r}, not {self.spec!r}")
         self.step = state["step"]
         self.reducer.load_state_dict(state["reducer"])
 
     def __getstate__(self) -> dict[str, Any]:
         return {
-            "compressor": self.compressor.spec,
+            "compressor": self.spec,
             "error_feedback": self.error_feedback,
             "collective": self.collective,
             "min_compress_bytes": self.min_compress_bytes,
+            "monitor_every": self.monitor_every,
+            "verify_every": self.verify_every,
+            "auto": self.auto,
             "state": self.state_dict(),
         }
 
@@ -99,8 +131,37 @@ class CompressionState:
         self.__init__(
             data["compressor"], error_feedback=data["error_feedback"], collective=data["collective"],
             min_compress_bytes=data.get("min_compress_bytes", 0),
+            monitor_every=data.get("monitor_every", 0), verify_every=data.get("verify_every", 0),
+            auto=data.get("auto"),
         )
         self.load_state_dict(data["state"])
+
+
+def verified_reduce(
+    state: CompressionState, key, grad: torch.Tensor, *, step: int, shapes=None, flush: bool = True
+) -> torch.futures.Future:
+    """``state.reducer.reduce(...)`` with a dense all_reduce of ``grad`` beside it; the relative
+    and max-abs difference of the compressed mean from the dense mean go into the metrics.
+
+    The dense collective goes through the group's queue before the compressed ones, so every
+    rank issues it at the same place in the order. Its bytes are not counted as payload.
+    """
+    world_size = dist.get_world_size(state.process_group)
+    dense = grad.div(world_size)
+    dense_fut = state.queue.submit(
+        lambda: dist.all_reduce(dense, group=state.process_group, async_op=True).get_future()
+    )
+    compressed = state.reducer.reduce(key, grad, step=step, shapes=shapes, flush=flush)
+
+    def compare(fut: torch.futures.Future) -> torch.Tensor:
+        value = fut.value()
+        dense_fut.wait()
+        figures = relative_difference(value, dense)
+        figures["dense_bytes"] = dense.numel() * dense.element_size()
+        state.metrics.add_verify(key, figures)
+        return value
+
+    return compressed.then(compare)
 
 
 def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -115,7 +176,10 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     """
     shapes = [g.shape for g in bucket.gradients()]
     last = bucket.is_last()
-    fut = state.reducer.reduce(bucket.index(), bucket.buffer(), step=state.step, shapes=shapes, flush=last)
+    if state.verify_every and state.step % state.verify_every == 0:
+        fut = verified_reduce(state, bucket.index(), bucket.buffer(), step=state.step, shapes=shapes, flush=last)
+    else:
+        fut = state.reducer.reduce(bucket.index(), bucket.buffer(), step=state.step, shapes=shapes, flush=last)
     if last:
         state.step += 1
     return fut

@@ -1,34 +1,164 @@
-"""Per-step figures collected by reducers and hooks: bytes, times, which collective ran.
+"""Per-step figures collected by reducers and hooks: bytes, times, which collective ran, and how
+faithful the compression was.
 
 Reducers run partly on communication threads (future callbacks), so every update takes a lock.
 ``communicate_s`` is the wall time during which at least one collective of this rank was in
 flight (overlapping collectives are not double counted).
 
 Per bucket (``buckets[key]``): the route it took (``collective``: ``allreduce``, ``allgather``,
-``twophase``, ``dense`` or ``fused``), whether it was compressed, ``payload_bytes`` (the codec's
-payload of the bucket), ``sent_bytes`` and ``received_bytes`` (what this rank moves over the
-wire by the formulas of :mod:`gradzip.comm.traffic`), and ``compress_s``, ``communicate_s``
-(launch to completion of each of its collectives, summed) and ``decompress_s``.
+``twophase``, ``dense`` or ``fused``), whether it was compressed, ``codec`` (its spec),
+``payload_bytes`` (the codec's payload of the bucket), ``sent_bytes`` and ``received_bytes`` (what
+this rank moves over the wire by the formulas of :mod:`gradzip.comm.traffic`), and ``compress_s``,
+``communicate_s`` (launch to completion of each of its collectives, summed; collectives of
+different buckets may overlap) and ``decompress_s``.
+
+Quality figures (every ``monitor_every`` steps), for the tensor ``x`` handed to the codec (the
+gradient, plus the error-feedback residual where the codec keeps one) and its local decode
+``d = D(C(x))``:
+
+- norm ratio ``||d|| / ||x||``
+- cosine ``<d, x> / (||d|| ||x||)``
+- relative error ``||x - d|| / ||x||``
+- error-feedback ratio ``||e|| / ||g||``: the residual kept after this step over the raw gradient.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Hashable
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+from torch import Tensor
 from torch.futures import Future
+
+QUALITY_FIELDS = ("norm_ratio", "cosine", "relative_error", "feedback_ratio")
+TIME_FIELDS = ("compress_s", "decompress_s", "communicate_s")
+
+
+class QualityAccumulator:
+    """Sums that give the quality figures of a tensor sent in pieces (one piece or many).
+
+    All sums are float64 Python numbers; each :meth:`add` costs four passes over the piece.
+    """
+
+    def __init__(self) -> None:
+        self.xx = 0.0  # ||x||^2
+        self.dd = 0.0  # ||d||^2
+        self.xd = 0.0  # <x, d>
+        self.diff = 0.0  # ||x - d||^2, computed directly: the identity xx - 2xd + dd cancels badly
+        self.gg = 0.0  # ||g||^2 of the raw gradient
+        self.ee = 0.0  # ||e||^2 of the residual kept
+        self.has_feedback = False
+
+    def add(self, sent: Tensor, decoded: Tensor, *, difference: Tensor | None = None) -> None:
+        """Add one piece: ``sent`` (x, any shape and floating dtype) and ``decoded`` (d, same numel).
+
+        ``difference``, when given, is ``x - d`` already computed (an error-feedback residual is
+        exactly that), which saves a pass and an allocation the size of the piece.
+        """
+        x = sent.reshape(-1).float()
+        d = decoded.reshape(-1).float()
+        self.xx += float(torch.dot(x, x))
+        self.dd += float(torch.dot(d, d))
+        self.xd += float(torch.dot(x, d))
+        diff = x - d if difference is None else difference.float()
+        self.diff += float(torch.linalg.vector_norm(diff)) ** 2
+
+    def add_exact(self, sent: Tensor) -> None:
+        """Add a piece that travelled uncompressed (``d == x``)."""
+        sq = float(torch.linalg.vector_norm(sent.float())) ** 2
+        self.xx += sq
+        self.dd += sq
+        self.xd += sq
+
+    def add_gradient(self, grad: Tensor) -> None:
+        """Add a piece of the raw gradient (the denominator of the error-feedback ratio)."""
+        self.gg += float(torch.linalg.vector_norm(grad.float())) ** 2
+
+    def add_residual(self, residual: Tensor | None) -> None:
+        """Add a piece of the error-feedback residual kept after this step (None: no feedback)."""
+        if residual is None:
+            return
+        self.has_feedback = True
+        self.ee += float(torch.linalg.vector_norm(residual.float())) ** 2
+
+    def figures(self) -> dict[str, float] | None:
+        """The quality figures; None when ``x`` is all zeros (no direction to compare)."""
+        return quality_from_sums(self.xx, self.dd, self.xd, self.diff, self.gg, self.ee if self.has_feedback else None)
+
+
+def quality_from_sums(
+    xx: float, dd: float, xd: float, diff: float, gg: float = 0.0, ee: float | None = None
+) -> dict[str, float] | None:
+    """Norm ratio, cosine, relative error (and error-feedback ratio) from squared norms and a dot.
+
+    Returns None when ``xx == 0``. A zero decode of a nonzero ``x`` has cosine 0.
+    """
+    if xx <= 0.0:
+        return None
+    x_norm, d_norm = math.sqrt(xx), math.sqrt(max(dd, 0.0))
+    out = {
+        "norm_ratio": d_norm / x_norm,
+        "cosine": xd / (x_norm * d_norm) if d_norm > 0 else 0.0,
+        "relative_error": math.sqrt(max(diff, 0.0)) / x_norm,
+    }
+    if ee is not None:
+        out["feedback_ratio"] = math.sqrt(ee) / math.sqrt(gg) if gg > 0 else 0.0
+    return out
+
+
+def quality_figures(sent: Tensor, decoded: Tensor, *, grad: Tensor | None = None,
+                    residual: Tensor | None = None, difference: Tensor | None = None) -> dict[str, float] | None:
+    """Quality figures of one tensor (see the module docstring); None when ``sent`` is zero.
+
+    Args:
+        sent: x, the tensor handed to the codec; any shape, floating dtype.
+        decoded: d = D(C(x)), the same number of elements.
+        grad: the raw gradient (default ``sent``), for the error-feedback ratio.
+        residual: the residual kept after this step; None leaves ``feedback_ratio`` out.
+        difference: ``sent - decoded`` if already at hand (an error-feedback residual updated
+            this step is exactly that); saves a pass and an allocation.
+    """
+    acc = QualityAccumulator()
+    acc.add(sent, decoded, difference=difference)
+    acc.add_gradient(sent if grad is None else grad)
+    acc.add_residual(residual)
+    return acc.figures()
+
+
+def relative_difference(value: Tensor, reference: Tensor) -> dict[str, float]:
+    """``||value - reference|| / ||reference||`` (0 when both are zero) and the max abs difference."""
+    diff = value.reshape(-1).float() - reference.reshape(-1).float()
+    ref = float(torch.linalg.vector_norm(reference.float()))
+    err = float(torch.linalg.vector_norm(diff))
+    return {
+        "relative_difference": err / ref if ref > 0 else (0.0 if err == 0 else math.inf),
+        "max_abs_difference": float(diff.abs().max()) if diff.numel() else 0.0,
+    }
 
 
 class StepMetrics:
-    """Accumulates one step's figures; :meth:`pop` returns them and starts the next step."""
+    """Accumulates one step's figures; :meth:`pop` returns them and starts the next step.
 
-    def __init__(self) -> None:
+    Args:
+        monitor_every: compute quality figures every this many steps (0: never). Bytes and
+            times are kept every step.
+    """
+
+    def __init__(self, monitor_every: int = 0) -> None:
+        if isinstance(monitor_every, bool) or not isinstance(monitor_every, int) or monitor_every < 0:
+            raise ValueError(f"monitor_every must be an integer >= 0; got {monitor_every!r}")
+        self.monitor_every = monitor_every
         self._lock = threading.Lock()
         self._in_flight = 0
         self._flight_start = 0.0
+        #: running totals per bucket since construction (never reset by pop); read by controllers
+        self.totals: dict[Hashable, dict[str, float]] = {}
         self._reset()
 
     def _reset(self) -> None:
@@ -42,6 +172,11 @@ class StepMetrics:
         self.uncompressed_buckets = 0
         self.fused_buckets = 0
         self.buckets: dict[Hashable, dict[str, Any]] = {}
+        self.events: list[dict[str, Any]] = []
+
+    def wants_quality(self, step: int) -> bool:
+        """Whether reducers should compute quality figures at ``step``."""
+        return self.monitor_every > 0 and step % self.monitor_every == 0
 
     def _entry(self, key: Hashable) -> dict[str, Any]:
         return self.buckets.setdefault(
@@ -49,8 +184,15 @@ class StepMetrics:
             {
                 "collective": None, "compressed": False, "payload_bytes": 0, "dense_bytes": 0,
                 "sent_bytes": 0, "received_bytes": 0, "compress_s": 0.0, "communicate_s": 0.0,
-                "decompress_s": 0.0,
+                "decompress_s": 0.0, "collectives": 0,
             },
+        )
+
+    def _total(self, key: Hashable) -> dict[str, float]:
+        return self.totals.setdefault(
+            key,
+            {"payload_bytes": 0, "sent_bytes": 0, "collectives": 0, "calls": 0, "compress_s": 0.0,
+             "decompress_s": 0.0, "communicate_s": 0.0},
         )
 
     def add_bucket(
@@ -63,6 +205,7 @@ class StepMetrics:
         compressed: bool = True,
         sent_bytes: int = 0,
         received_bytes: int = 0,
+        codec: str | None = None,
     ) -> None:
         """Record one bucket's exchange: the route, the codec's payload bytes, the raw bytes and
         the bytes this rank sends and receives over the wire."""
@@ -82,6 +225,12 @@ class StepMetrics:
             entry["dense_bytes"] += dense_bytes
             entry["sent_bytes"] += sent_bytes
             entry["received_bytes"] += received_bytes
+            if codec is not None:
+                entry["codec"] = codec
+            total = self._total(key)
+            total["payload_bytes"] += payload_bytes
+            total["sent_bytes"] += sent_bytes
+            total["calls"] += 1
 
     @contextmanager
     def timed(self, field: str, key: Hashable | None = None):
@@ -96,6 +245,7 @@ class StepMetrics:
                 setattr(self, field, getattr(self, field) + elapsed)
                 if key is not None:
                     self._entry(key)[field] += elapsed
+                    self._total(key)[field] += elapsed
 
     def track(self, fut: Future, keys: tuple[Hashable, ...] = ()) -> Future:
         """Count a just-issued collective as in flight until ``fut`` completes; its duration is
@@ -107,7 +257,12 @@ class StepMetrics:
             elapsed = time.perf_counter() - start
             with self._lock:
                 for key in keys:
-                    self._entry(key)["communicate_s"] += elapsed
+                    entry = self._entry(key)
+                    entry["communicate_s"] += elapsed
+                    entry["collectives"] += 1
+                    total = self._total(key)
+                    total["communicate_s"] += elapsed
+                    total["collectives"] += 1
             self.collective_finished()
 
         fut.add_done_callback(done)
@@ -128,9 +283,27 @@ class StepMetrics:
             if self._in_flight == 0:
                 self.communicate_s += time.perf_counter() - self._flight_start
 
+    def add_quality(self, key: Hashable, figures: dict[str, float] | None) -> None:
+        """Attach quality figures (see :func:`quality_figures`) to bucket ``key``; None is skipped."""
+        if figures is None:
+            return
+        with self._lock:
+            self._entry(key)["quality"] = dict(figures)
+
+    def add_verify(self, key: Hashable, figures: dict[str, float]) -> None:
+        """Attach the exactness check of bucket ``key`` (compressed mean against the dense mean)."""
+        with self._lock:
+            self._entry(key)["verify"] = dict(figures)
+
+    def add_event(self, event: dict[str, Any]) -> None:
+        """Record something that happened this step (an auto decision, a trial verdict)."""
+        with self._lock:
+            self.events.append(dict(event))
+
     def pop(self) -> dict[str, Any]:
         """This step's totals (``payload_bytes``, ``dense_bytes``, ``compression_ratio``,
-        ``sent_bytes``, ``received_bytes``, times, bucket counts, ``buckets``), then reset."""
+        ``sent_bytes``, ``received_bytes``, times, bucket counts, ``buckets`` with, on monitored
+        steps, ``quality``; ``events``), then reset."""
         with self._lock:
             out = {
                 "payload_bytes": self.payload_bytes,
@@ -144,6 +317,126 @@ class StepMetrics:
                 "uncompressed_buckets": self.uncompressed_buckets,
                 "fused_buckets": self.fused_buckets,
                 "buckets": self.buckets,
+                "events": self.events,
             }
             self._reset()
             return out
+
+
+# Figures over a window of steps, as adaptive controllers see them (identical on every rank:
+# the reducer all-reduces them before a controller reads them).
+
+
+@dataclass
+class CandidateFigures:
+    """One candidate codec priced on one bucket by a local probe (no collective).
+
+    Attributes:
+        spec: the codec spec.
+        compress_s: seconds to encode the bucket (max over ranks).
+        decompress_s: seconds to decode what arrives (every rank's payload for gathered codecs).
+        payload_bytes: the codec's payload of the bucket.
+        sent_bytes: bytes this rank sends for the bucket by the route it would take.
+        collectives: collectives per step (PowerSGD and the two-phase route: 2).
+        relative_error: ``||g - D(C(g))|| / ||g||`` of one step's gradient, no error feedback
+            (max over ranks); 0 for dense.
+    """
+
+    spec: str
+    compress_s: float
+    decompress_s: float
+    payload_bytes: float
+    sent_bytes: float
+    collectives: float
+    relative_error: float
+
+
+@dataclass
+class BucketFigures:
+    """One bucket over a window.
+
+    Attributes:
+        key: the bucket's key (its index).
+        numel: elements in the bucket.
+        itemsize: bytes per element of the gradient.
+        current: index of the candidate the bucket used in the window.
+        payload_bytes: the codec's payload per step in the window.
+        sent_bytes: bytes this rank sent per step in the window.
+        communicate_s: seconds per step from launch to completion of its collectives (min over
+            ranks: the last rank to arrive waits least, so its figure is closest to the transfer).
+        collectives: collectives per step.
+        gradient_sum_norm: norm of the bucket's gradient summed over the window (max over ranks).
+        entropy: normalised Shannon entropy in [0, 1] of a sample of the last gradient (max over ranks).
+        candidates: probe figures per candidate (same order as the reducer's candidates), or
+            None when this window did not probe.
+    """
+
+    key: Hashable
+    numel: int
+    itemsize: int
+    current: int
+    payload_bytes: float
+    sent_bytes: float
+    communicate_s: float
+    collectives: float
+    gradient_sum_norm: float
+    entropy: float
+    candidates: list[CandidateFigures] | None = None
+
+
+@dataclass
+class WindowFigures:
+    """Everything a controller sees at the end of a window of steps ``[start, end)``.
+
+    Attributes:
+        start, end: the window's steps.
+        world_size: ranks in the group.
+        period_s: median seconds from one step's first bucket to the next step's (max over
+            ranks), over the window's steps less its first (a switch) and last (the probe).
+        buckets: per-bucket figures, in hook order.
+    """
+
+    start: int
+    end: int
+    world_size: int
+    period_s: float
+    buckets: list[BucketFigures] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    """A controller's answer: the candidate of each bucket for the next window.
+
+    Attributes:
+        choices: candidate index per bucket key.
+        window_steps: length of the next window in steps.
+        reasons: a sentence per bucket whose choice changed or was examined.
+        note: a sentence about the whole decision (a trial started, accepted or rejected).
+        probe_next: whether the next window should probe candidates at its last step.
+    """
+
+    choices: dict[Hashable, int]
+    window_steps: int
+    reasons: dict[Hashable, str] = field(default_factory=dict)
+    note: str = ""
+    probe_next: bool = True
+
+
+def sampled_entropy(x: Tensor, *, samples: int = 65536, bins: int = 256) -> float:
+    """Normalised Shannon entropy (in [0, 1]) of the values of ``x``, from an evenly strided
+    sample of at most ``samples`` elements in a ``bins``-bin histogram between their min and max.
+
+    The down-sampling follows EDGC (Yi et al., arXiv 2511.10333), which estimates gradient entropy
+    on a sample to keep it cheap. A constant or empty tensor has entropy 0.
+    """
+    flat = x.reshape(-1)
+    if flat.numel() < 2:
+        return 0.0
+    stride = max(1, flat.numel() // samples)
+    sample = flat[::stride].float()
+    low, high = float(sample.min()), float(sample.max())
+    if not (math.isfinite(low) and math.isfinite(high)) or high <= low:
+        return 0.0
+    counts = torch.histc(sample, bins=bins, min=low, max=high)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum()) / math.log(bins)

@@ -142,38 +142,45 @@ def marker_like(t: Tensor) -> Tensor:
 
 
 class StepLedger:
-    """Which step a reducer's staged updates belong to, and whether that step stays.
+    """The steps in which some bucket carried the NaN marker.
 
-    ``begin(key, step)`` is called at the start of every ``reduce``. When it returns a verdict the
-    previous step is over: True to commit its staged updates, False to discard them. A step is
-    over when a later step number arrives or when a key comes back within the same step number
-    (a caller that reuses step numbers); ``finish()`` ends the current step explicitly.
+    One ledger is shared by every reducer of a hook (an adaptive hook holds several), so that a
+    step skipped for one bucket is put back in the reducers of all the others too.
+    """
+
+    def __init__(self) -> None:
+        self.nonfinite: set[int] = set()
+
+    def mark_nonfinite(self, step: int) -> None:
+        self.nonfinite.add(step)
+
+    def finite(self, step: int) -> bool:
+        return step not in self.nonfinite
+
+
+class OpenStep:
+    """The step whose changes a reducer can still put back, and the keys it has seen in it.
+
+    ``begin(key, step)`` is called at the start of every ``reduce`` and returns the step that is
+    over, if one is: a later step number arrived, or a key came back within the same number (a
+    caller that reuses step numbers). ``finish()`` ends the open step explicitly.
     """
 
     def __init__(self) -> None:
         self.step: int | None = None
         self.keys: set[Hashable] = set()
-        self.finite = True
 
-    def begin(self, key: Hashable, step: int) -> bool | None:
-        verdict = None
+    def begin(self, key: Hashable, step: int) -> int | None:
+        closed = None
         if self.step is not None and (step != self.step or key in self.keys):
-            verdict = self.finish()
+            closed = self.finish()
         self.step = step
         self.keys.add(key)
-        return verdict
+        return closed
 
-    def mark_nonfinite(self) -> None:
-        """Some bucket of the current step carried the marker: its updates will be discarded."""
-        self.finite = False
-
-    def finish(self) -> bool | None:
-        """End the current step; returns its verdict (None if no step was open)."""
-        if self.step is None:
-            return None
-        verdict = self.finite
-        self.step, self.keys, self.finite = None, set(), True
-        return verdict
+    def finish(self) -> int | None:
+        closed, self.step, self.keys = self.step, None, set()
+        return closed
 
 
 def clone_state(state):

@@ -26,6 +26,7 @@ bucket with no matrix to compress takes round 1 only; an empty bucket takes no c
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -42,7 +43,7 @@ from gradzip.comm.traffic import allreduce_bytes
 from gradzip.compressors.base import seeded_generator
 from gradzip.compressors.lowrank import PowerSGD, matrix_view_shape
 from gradzip.feedback import ErrorFeedback
-from gradzip.metrics import StepMetrics
+from gradzip.metrics import QualityAccumulator, StepMetrics, quality_figures
 
 
 def orthogonalize(p: Tensor) -> Tensor:
@@ -90,6 +91,8 @@ class PowerSGDReducer:
         group: the process group (None: the default group).
         queue: the ordered launch queue shared by every reducer of ``group``.
         metrics: where bytes and times go.
+        ledger: the steps whose gradient was not finite, shared by every reducer of one hook;
+            None for a ledger of this reducer's own.
     """
 
     def __init__(
@@ -99,16 +102,18 @@ class PowerSGDReducer:
         group: dist.ProcessGroup | None = None,
         queue: CollectiveQueue | None = None,
         metrics: StepMetrics | None = None,
+        ledger: guard.StepLedger | None = None,
     ) -> None:
         self.compressor = compressor
         self.group = group
         self.queue = queue or CollectiveQueue()
         self.metrics = metrics or StepMetrics()
-        # Residual and warm-start updates are staged until the step is known to be finite.
+        # Residual and warm-start updates stay undoable until the step is known to be finite.
         self.feedback = ErrorFeedback(dtype=torch.float32, deferred=True)
         self.q_memory: dict[Hashable, Tensor] = {}
         self.q_replaced: dict[Hashable, Tensor | None] = {}  # key -> warm start before the step
-        self.ledger = guard.StepLedger()
+        self.ledger = ledger or guard.StepLedger()
+        self.open_step = guard.OpenStep()
 
     def _layout(self, grad: Tensor, shapes: Sequence[torch.Size] | None) -> _Layout:
         shapes = [torch.Size(s) for s in shapes] if shapes is not None else [grad.shape]
@@ -154,12 +159,14 @@ class PowerSGDReducer:
         Raises:
             ValueError: if ``shapes`` do not add up to ``grad.numel()``.
         """
-        self._settle(self.ledger.begin(key, step))
+        closed = self.open_step.begin(key, step)
+        if closed is not None:
+            self._settle(self.ledger.finite(closed))
         world_size = dist.get_world_size(self.group)
         if grad.numel() == 0:
             return completed(grad.clone())
         if step < self.compressor.start_step:
-            return self._reduce_dense(key, grad, world_size)
+            return self._reduce_dense(key, grad, world_size, step=step)
         layout = self._layout(grad, shapes)
         flat = grad.reshape(-1)
         pieces = [flat[o : o + s.numel()] for o, s in zip(layout.offsets, layout.shapes)]
@@ -167,7 +174,7 @@ class PowerSGDReducer:
         out = torch.empty_like(flat)
 
         # Step 1: error-compensated matrices and their Q.
-        with self.metrics.timed("compress_s"):
+        with self.metrics.timed("compress_s", key):
             matrices, qs, sendable = [], [], True
             for i in layout.compressed:
                 n, m = matrix_view_shape(layout.shapes[i])
@@ -194,32 +201,33 @@ class PowerSGDReducer:
         self.metrics.add_bucket(
             key, payload_bytes=(round1.numel() + round2.numel()) * round1.element_size(),
             dense_bytes=grad.numel() * grad.element_size(), collective="allreduce",
-            compressed=bool(matrices), sent_bytes=sent, received_bytes=sent,
+            compressed=bool(matrices), sent_bytes=sent, received_bytes=sent, codec=self.compressor.spec,
         )
+        monitored = self.metrics.wants_quality(step)
         p_hat: list[Tensor] = []
         q_local_list: list[Tensor] = []
 
         # Step 2: P = M Q for every matrix, one all_reduce with the uncompressed gradients.
         def launch_p() -> Future:
-            with self.metrics.timed("compress_s"):
+            with self.metrics.timed("compress_s", key):
                 if not sendable:
                     round1.fill_(float("nan"))  # the marker: every rank's sum turns NaN
-                    return self._all_reduce(round1)
+                    return self._all_reduce(key, round1)
                 offset = n_uncompressed
                 for mat, q in zip(matrices, qs):
                     p = to_wire(product(mat, q), world_size, wire_dtype)
                     round1[offset : offset + p.numel()] = p.reshape(-1)
                     offset += p.numel()
-            return self._all_reduce(round1)
+            return self._all_reduce(key, round1)
 
         # Steps 3 and 4: orthogonalize P, then Q = M^T P, one all_reduce.
         def launch_q() -> Future:
             if guard.received_marker([round1]):
                 # Some rank's bucket was not finite. The sum is the same on every rank, so all
                 # of them skip round 2 here together.
-                self.ledger.mark_nonfinite()
+                self.ledger.mark_nonfinite(step)
                 return completed(None)
-            with self.metrics.timed("compress_s"):
+            with self.metrics.timed("compress_s", key):
                 offset, q_offset = n_uncompressed, 0
                 for mat, q in zip(matrices, qs):
                     n, r = mat.shape[0], q.shape[1]
@@ -230,15 +238,16 @@ class PowerSGDReducer:
                     q_local_list.append(q_local)
                     offset += n * r
                     q_offset += q_local.numel()
-            return self._all_reduce(round2)
+            return self._all_reduce(key, round2)
 
         # Step 5: decode, update residuals and Q memory.
         def finish(fut: Future) -> Tensor:
             fut.value()  # re-raises a failed collective
             if guard.received_marker([round1, round2]):
-                self.ledger.mark_nonfinite()
+                self.ledger.mark_nonfinite(step)
                 return guard.marker_like(grad)
-            with self.metrics.timed("decompress_s"):
+            quality = QualityAccumulator() if monitored else None
+            with self.metrics.timed("decompress_s", key):
                 offset = 0
                 for i, piece in zip(layout.uncompressed, uncompressed):
                     o = layout.offsets[i]
@@ -251,10 +260,21 @@ class PowerSGDReducer:
                     q_offset += q_local.numel()
                     o = layout.offsets[i]
                     out[o : o + mat.numel()] = self._decode(p, q_mean, out.dtype).reshape(-1)
-                    self.feedback.update((key, i), mat, p @ q_local.T, step=step)
+                    local = p @ q_local.T
+                    self.feedback.update((key, i), mat, local, step=step)
+                    if quality is not None:
+                        # the residual just stored is exactly mat - local
+                        quality.add(mat, local, difference=self.feedback.residuals.get((key, i)))
                     if self.compressor.warm_start:
                         self.q_replaced.setdefault((key, i), self.q_memory.get((key, i)))
                         self.q_memory[(key, i)] = q_mean
+            if quality is not None:
+                for piece in uncompressed:
+                    quality.add_exact(piece)
+                quality.add_gradient(grad)
+                for i in layout.compressed:
+                    quality.add_residual(self.feedback.residuals.get((key, i)))
+                self.metrics.add_quality(key, quality.figures())
             return out.view(grad.shape)
 
         first = self.queue.submit(launch_p)
@@ -272,10 +292,8 @@ class PowerSGDReducer:
             return (p @ q_mean.T).to(dtype)
         return guard.saturate(p.double() @ q_mean.double().T, dtype).to(dtype)
 
-    def _settle(self, verdict: bool | None) -> None:
-        if verdict is None:
-            return
-        if verdict:
+    def _settle(self, keep: bool) -> None:
+        if keep:
             self.feedback.commit()
         else:
             self.feedback.discard()
@@ -287,22 +305,20 @@ class PowerSGDReducer:
         self.q_replaced = {}
 
     def settle(self) -> None:
-        """End the current step now: commit its staged residuals and warm-start factors, or drop
-        them if any bucket of the step was non-finite on some rank (``reduce`` does this when the
-        next step starts, and :meth:`state_dict` before it reads the state)."""
-        verdict = self.ledger.finish()
-        self._settle(True if verdict is None else verdict)  # updates made outside a step stay
+        """End the current step now: keep the residuals and warm-start factors it changed, or put
+        them back if any bucket of the step was non-finite on some rank (``reduce`` does this
+        when the next step starts, and :meth:`state_dict` before it reads the state)."""
+        closed = self.open_step.finish()
+        self._settle(closed is None or self.ledger.finite(closed))  # changes made outside a step stay
 
     def flush(self) -> None:
         """Nothing is held back; see :meth:`reduce`."""
 
-    def _all_reduce(self, tensor: Tensor) -> Future:
-        self.metrics.collective_started()
-        fut = dist.all_reduce(tensor, group=self.group, async_op=True).get_future()
-        fut.add_done_callback(lambda _f: self.metrics.collective_finished())
-        return fut
+    def _all_reduce(self, key: Hashable, tensor: Tensor) -> Future:
+        work = dist.all_reduce(tensor, group=self.group, async_op=True)
+        return self.metrics.track(work.get_future(), (key,))
 
-    def _reduce_dense(self, key: Hashable, grad: Tensor, world_size: int) -> Future:
+    def _reduce_dense(self, key: Hashable, grad: Tensor, world_size: int, *, step: int = 0) -> Future:
         tensor = grad.div(world_size)
         if not guard.is_finite(grad):
             tensor.fill_(float("nan"))  # the marker; an inf alone could pass for an overflow
@@ -310,17 +326,81 @@ class PowerSGDReducer:
         self.metrics.add_bucket(
             key, payload_bytes=tensor.numel() * tensor.element_size(),
             dense_bytes=grad.numel() * grad.element_size(), collective="dense", compressed=False,
-            sent_bytes=sent, received_bytes=sent,
+            sent_bytes=sent, received_bytes=sent, codec=self.compressor.spec,
         )
+        if self.metrics.wants_quality(step):
+            self.metrics.add_quality(key, quality_figures(grad, grad))
 
         def finish(fut: Future) -> Tensor:
             fut.value()  # re-raises a failed collective
             if not guard.received_marker([tensor]):
                 return tensor
-            self.ledger.mark_nonfinite()
+            self.ledger.mark_nonfinite(step)
             return guard.marker_like(tensor)
 
-        return self.queue.submit(lambda: self._all_reduce(tensor)).then(finish)
+        return self.queue.submit(lambda: self._all_reduce(key, tensor)).then(finish)
+
+    def probe(self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None) -> dict[str, Any]:
+        """One local power iteration on ``grad`` (as one rank alone would run it): no collective,
+        no state change. Used by controllers to price PowerSGD on a real bucket.
+
+        Returns:
+            ``compress_s`` (P = M Q, orthogonalize, Q = M^T P), ``decompress_s`` (P Q^T),
+            ``payload_bytes`` (both rounds), ``sent_bytes`` (what this rank sends in both ring
+            all_reduces), ``collectives`` (1 or 2) and ``decoded`` (the rank-r approximation,
+            ``grad``'s shape).
+        """
+        world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        layout = self._layout(grad, shapes)
+        flat = grad.reshape(-1)
+        decoded = flat.clone()
+        compress_s = decompress_s = 0.0
+        payload_bytes = sum(layout.shapes[i].numel() for i in layout.uncompressed) * grad.element_size()
+        factor_bytes = 0
+        for i in layout.compressed:
+            n, m = matrix_view_shape(layout.shapes[i])
+            r = self.compressor.effective_rank(n, m)
+            o = layout.offsets[i]
+            mat = flat[o : o + n * m].view(n, m).float()
+            q = self.q_memory.get((key, i))
+            start = time.perf_counter()
+            if q is None or q.shape != (m, r):
+                q = self._initial_q((key, i), m, r, step, grad.device)
+            p = orthogonalize(mat @ q)
+            q_local = mat.T @ p
+            middle = time.perf_counter()
+            decoded[o : o + n * m] = (p @ q_local.T).reshape(-1).to(decoded.dtype)
+            end = time.perf_counter()
+            compress_s += middle - start
+            decompress_s += end - middle
+            payload_bytes += (n + m) * r * grad.element_size()
+            factor_bytes += m * r * grad.element_size()
+        sent = allreduce_bytes(payload_bytes - factor_bytes, world_size) + allreduce_bytes(factor_bytes, world_size)
+        return {
+            "compress_s": compress_s, "decompress_s": decompress_s, "payload_bytes": payload_bytes,
+            "sent_bytes": sent, "collectives": 2 if layout.compressed else 1, "decoded": decoded.view(grad.shape),
+        }
+
+    def take_residual(self, key: Hashable, shapes: Sequence[torch.Size] | None = None) -> Tensor | None:
+        """Remove the residuals of bucket ``key`` and return them laid out as the flat bucket
+        (zeros where a gradient travelled uncompressed), or None if there are none.
+
+        Used when a bucket changes codec, so that what PowerSGD dropped is not lost.
+        """
+        if shapes is None:
+            return None
+        shapes = [torch.Size(s) for s in shapes]
+        total = sum(s.numel() for s in shapes)
+        out, found, offset = None, False, 0
+        for i, shape in enumerate(shapes):
+            residual = self.feedback.residuals.pop((key, i), None)
+            if residual is not None and residual.numel() == shape.numel():
+                if out is None:
+                    out = torch.zeros(total, dtype=residual.dtype, device=residual.device)
+                out[offset : offset + shape.numel()] = residual.reshape(-1)
+                found = True
+            offset += shape.numel()
+        return out if found else None
 
     def state_dict(self) -> dict[str, Any]:
         """Residuals and warm-start factors, for checkpoints (they differ across ranks), after
@@ -332,8 +412,8 @@ class PowerSGDReducer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        self.ledger = guard.StepLedger()
+        """Restore what :meth:`state_dict` returned (anything undoable is forgotten)."""
+        self.open_step.finish()
         self.q_replaced = {}
         self.feedback.load_state_dict(state["feedback"])
         self.q_memory = {k: v.clone() for k, v in state["q_memory"].items()}

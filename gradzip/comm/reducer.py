@@ -27,11 +27,18 @@ each round's compression runs inside its launch, so ``reduce`` returns a future 
 Non-finite gradients follow :mod:`gradzip.comm.guard` on every route: a rank whose input holds
 inf or NaN sends a NaN-marked payload in the same collective, every rank returns all NaN for
 that bucket, and the step's error-feedback and codec updates are dropped.
+
+On the steps :meth:`gradzip.metrics.StepMetrics.wants_quality` names, the ``allreduce`` and
+``allgather`` routes record quality figures of the bucket (its local decode against what was
+handed to the codec; codecs without error feedback decode once more for it, outside the timed
+compression); the ``dense`` and ``fused`` routes record the exact figures; the ``twophase``
+route records none.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,12 +51,19 @@ from torch.futures import Future
 from gradzip import wire
 from gradzip.comm import guard
 from gradzip.comm.queue import CollectiveQueue, completed
-from gradzip.comm.traffic import COLLECTIVES, allgather_bytes, allreduce_bytes, check_collective, choose_collective
+from gradzip.comm.traffic import (
+    COLLECTIVES,
+    allgather_bytes,
+    allreduce_bytes,
+    check_collective,
+    choose_collective,
+    route_bytes,
+)
 from gradzip.comm.twophase import TwoPhaseAllReduce
 from gradzip.comm.twophase import mean_of_payloads as decode_gathered
 from gradzip.compressors import Compressor, Payload, check_int
 from gradzip.feedback import ErrorFeedback
-from gradzip.metrics import StepMetrics
+from gradzip.metrics import StepMetrics, quality_figures
 
 __all__ = ["COLLECTIVES", "CompressedReducer", "decode_gathered", "predivide"]
 
@@ -65,6 +79,7 @@ class _Held:
 
     key: Hashable
     grad: Tensor
+    step: int
     future: Future
 
 
@@ -83,6 +98,8 @@ class CompressedReducer:
             all_reduce (see the module docstring); an integer >= 0, 0 compresses everything.
         queue: the ordered launch queue shared by every reducer of ``group``.
         metrics: where bytes and times go.
+        ledger: the steps whose gradient was not finite, shared by every reducer of one hook
+            (:class:`gradzip.comm.guard.StepLedger`); None for a ledger of this reducer's own.
 
     Raises:
         ValueError: for an unknown ``collective``, ``allreduce`` with a codec that is not
@@ -99,6 +116,7 @@ class CompressedReducer:
         min_compress_bytes: int = 0,
         queue: CollectiveQueue | None = None,
         metrics: StepMetrics | None = None,
+        ledger: guard.StepLedger | None = None,
     ) -> None:
         assert not compressor.multi_round, "multi-round codecs bring their own reducer"
         self.compressor = guard.with_marker_slot(compressor)
@@ -106,11 +124,12 @@ class CompressedReducer:
         self.collective = check_collective(collective, compressor)
         self.min_compress_bytes = check_int(min_compress_bytes, name="min_compress_bytes", low=0)
         use_feedback = compressor.error_feedback if error_feedback is None else error_feedback
-        # Residual updates are staged until the step is known to be finite on every rank.
+        # Residual updates stay undoable until the step is known to be finite on every rank.
         self.feedback = ErrorFeedback(deferred=True) if use_feedback else None
         self.queue = queue or CollectiveQueue()
         self.metrics = metrics or StepMetrics()
-        self.ledger = guard.StepLedger()
+        self.ledger = ledger or guard.StepLedger()
+        self.open_step = guard.OpenStep()
         self._codec_snapshot: dict[str, Any] | None = None
         self.twophase = TwoPhaseAllReduce(
             self.compressor, group=group, queue=self.queue, metrics=self.metrics, feedback=self.feedback,
@@ -163,7 +182,9 @@ class CompressedReducer:
         else:
             route = self.route(grad.numel(), grad.dtype)
             if route == "fused":
-                fut = self._hold(key, grad)
+                fut = self._hold(key, grad, step)
+                if self.metrics.wants_quality(step):
+                    self.metrics.add_quality(key, quality_figures(grad, grad))
             else:
                 launch = {
                     "dense": self._reduce_dense,
@@ -188,51 +209,112 @@ class CompressedReducer:
 
     def _begin(self, key: Hashable, step: int) -> None:
         """Settle the previous step when a new one starts, and snapshot a stateful codec."""
-        self._settle(self.ledger.begin(key, step))
-        if len(self.ledger.keys) == 1:
+        closed = self.open_step.begin(key, step)
+        if closed is not None:
+            self._settle(self.ledger.finite(closed))
+        if len(self.open_step.keys) == 1:
             state = self.compressor.state_dict()
             self._codec_snapshot = guard.clone_state(state) if state else None
 
-    def _settle(self, verdict: bool | None) -> None:
-        if verdict is None:
-            return
+    def _settle(self, keep: bool) -> None:
         for feedback in (self.feedback, self.twophase.server_feedback):
-            if feedback is not None and verdict:
+            if feedback is not None and keep:
                 feedback.commit()
             elif feedback is not None:
                 feedback.discard()
-        if not verdict and self._codec_snapshot is not None:
+        if not keep and self._codec_snapshot is not None:
             self.compressor.load_state_dict(self._codec_snapshot)
         self._codec_snapshot = None
 
     def settle(self) -> None:
-        """End the current step now: commit its staged updates, or drop them if any bucket of
-        the step was non-finite on some rank. ``reduce`` does this by itself when the next step
+        """End the current step now: keep what it changed, or put it back if any bucket of the
+        step was non-finite on some rank. ``reduce`` does this by itself when the next step
         starts, and :meth:`state_dict` before it reads the state."""
-        verdict = self.ledger.finish()
-        self._settle(True if verdict is None else verdict)  # updates made outside a step stay
+        closed = self.open_step.finish()
+        self._settle(closed is None or self.ledger.finite(closed))  # changes made outside a step stay
 
-    def _marker(self, like: Tensor) -> Tensor:
-        self.ledger.mark_nonfinite()
+    def _marker(self, like: Tensor, step: int) -> Tensor:
+        self.ledger.mark_nonfinite(step)
         return guard.marker_like(like)
 
-    def _compress(self, key: Hashable, grad: Tensor, step: int) -> Payload:
-        """Compensate, compress, stage the residual; returns the payload (its bytes checked),
-        NaN-marked if ``grad`` holds inf or NaN."""
+    def _compress(self, key: Hashable, grad: Tensor, step: int, box: dict[str, Any]) -> Payload:
+        """Compensate, compress, update the residual; returns the payload (its bytes checked),
+        NaN-marked if ``grad`` holds inf or NaN. On monitored steps leaves what the quality
+        check needs in ``box``."""
         compensated = grad if self.feedback is None else self.feedback.compensate(key, grad, step=step)
         compensated, sendable = guard.checked_input(grad, compensated)
-        if sendable:
-            payload = self.compressor.compress(compensated, step=step, key=key)
-            if self.feedback is not None:
-                self.feedback.update(key, compensated, self.compressor.decompress(payload, like=compensated), step=step)
-        else:
+        if not sendable:
             # Codecs need not accept inf or NaN: encode zeros for the payload's shapes, then mark it.
-            payload = guard.marked(self.compressor.compress(torch.zeros_like(compensated), step=step, key=key))
+            return guard.marked(self.compressor.compress(torch.zeros_like(compensated), step=step, key=key))
+        payload = self.compressor.compress(compensated, step=step, key=key)
+        decoded = None
+        if self.feedback is not None:
+            decoded = self.compressor.decompress(payload, like=compensated)
+            self.feedback.update(key, compensated, decoded, step=step)
         assert payload.nbytes == self.compressor.payload_nbytes(grad.numel(), grad.dtype), (
             f"{self.compressor.name}: payload of {payload.nbytes} bytes, formula says "
             f"{self.compressor.payload_nbytes(grad.numel(), grad.dtype)}"
         )
+        if self.metrics.wants_quality(step):
+            # After an update at this step the residual is exactly compensated - decoded.
+            updated = self.feedback is not None and step >= self.feedback.start_step
+            box["quality"] = (compensated, decoded, payload, updated)
         return payload
+
+    def _record_quality(self, key: Hashable, grad: Tensor, box: dict[str, Any]) -> None:
+        """Quality figures of a monitored step, computed outside the timed compression."""
+        if "quality" not in box:
+            return
+        compensated, decoded, payload, updated = box.pop("quality")
+        if decoded is None:
+            decoded = self.compressor.decompress(payload, like=compensated)
+        residual = None if self.feedback is None else self.feedback.residuals.get(key)
+        difference = residual if updated and residual is not None and residual.shape == compensated.shape else None
+        self.metrics.add_quality(
+            key, quality_figures(compensated, decoded, grad=grad, residual=residual, difference=difference)
+        )
+
+    def probe(
+        self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None
+    ) -> dict[str, Any]:
+        """Compress and decode ``grad`` locally, with no collective and no state change.
+
+        Used by controllers to price a codec on a real bucket.
+
+        Returns:
+            ``compress_s`` and ``decompress_s`` (seconds; for the ``allgather`` route decoding is
+            counted once per rank, as every rank decodes every payload), ``payload_bytes``,
+            ``sent_bytes`` (what this rank sends by the route the bucket takes), ``collectives``
+            (1; 2 for ``twophase``) and ``decoded`` (the local decode, ``grad``'s shape).
+        """
+        world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        rank = dist.get_rank(self.group) if dist.is_initialized() else 0
+        route = self.route(grad.numel(), grad.dtype)
+        raw = grad.numel() * grad.element_size()
+        if grad.numel() == 0 or route in ("dense", "fused"):
+            return {"compress_s": 0.0, "decompress_s": 0.0, "payload_bytes": raw, "collectives": 1,
+                    "sent_bytes": allreduce_bytes(raw, world_size), "decoded": grad}
+        start = time.perf_counter()
+        payload = self.compressor.compress(grad, step=step, key=key)
+        middle = time.perf_counter()
+        decoded = self.compressor.decompress(payload, like=grad)
+        end = time.perf_counter()
+        return {
+            "compress_s": middle - start,
+            "decompress_s": (end - middle) * (world_size if route == "allgather" else 1),
+            "payload_bytes": payload.nbytes,
+            "sent_bytes": route_bytes(route, self.compressor, grad.numel(), grad.dtype, world_size, rank),
+            "collectives": 2 if route == "twophase" else 1,
+            "decoded": decoded,
+        }
+
+    def take_residual(self, key: Hashable, shapes: Sequence[torch.Size] | None = None) -> Tensor | None:
+        """Remove and return the worker-side residual of ``key`` (flat), or None; used when a bucket
+        changes codec. (The two-phase route's server-side residual stays where it is.)"""
+        if self.feedback is None:
+            return None
+        residual = self.feedback.residuals.pop(key, None)
+        return None if residual is None else residual.reshape(-1)
 
     def _reduce_dense(self, key: Hashable, grad: Tensor, *, step: int) -> Future:
         world_size = dist.get_world_size(self.group)
@@ -240,8 +322,10 @@ class CompressedReducer:
         sent = allreduce_bytes(raw, world_size)
         self.metrics.add_bucket(
             key, payload_bytes=raw, dense_bytes=raw, collective="dense", compressed=False,
-            sent_bytes=sent, received_bytes=sent,
+            sent_bytes=sent, received_bytes=sent, codec=self.compressor.spec,
         )
+        if self.metrics.wants_quality(step):
+            self.metrics.add_quality(key, quality_figures(grad, grad))
         tensor = torch.empty_like(grad)
 
         def launch() -> Future:
@@ -253,7 +337,7 @@ class CompressedReducer:
 
         def finish(fut: Future) -> Tensor:
             fut.value()  # re-raises a failed collective
-            return self._marker(tensor) if guard.received_marker([tensor]) else tensor
+            return self._marker(tensor, step) if guard.received_marker([tensor]) else tensor
 
         return self.queue.submit(launch).then(finish)
 
@@ -263,14 +347,15 @@ class CompressedReducer:
         sent = allreduce_bytes(payload_bytes, world_size)
         self.metrics.add_bucket(
             key, payload_bytes=payload_bytes, dense_bytes=wire.nbytes([grad]), collective="allreduce",
-            sent_bytes=sent, received_bytes=sent,
+            sent_bytes=sent, received_bytes=sent, codec=self.compressor.spec,
         )
         box: dict[str, Any] = {}
 
         def launch() -> Future:
             with self.metrics.timed("compress_s", key):
-                payload = self._compress(key, grad, step)
+                payload = self._compress(key, grad, step, box)
                 box["ctx"], box["tensors"] = payload.ctx, predivide(payload, world_size)
+            self._record_quality(key, grad, box)
             works = [dist.all_reduce(t, group=self.group, async_op=True).get_future() for t in box["tensors"]]
             fut = works[0] if len(works) == 1 else torch.futures.collect_all(works)
             return self.metrics.track(fut, (key,))
@@ -279,7 +364,7 @@ class CompressedReducer:
             fut.value()  # re-raises a failed collective
             with self.metrics.timed("decompress_s", key):
                 if guard.received_marker(box["tensors"]):
-                    return self._marker(grad)
+                    return self._marker(grad, step)
                 return self.compressor.decompress(Payload(box["tensors"], box["ctx"]), like=grad)
 
         return self.queue.submit(launch).then(decode)
@@ -290,15 +375,16 @@ class CompressedReducer:
         sent = allgather_bytes(payload_bytes, world_size)
         self.metrics.add_bucket(
             key, payload_bytes=payload_bytes, dense_bytes=wire.nbytes([grad]), collective="allgather",
-            sent_bytes=sent, received_bytes=sent,
+            sent_bytes=sent, received_bytes=sent, codec=self.compressor.spec,
         )
         recv = torch.empty(world_size * payload_bytes, dtype=torch.uint8, device=grad.device)
-        box: dict[str, Payload] = {}
+        box: dict[str, Any] = {}
 
         def launch() -> Future:
             with self.metrics.timed("compress_s", key):
-                box["payload"] = self._compress(key, grad, step)
+                box["payload"] = self._compress(key, grad, step, box)
                 send = wire.to_bytes(box["payload"].tensors)
+            self._record_quality(key, grad, box)
             work = dist.all_gather_single(recv, send, group=self.group, async_op=True)
             return self.metrics.track(work.get_future(), (key,))
 
@@ -309,12 +395,12 @@ class CompressedReducer:
                 rows = recv.view(world_size, -1)
                 payloads = [Payload(wire.from_bytes(rows[r], template.tensors), template.ctx) for r in range(world_size)]
                 if any(guard.received_marker(p.tensors) for p in payloads):
-                    return self._marker(grad)
+                    return self._marker(grad, step)
                 return decode_gathered(self.compressor, payloads, grad)
 
         return self.queue.submit(launch).then(decode)
 
-    def _hold(self, key: Hashable, grad: Tensor) -> Future:
+    def _hold(self, key: Hashable, grad: Tensor, step: int) -> Future:
         world_size = dist.get_world_size(self.group)
         raw = wire.nbytes([grad])
         # Each bucket is counted as its own share of the fused ring all_reduce.
@@ -323,7 +409,7 @@ class CompressedReducer:
             key, payload_bytes=raw, dense_bytes=raw, collective="fused", compressed=False,
             sent_bytes=sent, received_bytes=sent,
         )
-        item = _Held(key, grad, Future())
+        item = _Held(key, grad, step, Future())
         with self._lock:
             self._held.append(item)
             self._held_bytes += raw
@@ -349,7 +435,7 @@ class CompressedReducer:
                 return
             if guard.received_marker([flat]):
                 for h in held:
-                    h.future.set_result(self._marker(h.grad))
+                    h.future.set_result(self._marker(h.grad, h.step))
                 return
             offset = 0
             for h in held:
@@ -372,7 +458,7 @@ class CompressedReducer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (anything staged is dropped)."""
-        self.ledger.finish()
+        self.open_step.finish()
         self._codec_snapshot = None
         for feedback in (self.feedback, self.twophase.server_feedback):
             if feedback is not None:

@@ -95,8 +95,8 @@ class TwoPhaseAllReduce:
         feedback: the worker-side error feedback (one residual per bucket key), or None.
         server_feedback: the server-side error feedback for the chunk this rank reduces (one
             residual per bucket key), or None.
-        ledger: told when a bucket carried the NaN marker (the caller drops the step's staged
-            updates); None when nobody stages them.
+        ledger: told when a bucket carried the NaN marker (the caller then puts back what the
+            step changed); None for a ledger of its own.
     """
 
     def __init__(
@@ -185,7 +185,7 @@ class TwoPhaseAllReduce:
                     offset += plan.payload_nbytes[j]
                     payload = Payload(wire.from_bytes(part, template.tensors), template.ctx)
                     if guard.received_marker(payload.tensors):
-                        self.ledger.mark_nonfinite()
+                        self.ledger.mark_nonfinite(step)
                         return guard.marker_like(grad)
                     out[start : start + size] = self.compressor.decompress(payload, like=out[start : start + size])
             return out.view(grad.shape)
@@ -237,7 +237,7 @@ class TwoPhaseAllReduce:
             payloads = [Payload(wire.from_bytes(rows[i], template.tensors), template.ctx) for i in range(world_size)]
             if any(guard.received_marker(p.tensors) for p in payloads):
                 # Some rank's bucket was not finite: pass the marker on to every rank in round 2.
-                self.ledger.mark_nonfinite()
+                self.ledger.mark_nonfinite(step)
                 blank = self.compressor.compress(like.zero_(), step=step, key=mean_key(key, rank))
                 return wire.to_bytes(guard.marked(blank).tensors)
             mean = mean_of_payloads(self.compressor, payloads, like)

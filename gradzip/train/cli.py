@@ -21,6 +21,7 @@ examples:
   gradzip train --compressor topk:ratio=0.01 --steps 200 --out runs/topk
   gradzip train --compressor topk:ratio=0.01 --collective twophase --world-size 4
   gradzip train --compressor torch:powersgd:approx_rank=4      # PyTorch's own hook, as an anchor
+  gradzip train --compressor auto --adapt-every 50 --verify-every 100
   torchrun --nproc-per-node 2 -m gradzip train --steps 50
   gradzip train --checkpoint-every 50 --out runs/a; gradzip train --resume runs/a   # exact resume
 """
@@ -66,6 +67,24 @@ def add_parser(sub) -> None:
                    help=f"complete checkpoints to keep, newest first; 0 keeps all (default {d.keep_checkpoints})")
     p.add_argument("--resume", default=None, metavar="DIR",
                    help="continue a run exactly from its last complete checkpoint (a run folder or a checkpoint folder)")
+    g = p.add_argument_group("monitoring and auto")
+    g.add_argument("--monitor-every", type=int, default=d.monitor_every, metavar="N",
+                   help=f"quality checks (norm ratio, cosine, relative error) every N steps; 0 off (default {d.monitor_every})")
+    g.add_argument("--verify-every", type=int, default=d.verify_every, metavar="N",
+                   help="dense all_reduce beside the compressed one every N steps, difference reported; 0 off")
+    g.add_argument("--tensorboard", action="store_true", help="also write TensorBoard event files to OUT/tensorboard")
+    g.add_argument("--norm-warn", type=float, default=d.norm_warn, metavar="R",
+                   help=f"warn when a bucket's norm ratio stays under R (default {d.norm_warn})")
+    g.add_argument("--norm-warn-checks", type=int, default=d.norm_warn_checks, metavar="K",
+                   help=f"... for K consecutive checks (default {d.norm_warn_checks})")
+    g.add_argument("--adapt-every", type=int, default=d.adapt_every, metavar="N",
+                   help=f"--compressor auto: re-decide every N steps (default {d.adapt_every})")
+    g.add_argument("--auto-schedule", default=d.auto_schedule, choices=["cost", "accordion", "legacy", "edgc"],
+                   help="--compressor auto: bandwidth-aware cost (default), accordion, legacy or edgc")
+    g.add_argument("--auto-candidates", default=None, metavar="SPECS",
+                   help="--compressor auto: codecs separated by ';', gentlest first (default: the schedule's list)")
+    g.add_argument("--auto-max-error", type=float, default=d.auto_max_error, metavar="E",
+                   help=f"--compressor auto: largest one-step relative error per bucket (default {d.auto_max_error})")
     p.add_argument("--quiet", action="store_true", help="no progress bar or summary table")
     p.set_defaults(func=run)
 

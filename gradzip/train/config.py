@@ -103,6 +103,34 @@ class TrainConfig:
     threads: int = 0
     """CPU threads per worker; 0 divides the machine's cores among the local workers."""
 
+    monitor_every: int = 10
+    """Steps between compression-quality checks (norm ratio, cosine, relative error, error-feedback
+    norm) per bucket; 0 turns them off. Bytes and times are recorded every step."""
+
+    verify_every: int = 0
+    """Steps between exactness checks: a dense all_reduce beside the compressed one; 0: never."""
+
+    tensorboard: bool = False
+    """Also write TensorBoard event files to ``OUT/tensorboard`` (needs the ``tensorboard`` package)."""
+
+    norm_warn: float = 0.9
+    """Warn when a bucket's norm ratio stays under this for ``norm_warn_checks`` consecutive checks."""
+
+    norm_warn_checks: int = 3
+    """Consecutive low checks before the warning names a bucket."""
+
+    adapt_every: int = 50
+    """``--compressor auto``: steps between decisions."""
+
+    auto_schedule: str = "cost"
+    """``--compressor auto``: ``cost`` (bandwidth-aware), ``accordion``, ``legacy`` or ``edgc``."""
+
+    auto_candidates: str | None = None
+    """``--compressor auto``: candidate specs separated by ``;``, gentlest first (None: the schedule's)."""
+
+    auto_max_error: float = 0.6
+    """``--compressor auto`` with ``cost``: largest one-step relative error a bucket's codec may have."""
+
     extra: dict = field(default_factory=dict)
     """Options added by other components, passed through untouched."""
 
@@ -128,6 +156,10 @@ class TrainConfig:
             "seed": (0, 2**63 - 1),
             "threads": (0, 1024),
             "min_compress_bytes": (0, None),
+            "monitor_every": (0, None),
+            "verify_every": (0, None),
+            "norm_warn_checks": (1, None),
+            "adapt_every": (4, None),
             "checkpoint_every": (0, None),
             "keep_checkpoints": (0, None),
         }
@@ -150,6 +182,10 @@ class TrainConfig:
             raise ValueError(f"--n-embd ({self.n_embd}) must be divisible by --n-head ({self.n_head})")
         if self.collective not in COLLECTIVES:
             raise ValueError(f"--collective must be one of {', '.join(COLLECTIVES)}; got {self.collective!r}")
+        if not (isinstance(self.norm_warn, (int, float)) and 0 < self.norm_warn <= 1):
+            raise ValueError(f"--norm-warn must be in (0, 1]; got {self.norm_warn!r}")
+        if self.compressor.strip().lower() == "auto":
+            self.auto_config().validate()
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"--backend must be auto, gloo or nccl; got {self.backend!r}")
         if os.path.exists(self.out) and not os.path.isdir(self.out):
@@ -162,6 +198,14 @@ class TrainConfig:
             if not os.path.isfile(self.data):
                 raise ValueError(f"--data must be a text file; {self.data} is not a file")
         return self
+
+    def auto_config(self):
+        """The :class:`gradzip.control.auto.AutoConfig` of ``--compressor auto``."""
+        from gradzip.control.auto import AutoConfig, parse_candidates
+
+        candidates = parse_candidates(self.auto_candidates) if self.auto_candidates else None
+        return AutoConfig(schedule=self.auto_schedule, candidates=candidates, adapt_every=self.adapt_every,
+                          max_error=self.auto_max_error)
 
     def to_dict(self) -> dict:
         return asdict(self)

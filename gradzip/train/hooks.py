@@ -80,17 +80,18 @@ def torch_hook(state: TorchHookState, bucket: dist.GradBucket) -> torch.futures.
     return state.hook(state.inner, bucket)
 
 
-def make_hook(spec: str, *, collective: str = "auto", min_compress_bytes: int = 0):
+def make_hook(spec: str, **options: Any):
     """``(state, hook)`` for ``spec``: ``torch:NAME[:params]`` picks PyTorch's hook, anything else
-    gradzip's :func:`~gradzip.ddp.compression_hook` with ``collective`` and ``min_compress_bytes``
-    (see :class:`~gradzip.ddp.CompressionState`).
+    (``auto`` too) gradzip's :func:`~gradzip.ddp.compression_hook`, built with ``options``
+    (``collective``, ``min_compress_bytes``, ``monitor_every``, ``verify_every``, ``auto``; see
+    :class:`~gradzip.ddp.CompressionState`). PyTorch's hooks report bytes only.
 
     Raises:
         ValueError: for an unknown codec or hook, a bad parameter, or a collective or threshold
             that the codec or hook cannot take.
     """
     if spec.strip().lower().startswith("torch:"):
-        if collective != "auto" or min_compress_bytes:
+        if options.get("collective", "auto") != "auto" or options.get("min_compress_bytes", 0):
             raise ValueError("--collective and --min-compress-bytes apply to gradzip codecs, not torch: hooks")
         rest = spec.strip()[len("torch:") :]
         parts = parse_spec(rest)
@@ -98,8 +99,19 @@ def make_hook(spec: str, *, collective: str = "auto", min_compress_bytes: int = 
             raise SpecError(f"unknown PyTorch hook {rest!r}; known: {', '.join('torch:' + h for h in TORCH_HOOKS)}")
         name, params = parts[0]
         return TorchHookState(name, params), torch_hook
-    return CompressionState(spec, collective=collective, min_compress_bytes=min_compress_bytes), compression_hook
+    return CompressionState(spec, **options), compression_hook
 
 
 def is_torch_hook(state: Any) -> bool:
     return isinstance(state, TorchHookState)
+
+
+def hook_options(cfg) -> dict[str, Any]:
+    """The :class:`~gradzip.ddp.CompressionState` options of a :class:`~gradzip.train.config.TrainConfig`."""
+    options: dict[str, Any] = {
+        "collective": cfg.collective, "min_compress_bytes": cfg.min_compress_bytes,
+        "monitor_every": cfg.monitor_every, "verify_every": cfg.verify_every,
+    }
+    if cfg.compressor.strip().lower() == "auto":
+        options["auto"] = cfg.auto_config()
+    return options

@@ -27,7 +27,7 @@ import torch.multiprocessing as mp
 
 from gradzip.train.config import TrainConfig
 from gradzip.train.data import Corpus
-from gradzip.train.hooks import make_hook
+from gradzip.train.hooks import hook_options, make_hook
 
 #: seconds the other workers get to stop by themselves after one fails (then SIGTERM, SIGKILL)
 GRACE_S = 20.0
@@ -94,7 +94,7 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
         WorkerFailed: if a worker fails.
     """
     cfg.validate()
-    make_hook(cfg.compressor, collective=cfg.collective, min_compress_bytes=cfg.min_compress_bytes)  # a bad spec fails here, in one line, not in every worker
+    make_hook(cfg.compressor, **hook_options(cfg))  # a bad spec fails here, in one line, not in every worker
     Corpus.load(cfg.data, cfg.vocab_size).check_fits(cfg.seq_len)
     if cfg.resume:
         from gradzip.train.checkpoint import check_compatible, find_checkpoint

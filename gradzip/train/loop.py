@@ -22,11 +22,12 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gradzip.control.monitor import QualityMonitor
 from gradzip.train import faults, report
 from gradzip.train.checkpoint import Progress, resume, save_training_state
 from gradzip.train.config import TrainConfig
 from gradzip.train.data import Corpus, batch_generator, sample_batch, val_batches
-from gradzip.train.hooks import is_torch_hook, make_hook
+from gradzip.train.hooks import hook_options, is_torch_hook, make_hook
 from gradzip.train.model import build_model, count_parameters
 
 CALIBRATION_STEPS = 3
@@ -133,7 +134,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     model = build_model(cfg, corpus.vocab_size).to(device)
     ddp = DDP(model, bucket_cap_mb=cfg.bucket_cap_mb)
     settle_buckets(ddp, corpus, cfg, device)
-    hook_state, hook = make_hook(cfg.compressor, collective=cfg.collective, min_compress_bytes=cfg.min_compress_bytes)
+    hook_state, hook = make_hook(cfg.compressor, **hook_options(cfg))
     ddp.register_comm_hook(hook_state, hook)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
@@ -149,6 +150,10 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     compute_s = measure_compute(ddp, corpus, cfg, device)
 
     log = report.RunLog(cfg.out, start_step=progress.step) if is_main else None
+    monitor = QualityMonitor(
+        threshold=cfg.norm_warn, patience=cfg.norm_warn_checks,
+        tensorboard_dir=Path(cfg.out) / "tensorboard" if cfg.tensorboard else None,
+    ) if is_main else None
     bar = _progress(cfg, is_main, progress.step)
     fault_plan = faults.FaultPlan.from_env()  # test-only injection; empty unless GRADZIP_FAULTS is set
     train_start = time.perf_counter() - progress.elapsed_s
@@ -194,6 +199,8 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
         }
         if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
             record["val_loss"] = evaluate(model, val, device)
+        if monitor is not None:
+            record.update(monitor.observe(step, comm, record))
         if log is not None:
             log.write(record)
             _update_progress(bar, record, tokens_per_step, progress.skipped_steps)
@@ -208,6 +215,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     if log is None:
         return None
     log.close()
+    monitor.close()
     summary = report.summarize(
         log.records,
         compressor=cfg.compressor if not cfg.no_exchange else "no-exchange",
@@ -229,11 +237,13 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     )
     summary["tokens_per_s"] = tokens_per_step / summary["step_s_median"] if summary["step_s_median"] else 0.0
     summary["skipped_steps"] = progress.skipped_steps
+    summary["monitor"] = monitor.summary()
     out = Path(cfg.out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     report.plot_losses(log.records, out / "loss.png", f"{summary['compressor']} on {world_size} workers")
     if cfg.progress:
         print(report.summary_table(summary))
+        print("\n".join(monitor.summary_lines()))
         print(f"\nwrote {out}/metrics.jsonl, summary.json, loss.png, checkpoints/")
     return summary
 
@@ -258,5 +268,7 @@ def _update_progress(bar, record: dict[str, Any], tokens_per_step: int, skipped_
         postfix["val"] = f"{record['val_loss']:.3f}"
     if skipped_steps:
         postfix["skipped"] = f"{skipped_steps} (non-finite gradient)"
+    if "norm_warning" in record:
+        postfix["warn"] = record["norm_warning"]
     bar.set_postfix(postfix, refresh=False)
     bar.update(1)

@@ -1,0 +1,7 @@
+"""Controllers and monitors: what to compress how much, and how well compression is doing.
+
+- :mod:`.auto`: ``--compressor auto`` (a bandwidth-aware per-bucket choice with a quality budget)
+  and the explicit schedules (Accordion, LEGACY-style, EDGC-style).
+- :mod:`.monitor`: quality figures into metrics.jsonl, TensorBoard and the summary, with a warning
+  when the norm ratio stays low.
+"""

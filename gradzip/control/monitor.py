@@ -1,0 +1,198 @@
+"""Watch what compression does to the gradients: figures per bucket into metrics.jsonl,
+TensorBoard and the summary, and a warning when the norm ratio stays low.
+
+Seeds of this project warn when ``||C(g)|| / ||g||`` stays below 0.9: the codec is throwing away
+a large part of the gradient step after step. :class:`QualityMonitor` counts, per bucket, the
+consecutive quality checks whose norm ratio is under ``threshold``; once a bucket reaches
+``patience`` such checks it is named in the warning, and it leaves the warning at its first check
+at or above the threshold. Figures come from :class:`gradzip.metrics.StepMetrics` (see there for
+their definitions); the monitor runs on rank 0 and reports rank 0's figures.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from pathlib import Path
+from typing import Any
+
+from gradzip.metrics import QUALITY_FIELDS
+
+BUCKET_FIELDS = ("codec", "payload_bytes", "dense_bytes", "compress_s", "decompress_s", "communicate_s")
+
+
+class QualityMonitor:
+    """Turns each step's metrics into record fields, warnings, TensorBoard scalars and a summary.
+
+    Args:
+        threshold: norm ratio under which a check counts as low, in (0, 1].
+        patience: consecutive low checks before a bucket is named in the warning, >= 1.
+        tensorboard_dir: write TensorBoard event files there (needs the ``tensorboard`` package);
+            None writes none.
+
+    Raises:
+        ValueError: for a threshold or patience out of range.
+        ImportError: if ``tensorboard_dir`` is given and ``tensorboard`` is not installed.
+    """
+
+    def __init__(self, *, threshold: float = 0.9, patience: int = 3, tensorboard_dir: str | Path | None = None) -> None:
+        if not isinstance(threshold, (int, float)) or not math.isfinite(threshold) or not 0 < threshold <= 1:
+            raise ValueError(f"threshold must be a number in (0, 1]; got {threshold!r}")
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"patience must be an integer >= 1; got {patience!r}")
+        self.threshold = float(threshold)
+        self.patience = patience
+        self.low_checks: dict[str, int] = {}
+        self.warned: list[str] = []
+        self.episodes: list[dict[str, Any]] = []
+        self.quality: dict[str, dict[str, list[float]]] = {}
+        self.verify_max: dict[str, float] = {}
+        self.events: list[dict[str, Any]] = []
+        self.writer = None
+        if tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:  # the optional dependency is missing
+                raise ImportError("--tensorboard needs the 'tensorboard' package (pip install tensorboard)") from exc
+            self.writer = SummaryWriter(log_dir=str(tensorboard_dir))
+
+    @property
+    def warning(self) -> str | None:
+        """The current warning, or None."""
+        if not self.warned:
+            return None
+        names = ", ".join(self.warned)
+        return f"norm ratio < {self.threshold:g} for {self.patience}+ checks: bucket {names}"
+
+    def observe(self, step: int, comm: dict[str, Any], record: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Digest one step's metrics (what ``StepMetrics.pop`` returned).
+
+        Args:
+            step: the training step.
+            comm: the popped metrics.
+            record: the step's record (loss, times) for TensorBoard; not modified.
+
+        Returns:
+            fields to add to the step's record: ``buckets`` (per bucket: codec, bytes, seconds,
+            and ``quality`` / ``verify`` on the steps that have them), ``events`` when there are
+            any, ``norm_warning`` while the warning stands.
+        """
+        buckets: dict[str, dict[str, Any]] = {}
+        checked: list[str] = []
+        for key, entry in comm.get("buckets", {}).items():
+            name = str(key)
+            out = {f: entry[f] for f in BUCKET_FIELDS if f in entry}
+            if "quality" in entry:
+                out["quality"] = entry["quality"]
+                checked.append(name)
+                self._check(name, entry["quality"])
+                series = self.quality.setdefault(name, {f: [] for f in QUALITY_FIELDS})
+                for f in QUALITY_FIELDS:
+                    if f in entry["quality"]:
+                        series[f].append(entry["quality"][f])
+            if "verify" in entry:
+                out["verify"] = entry["verify"]
+                diff = entry["verify"]["relative_difference"]
+                self.verify_max[name] = max(self.verify_max.get(name, 0.0), diff)
+            buckets[name] = out
+        if checked:
+            self._update_warning(step)
+        fields: dict[str, Any] = {"buckets": buckets}
+        events = comm.get("events") or []
+        if events:
+            fields["events"] = events
+            self.events.extend(events)
+        if self.warning is not None:
+            fields["norm_warning"] = self.warning
+        if self.writer is not None:
+            self._tensorboard(step, buckets, record or {})
+        return fields
+
+    def _check(self, name: str, quality: dict[str, float]) -> None:
+        if quality["norm_ratio"] < self.threshold:
+            self.low_checks[name] = self.low_checks.get(name, 0) + 1
+        else:
+            self.low_checks[name] = 0
+
+    def _update_warning(self, step: int) -> None:
+        warned = sorted((n for n, c in self.low_checks.items() if c >= self.patience), key=_bucket_order)
+        if warned and warned != self.warned:
+            self.episodes.append({"step": step, "buckets": warned})
+        if not warned and self.warned:
+            self.episodes.append({"step": step, "buckets": [], "cleared": True})
+        self.warned = warned
+
+    def _tensorboard(self, step: int, buckets: dict[str, dict[str, Any]], record: dict[str, Any]) -> None:
+        for field in ("loss", "val_loss", "step_s", "compression_ratio", "communicate_s"):
+            if field in record:
+                self.writer.add_scalar(f"train/{field}", record[field], step)
+        for name, b in buckets.items():
+            for f in ("payload_bytes", "compress_s", "decompress_s", "communicate_s"):
+                if f in b:
+                    self.writer.add_scalar(f"bucket{name}/{f}", b[f], step)
+            for f, value in b.get("quality", {}).items():
+                self.writer.add_scalar(f"bucket{name}/{f}", value, step)
+            if "verify" in b:
+                self.writer.add_scalar(f"bucket{name}/verify_relative_difference", b["verify"]["relative_difference"], step)
+
+    def summary(self) -> dict[str, Any]:
+        """For summary.json: per-bucket medians and extremes of the quality figures, the largest
+        verify difference, warning episodes, the warning at the end, and the auto decisions."""
+        quality = {}
+        for name, series in sorted(self.quality.items(), key=lambda kv: _bucket_order(kv[0])):
+            q = {}
+            for f, values in series.items():
+                if values:
+                    q[f + "_median"] = statistics.median(values)
+            if series["norm_ratio"]:
+                q["norm_ratio_min"] = min(series["norm_ratio"])
+                q["checks"] = len(series["norm_ratio"])
+            quality[name] = q
+        decisions = [e for e in self.events if e.get("kind") in ("switch", "auto")]
+        return {
+            "quality": quality,
+            "verify_max_relative_difference": dict(self.verify_max),
+            "norm_warning_threshold": self.threshold,
+            "norm_warning_episodes": self.episodes,
+            "norm_warning": self.warning,
+            "auto_decisions": decisions,
+        }
+
+    def summary_lines(self) -> list[str]:
+        """Lines for the end-of-run table."""
+        s = self.summary()
+        lines = []
+        for name, q in s["quality"].items():
+            if "norm_ratio_median" in q:
+                lines.append(
+                    f"bucket {name}: norm ratio {q['norm_ratio_median']:.3f} (min {q['norm_ratio_min']:.3f}), "
+                    f"cosine {q.get('cosine_median', float('nan')):.3f}, relative error "
+                    f"{q.get('relative_error_median', float('nan')):.3f}"
+                    + (f", feedback {q['feedback_ratio_median']:.3f}" if "feedback_ratio_median" in q else "")
+                    + f" over {q['checks']} checks"
+                )
+        for name, diff in sorted(s["verify_max_relative_difference"].items(), key=lambda kv: _bucket_order(kv[0])):
+            lines.append(f"bucket {name}: exactness check, largest relative difference from dense {diff:.3g}")
+        for e in s["auto_decisions"]:
+            if e.get("kind") == "switch":
+                reason = e.get("reason") or ""
+                if reason.startswith(f"bucket {e['bucket']}:"):  # a controller's reason names the change itself
+                    lines.append(f"step {e['step']}: {reason}")
+                else:
+                    lines.append(f"step {e['step']}: bucket {e['bucket']}: {e['from']} -> {e['to']}"
+                                 + (f" ({reason})" if reason else ""))
+            elif e.get("note") and e["note"] != "no change":
+                lines.append(f"step {e['step']}: auto: {e['note']}")
+        if s["norm_warning"]:
+            lines.append(f"WARNING: {s['norm_warning']}")
+        elif any(not ep.get("cleared") for ep in s["norm_warning_episodes"]):
+            lines.append(f"norm warning raised and cleared during the run ({len(s['norm_warning_episodes'])} changes)")
+        return lines
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _bucket_order(name: str):
+    return (0, int(name)) if name.lstrip("-").isdigit() else (1, name)

@@ -1,0 +1,226 @@
+"""``--compressor auto``: controllers on known figures, identical decisions on every rank, and
+error feedback that survives a change of codec."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from gradzip.control.auto import (
+    AccordionController,
+    AutoConfig,
+    CostController,
+    EntropyController,
+    LegacyController,
+    fit_link,
+    parse_candidates,
+)
+from gradzip.metrics import BucketFigures, CandidateFigures, StepMetrics, WindowFigures
+from gradzip.testing import run_ranks
+
+SPECS = ["none", "fp16", "topk:ratio=0.01", "powersgd:approx_rank=4"]
+
+
+def _bucket(key=0, numel=1_000_000, comm_s=0.32, current=0, probes=True, **kw) -> BucketFigures:
+    # 2 ranks: a ring all_reduce and an all_gather both send each payload byte once
+    cands = [
+        CandidateFigures("none", 0.0, 0.0, numel * 4, numel * 4, 1, 0.0),
+        CandidateFigures("fp16", 0.002, 0.001, numel * 2, numel * 2, 1, 1e-4),
+        CandidateFigures("topk:ratio=0.01", 0.05, 0.01, numel * 0.08, numel * 0.08, 1, 0.7),
+        CandidateFigures("powersgd:approx_rank=4", 0.01, 0.002, 100_000, 100_000, 2, 0.5),
+    ]
+    fields = dict(key=key, numel=numel, itemsize=4, current=current, payload_bytes=cands[current].payload_bytes,
+                  sent_bytes=cands[current].sent_bytes, communicate_s=comm_s, collectives=cands[current].collectives,
+                  gradient_sum_norm=1.0, entropy=0.8, candidates=cands if probes else None)
+    fields.update(kw)
+    return BucketFigures(**fields)
+
+
+def _window(buckets, period_s=1.0, start=1, end=50) -> WindowFigures:
+    return WindowFigures(start=start, end=end, world_size=2, period_s=period_s, buckets=buckets)
+
+
+def test_fit_link_recovers_latency_and_bandwidth():
+    # ring all_reduce on 2 ranks puts each payload byte on the wire once
+    buckets = [_bucket(0, numel=250_000, comm_s=0.001 + 1e6 / 1e8), _bucket(1, numel=1_000_000, comm_s=0.001 + 4e6 / 1e8)]
+    link = fit_link(_window(buckets))
+    assert link.latency_s == pytest.approx(0.001, rel=1e-6)
+    assert link.bytes_per_s == pytest.approx(1e8, rel=1e-6)
+    one = fit_link(_window([_bucket(0, numel=1_000_000, comm_s=0.04)]))
+    assert one.latency_s == 0.0 and one.bytes_per_s == pytest.approx(1e8)
+
+
+def test_cost_controller_slow_link_trial_kept_then_steady():
+    ctl = CostController(AutoConfig(adapt_every=40, trial_steps=8), SPECS)
+    plan = ctl.decide(_window([_bucket(comm_s=4e6 / 12.5e6)]))  # 100 Mbit/s
+    # top-k is cheapest on the wire but over the error budget (0.7 > 0.6): PowerSGD wins
+    assert plan.choices == {0: 3} and plan.window_steps == 8 and "trial" in plan.note
+    assert "100 Mbit/s" in plan.reasons[0] and "topk:ratio=0.01 error 0.70" in plan.reasons[0]
+    plan = ctl.decide(_window([_bucket(current=3, comm_s=0.01)], period_s=0.6))
+    assert plan.choices == {0: 3} and plan.note.startswith("trial kept") and plan.window_steps == 40
+    plan = ctl.decide(_window([_bucket(current=3, comm_s=0.01, probes=False)], period_s=0.6))
+    assert plan.choices == {0: 3} and plan.note == "no change"
+
+
+def test_cost_controller_rejects_a_slower_trial_and_does_not_retry_it():
+    ctl = CostController(AutoConfig(adapt_every=40, trial_steps=8), SPECS)
+    assert ctl.decide(_window([_bucket(comm_s=0.32)], period_s=1.0)).choices == {0: 3}
+    plan = ctl.decide(_window([_bucket(current=3, comm_s=0.01)], period_s=1.05))
+    assert plan.choices == {0: 0} and plan.note.startswith("trial rejected") and "trial slower" in plan.reasons[0]
+    plan = ctl.decide(_window([_bucket(comm_s=0.32)], period_s=1.0))
+    assert plan.choices == {0: 0} and "lost a trial" in plan.note
+
+
+def test_cost_controller_fast_link_stays_dense():
+    ctl = CostController(AutoConfig(), SPECS)
+    plan = ctl.decide(_window([_bucket(comm_s=4e6 / 1e10)]))  # 80 Gbit/s: encoding costs more than it saves
+    assert plan.choices == {0: 0} and plan.note == "no change"
+    assert "stays none" in plan.reasons[0]
+
+
+def test_schedules():
+    acc = AccordionController(AutoConfig(adapt_every=10), ["none", "powersgd:approx_rank=4", "powersgd:approx_rank=1"])
+    assert acc.decide(_window([_bucket(gradient_sum_norm=10.0)], start=1, end=11)).choices == {0: 1}
+    assert acc.decide(_window([_bucket(gradient_sum_norm=9.0)], start=12, end=22)).choices == {0: 2}  # 10% change
+    assert acc.decide(_window([_bucket(gradient_sum_norm=2.0)], start=23, end=33)).choices == {0: 1}  # 78%: critical
+    leg = LegacyController(AutoConfig(ramp_steps=100, small_numel=1000), ["none", "fp16", "powersgd:approx_rank=2"])
+    small, big = _bucket(0, numel=500), _bucket(1, numel=5000)
+    assert leg.decide(_window([small, big], end=20)).choices == {0: 1, 1: 1}
+    assert leg.decide(_window([small, big], end=80)).choices == {0: 1, 1: 2}
+    edgc = EntropyController(AutoConfig(entropy_step=0.05), ["none", "p8", "p4", "p2", "p1"])
+    assert edgc.decide(_window([_bucket(entropy=0.8)])).choices == {0: 1}
+    assert edgc.decide(_window([_bucket(entropy=0.8 * 0.88)])).choices == {0: 3}  # a 12% drop: two levels
+    assert edgc.decide(_window([_bucket(entropy=0.1)])).choices == {0: 4}
+
+
+def test_auto_config_validation():
+    assert parse_candidates("none; fp16;powersgd:approx_rank=4") == ("none", "fp16", "powersgd:approx_rank=4")
+    assert AutoConfig(candidates=("fp16",)).candidate_specs() == ["none", "fp16"]
+    with pytest.raises(ValueError, match="auto-schedule"):
+        AutoConfig(schedule="fast").validate()
+    with pytest.raises(ValueError, match="adapt_every"):
+        AutoConfig(adapt_every=2).validate()
+    with pytest.raises(ValueError, match="besides none"):
+        AutoConfig(candidates=("none",)).validate()
+
+
+SHAPES = {0: [(16, 8), (8,)], 1: [(32, 4)]}
+
+
+def _grad(rank: int, step: int, key: int) -> torch.Tensor:
+    numel = sum(torch.Size(s).numel() for s in SHAPES[key])
+    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 * rank + 10 * step + key))
+
+
+def _agreement(rank: int, world_size: int) -> dict:
+    from gradzip.comm.adaptive import AdaptiveReducer
+    from gradzip.control.auto import make_controller
+
+    out = {}
+    candidates = ("none", "fp16", "topk:ratio=0.1", "powersgd:approx_rank=1")
+    for schedule in ("cost", "accordion", "legacy", "edgc"):
+        cfg = AutoConfig(schedule=schedule, adapt_every=4, trial_steps=3, candidates=candidates, ramp_steps=12,
+                         small_numel=0, max_error=2.0, min_gain=0.01)
+        specs = cfg.candidate_specs()
+        metrics = StepMetrics()
+        reducer = AdaptiveReducer(specs, make_controller(cfg, specs), metrics=metrics)
+        history = []
+        for step in range(16):
+            time.sleep(0.003 * rank * (step % 3))  # uneven compute per rank
+            futs = [reducer.reduce(key, _grad(rank, step, key), step=step, shapes=SHAPES[key]) for key in SHAPES]
+            values = [f.wait() for f in futs]
+            history.append((dict(reducer.choices), [v.clone() for v in values]))
+            metrics.pop()
+        out[schedule] = history
+    dist.barrier()
+    return out
+
+
+def test_auto_decisions_identical_on_all_ranks():
+    results = run_ranks(_agreement, 3, timeout_s=120)
+    for schedule in ("cost", "accordion", "legacy", "edgc"):
+        histories = [r[schedule] for r in results]
+        for step in range(16):
+            choices = [h[step][0] for h in histories]
+            assert choices[0] == choices[1] == choices[2], (schedule, step, choices)
+            for values in zip(*(h[step][1] for h in histories)):
+                assert all(torch.equal(values[0], v) for v in values[1:]), (schedule, step)
+        seen = {tuple(sorted(h[0].items())) for h in histories[0]}
+        if schedule in ("legacy", "accordion", "edgc"):
+            assert len(seen) >= 2, f"{schedule} made no decision in 16 steps"
+
+
+FORCED = {2: "topk:ratio=0.1", 5: "powersgd:approx_rank=1", 8: "fp16", 10: "none", 12: "topk:ratio=0.1",
+          14: "powersgd:approx_rank=1"}
+
+
+def _forced(rank: int, world_size: int) -> dict:
+    from gradzip.comm.adaptive import AdaptiveReducer
+    from gradzip.control.auto import make_controller
+
+    cfg = AutoConfig(adapt_every=1000, candidates=("fp16", "topk:ratio=0.1", "powersgd:approx_rank=1"))
+    specs = cfg.candidate_specs()
+    reducer = AdaptiveReducer(specs, make_controller(cfg, specs), metrics=StepMetrics())
+    for step, spec in FORCED.items():
+        reducer.force(step, {0: spec, 1: spec})
+    sum_out = {k: torch.zeros(_grad(0, 0, k).numel(), dtype=torch.float64) for k in SHAPES}
+    sum_mean = {k: torch.zeros_like(v) for k, v in sum_out.items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(17):
+            futs = {k: reducer.reduce(k, _grad(rank, step, k), step=step, shapes=SHAPES[k]) for k in SHAPES}
+            for k, fut in futs.items():
+                sum_out[k] += fut.wait().double()
+                sum_mean[k] += sum(_grad(r, step, k).double() for r in range(world_size)) / world_size
+    residuals = {k: reducer.residual(k) for k in SHAPES}
+    dist.barrier()
+    return {"sum_out": sum_out, "sum_mean": sum_mean, "residuals": residuals, "final": dict(reducer.choices),
+            "warnings": [str(w.message) for w in caught]}
+
+
+def test_forced_codec_changes_keep_error_feedback_consistent():
+    results = run_ranks(_forced, 2, timeout_s=120)
+    for r in results:
+        assert not [w for w in r["warnings"] if "changed shape" in w]
+        assert r["final"] == {0: 3, 1: 3}
+    for k in SHAPES:
+        # What every rank received plus what the ranks still owe, averaged, is everything they sent:
+        # sum_t out_t + mean_r e_r == sum_t mean_r g_{r,t}. A residual lost at a switch breaks it.
+        owed = sum(r["residuals"][k].double() for r in results) / len(results)
+        expected = results[0]["sum_mean"][k]
+        got = results[0]["sum_out"][k] + owed
+        assert torch.equal(results[0]["sum_out"][k], results[1]["sum_out"][k])
+        assert float((got - expected).norm()) <= 2e-3 * float(expected.norm())
+        assert float(owed.norm()) > 0.05 * float(expected.norm())  # PowerSGD at the end owes a real residual
+
+
+def test_train_auto_with_monitoring_and_verify_writes_it_all(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    tiny = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--batch-size", "4",
+            "--vocab-size", "512", "--bucket-cap-mb", "0.02"]
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "gradzip", "train", *tiny, "--steps", "12", "--eval-every", "12",
+           "--compressor", "auto", "--adapt-every", "4", "--auto-schedule", "legacy",
+           "--auto-candidates", "fp16;powersgd:approx_rank=2", "--monitor-every", "2", "--verify-every", "3",
+           "--norm-warn", "1.0", "--norm-warn-checks", "1", "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(len(r["buckets"]) >= 1 for r in records)
+    assert len(records[-1]["buckets"]) >= 2  # several buckets after DDP's rebuild
+    for r in records:
+        checked = all("quality" in b for b in r["buckets"].values())
+        assert checked == (r["step"] % 2 == 0)
+        assert all(("verify" in b) == (r["step"] % 3 == 0) for b in r["buckets"].values())
+    switches = [e for r in records for e in r.get("events", []) if e["kind"] == "switch"]
+    assert switches and all(e["reason"] for e in switches)
+    summary = json.loads((out / "summary.json").read_text())["monitor"]
+    assert summary["auto_decisions"] and summary["quality"]
+    assert any("bucket" in line and "->" in line for line in proc.stdout.splitlines())
