@@ -98,7 +98,23 @@ def reducer_specs() -> list[tuple[str, dict]]:
         for collective in ("allgather", "twophase") + (("allreduce",) if codec.aggregatable else ()):
             out.append((name, {"collective": collective}))
     out.append(("topk:ratio=0.1", {"min_compress_bytes": 1 << 30}))
+    # --compressor auto, bucket 0 forced to Top-K and bucket 1 to PowerSGD: a bad bucket 0 must
+    # put back bucket 1's PowerSGD state too.
+    out.append(("auto", {"candidates": ("topk:ratio=0.1", "powersgd:approx_rank=1"), "force": ("topk:ratio=0.1", "powersgd:approx_rank=1")}))
     return out
+
+
+def _make(spec: str, options: dict):
+    if spec != "auto":
+        return make_reducer(spec, **options)
+    from gradzip.comm.adaptive import AdaptiveReducer
+    from gradzip.control.auto import AutoConfig, make_controller
+
+    cfg = AutoConfig(adapt_every=1000, candidates=options["candidates"])
+    specs = cfg.candidate_specs()
+    reducer = AdaptiveReducer(specs, make_controller(cfg, specs))
+    reducer.force(0, dict(enumerate(options["force"])))
+    return reducer
 
 
 def _grad(rank: int, step: int, key: int) -> torch.Tensor:
@@ -114,8 +130,8 @@ def _reduce(reducer, step: int, grads: dict[int, torch.Tensor]) -> dict[int, tor
 def _nonfinite_worker(rank: int, world_size: int, specs: list[tuple[str, dict]]) -> dict:
     report = {}
     for spec, kwargs in specs:
-        reducer = make_reducer(spec, **kwargs)
-        twin = make_reducer(spec, **kwargs)  # never sees the bad steps
+        reducer = _make(spec, kwargs)
+        twin = _make(spec, kwargs)  # never sees the bad steps
         steps = {s: {key: _grad(rank, s, key) for key in (0, 1)} for s in range(4)}
         for r in (reducer, twin):
             _reduce(r, 0, steps[0])
@@ -142,7 +158,7 @@ def _nonfinite_worker(rank: int, world_size: int, specs: list[tuple[str, dict]])
             "subnormal": torch.full((NUMEL,), 1e-40),
             "zeros": torch.zeros(NUMEL),
         }.items():
-            fresh = make_reducer(spec, **kwargs)
+            fresh = _make(spec, kwargs)
             extremes[case] = _reduce(fresh, 0, {0: x})[0]
         report[f"{spec}/{kwargs}"] = {
             "bad_bucket_all_nan": bool(torch.isnan(out1[0]).all()) and bool(torch.isnan(out2[1]).all()),
