@@ -209,7 +209,7 @@ class TrainConfig:
         if self.resume is not None and not os.path.isdir(self.resume):
             raise FileNotFoundError(f"--resume: no such folder: {self.resume}")
         if self.resume is not None and self.fsdp:
-            raise ValueError("--resume does not restore sharded (--fsdp) runs; resume without --fsdp's checkpoint")
+            raise ValueError("--resume cannot load into a sharded model: resume runs without --fsdp")
         if self.data is not None:
             if not os.path.exists(self.data):
                 raise FileNotFoundError(f"--data: no such file: {self.data}")
