@@ -11,22 +11,22 @@ import json
 import math
 import os
 import time
-from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradzip.control.monitor import QualityMonitor
+from gradzip.optim import grad_sync
 from gradzip.train import report
 from gradzip.train.checkpoint import save_checkpoint
 from gradzip.train.config import TrainConfig
 from gradzip.train.data import Corpus, batch_generator, sample_batch, val_batches
-from gradzip.train.hooks import hook_options, is_torch_hook, make_hook
 from gradzip.train.model import build_model, count_parameters
+from gradzip.train.optimizers import build_optimizer, owns_communication
+from gradzip.train.parallel import Parallel, make_parallel
 
 CALIBRATION_STEPS = 3
 
@@ -58,18 +58,19 @@ def evaluate(model: torch.nn.Module, batches, device) -> float:
     return sum(losses) / len(losses)
 
 
-def measure_compute(ddp: DDP, corpus: Corpus, cfg: TrainConfig, device) -> float:
-    """Median forward + backward seconds with no gradient exchange (``no_sync``), the floor of
-    any step time; gradients are discarded and the model is unchanged."""
+def measure_compute(par: Parallel, corpus: Corpus, cfg: TrainConfig, device) -> float:
+    """Median forward + backward seconds with no gradient exchange (``no_sync``; under FSDP
+    the parameter all-gathers still run), the floor of any step time; gradients are discarded
+    and the model is unchanged."""
     gen = batch_generator(cfg.seed + 1, dist.get_rank())
     times = []
     for _ in range(CALIBRATION_STEPS):
         x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, gen)
         start = time.perf_counter()
-        with ddp.no_sync():
-            ddp(input_ids=x.to(device), labels=y.to(device)).loss.backward()
+        with par.no_exchange():
+            par.module(input_ids=x.to(device), labels=y.to(device)).loss.backward()
         times.append(time.perf_counter() - start)
-        ddp.zero_grad(set_to_none=True)
+        par.module.zero_grad(set_to_none=True)
     return report.median(times)
 
 
@@ -102,10 +103,8 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     corpus = Corpus.load(cfg.data, cfg.vocab_size)
     corpus.check_fits(cfg.seq_len)
     model = build_model(cfg, corpus.vocab_size).to(device)
-    ddp = DDP(model, bucket_cap_mb=cfg.bucket_cap_mb)
-    hook_state, hook = make_hook(cfg.compressor, **hook_options(cfg))
-    ddp.register_comm_hook(hook_state, hook)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    par = make_parallel(model, cfg)  # DDP + hook, or FSDP + compressed reduce-scatter
+    optimizer = build_optimizer(cfg, model, metrics=par.state.metrics)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     data_gen = batch_generator(cfg.seed, rank)
     val = val_batches(corpus, cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
@@ -113,7 +112,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
 
     # Starting point and the floor of the step time.
     initial_val = evaluate(model, val, device)
-    compute_s = measure_compute(ddp, corpus, cfg, device)
+    compute_s = measure_compute(par, corpus, cfg, device)
 
     log = report.RunLog(cfg.out) if is_main else None
     monitor = QualityMonitor(
@@ -125,8 +124,8 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     for step in range(cfg.steps):
         x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
         step_start = time.perf_counter()
-        with ddp.no_sync() if cfg.no_exchange else nullcontext():
-            loss = ddp(input_ids=x.to(device), labels=y.to(device)).loss
+        with par.no_exchange() if cfg.no_exchange else grad_sync(par.module, optimizer):
+            loss = par.module(input_ids=x.to(device), labels=y.to(device)).loss
             loss.backward()
         backward_end = time.perf_counter()
         optimizer.step()
@@ -134,7 +133,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
         optimizer.zero_grad(set_to_none=True)
         step_end = time.perf_counter()
 
-        comm = hook_state.metrics.pop()
+        comm = par.state.metrics.pop()
         record = {
             "step": step,
             "loss": float(loss.detach()),
@@ -165,18 +164,27 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
 
     if bar is not None:
         bar.close()
+    if owns_communication(optimizer):
+        optimizer.synchronize()  # 0/1 Adam: ranks that took local steps meet again
     final_val = evaluate(model, val, device)
+    model_state, optimizer_state = par.checkpoint_state(optimizer)
     save_checkpoint(
         cfg.out,
         cfg.steps,
         shared={
             "step": cfg.steps,
             "config": cfg.to_dict(),
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": scheduler.state_dict(),
         },
-        per_rank={"hook": hook_state.state_dict(), "data_generator": data_gen.get_state(), "rank": rank},
+        per_rank={
+            "hook": par.state.state_dict(),
+            "data_generator": data_gen.get_state(),
+            "rank": rank,
+            # error-feedback buffers (and, for local steps, momenta) differ per rank
+            "optimizer": optimizer.state_dict() if owns_communication(optimizer) else None,
+        },
         rank=rank,
     )
     if log is None:
@@ -186,7 +194,9 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     summary = report.summarize(
         log.records,
         compressor=cfg.compressor if not cfg.no_exchange else "no-exchange",
-        hook="torch" if is_torch_hook(hook_state) else "gradzip",
+        optimizer=cfg.optimizer,
+        hook=par.hook,
+        parallel=par.kind,
         collective=cfg.collective,
         min_compress_bytes=cfg.min_compress_bytes,
         world_size=world_size,
