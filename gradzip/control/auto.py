@@ -81,8 +81,9 @@ class AutoConfig:
     trial_steps: int | None = None
     """``cost``: steps a proposal is tried before it is kept; None: ``max(4, adapt_every // 4)``."""
 
-    trial_margin: float = 0.02
-    """``cost``: the measured step period must beat the running one by this fraction."""
+    trial_margin: float = 0.05
+    """``cost``: the measured step period must beat the running one by this fraction (a noisy
+    machine needs a wide margin: at 1 Gbit/s a 2% margin kept a codec that did not pay)."""
 
     reprobe_every: int = 4
     """``cost``: windows between probes of every candidate (probing costs one step's worth of encoding)."""

@@ -21,8 +21,11 @@ examples:
   gradzip train --compressor topk:ratio=0.01 --steps 200 --out runs/topk
   gradzip train --compressor topk:ratio=0.01 --collective twophase --world-size 4
   gradzip train --compressor torch:powersgd:approx_rank=4      # PyTorch's own hook, as an anchor
+  gradzip train --optimizer onebit-adam --compressor none      # 1-bit Adam after a dense warm-up
   gradzip train --compressor auto --adapt-every 50 --verify-every 100
+  gradzip train --fsdp --compressor topk:ratio=0.01           # sharded, compressed reduce-scatter
   torchrun --nproc-per-node 2 -m gradzip train --steps 50
+  gradzip train --checkpoint-every 50 --out runs/a; gradzip train --resume runs/a   # exact resume
 """
 
 
@@ -34,6 +37,10 @@ def add_parser(sub) -> None:
     d = TrainConfig()
     p.add_argument("--compressor", default=d.compressor, metavar="SPEC",
                    help=f"codec spec, e.g. topk:ratio=0.01 (see 'gradzip list'); torch:fp16 etc. for PyTorch's hooks (default {d.compressor})")
+    p.add_argument("--optimizer", default=d.optimizer, metavar="SPEC",
+                   help="adamw, onebit-adam[:warmup_steps=N] or zeroone-adam[:var_freeze_step=N,var_update_scaler=K,"
+                   "local_step_scaler=S,local_step_clipper=H]; the last two send 1-bit momenta after their "
+                   f"full-precision steps (default {d.optimizer})")
     p.add_argument("--world-size", type=int, default=d.world_size, help=f"local workers to spawn (default {d.world_size})")
     p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"sequences per worker per step (default {d.batch_size})")
@@ -50,6 +57,7 @@ def add_parser(sub) -> None:
     p.add_argument("--eval-every", type=int, default=d.eval_every, help=f"steps between validation passes (default {d.eval_every})")
     p.add_argument("--eval-batches", type=int, default=d.eval_batches, help=f"validation batches per pass (default {d.eval_batches})")
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help=f"DDP bucket size in MB (default {d.bucket_cap_mb})")
+    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (fully_shard per block) and compress its gradient reduce-scatter")
     p.add_argument("--collective", default=d.collective, choices=["auto", "allreduce", "allgather", "twophase"],
                    help="how compressed buckets travel: auto picks by bytes; twophase is the compressed all_reduce "
                         "whose bytes per worker stay flat in the world size (default auto)")
@@ -59,7 +67,13 @@ def add_parser(sub) -> None:
     p.add_argument("--timeout-s", type=float, default=d.timeout_s, help=f"collective timeout in seconds (default {d.timeout_s:g})")
     p.add_argument("--backend", default=d.backend, choices=["auto", "gloo", "nccl"], help="process-group backend (default auto)")
     p.add_argument("--threads", type=int, default=d.threads, help="CPU threads per worker; 0 shares the cores (default 0)")
-    p.add_argument("--out", default=d.out, metavar="DIR", help=f"output folder (default {d.out})")
+    p.add_argument("--out", default=None, metavar="DIR", help=f"output folder (default {d.out}, or the resumed run's folder)")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="N",
+                   help="save a checkpoint every N steps (default 0: only at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, metavar="K",
+                   help=f"complete checkpoints to keep, newest first; 0 keeps all (default {d.keep_checkpoints})")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue a run exactly from its last complete checkpoint (a run folder or a checkpoint folder)")
     g = p.add_argument_group("monitoring and auto")
     g.add_argument("--monitor-every", type=int, default=d.monitor_every, metavar="N",
                    help=f"quality checks (norm ratio, cosine, relative error) every N steps; 0 off (default {d.monitor_every})")
@@ -86,17 +100,26 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
     values["progress"] = not args.quiet
+    if values.get("out") is None:
+        from gradzip.train.checkpoint import run_folder
+
+        values["out"] = str(run_folder(args.resume)) if args.resume else TrainConfig.out
     return TrainConfig(**values)
 
 
 def run(args: argparse.Namespace) -> int:
+    from gradzip.train.faults import PeerLost, leave
     from gradzip.train.launch import WorkerFailed, launch
 
     try:
         launch(config_from_args(args))
+    except PeerLost as exc:  # this process is a rank under torchrun
+        leave(str(exc))
     except WorkerFailed as exc:
         import sys
 
-        print(f"gradzip: {exc}", file=sys.stderr)
+        from gradzip.cli import one_line
+
+        print(f"gradzip: {one_line(exc)}", file=sys.stderr)
         return 1
     return 0
