@@ -72,17 +72,24 @@ class _Recorder:
 
 
 def _expected_sent(route: str, codec, numel: int, world_size: int, rank: int) -> int:
-    """The formulas, written out independently of gradzip.comm.traffic."""
+    """The formulas, written out independently of gradzip.comm.traffic. A codec whose payload
+    holds no floating tensor travels with a 2-byte fp16 slot for the NaN skip marker."""
     raw = numel * 4
+    probe = codec.compress(torch.randn(8), step=0, key="probe").tensors
+    slot = 0 if any(t.is_floating_point() for t in probe) else 2
+
+    def nbytes(n: int) -> int:
+        return codec.payload_nbytes(n) + slot
+
     if route == "dense":
         return 2 * (world_size - 1) * raw // world_size
     if route == "allreduce":
-        return 2 * (world_size - 1) * codec.payload_nbytes(numel) // world_size
+        return 2 * (world_size - 1) * nbytes(numel) // world_size
     if route == "allgather":
-        return (world_size - 1) * codec.payload_nbytes(numel)
+        return (world_size - 1) * nbytes(numel)
     assert route == "twophase"
     sizes = [numel // world_size + (1 if j < numel % world_size else 0) for j in range(world_size)]
-    chunk = [codec.payload_nbytes(s) if s else 0 for s in sizes]
+    chunk = [nbytes(s) if s else 0 for s in sizes]
     return sum(chunk) - chunk[rank] + (world_size - 1) * chunk[rank]
 
 

@@ -53,7 +53,10 @@ def simulate_ranks(
     like = grads[0]
     if like.numel() == 0:
         return like.clone()
-    route = choose_collective(check_collective(collective, codec), codec, like.numel(), like.dtype, world_size)
+    # The route is chosen on the codec as the reducer sends it, marker slot included.
+    route = choose_collective(
+        check_collective(collective, codec), guard.with_marker_slot(codec), like.numel(), like.dtype, world_size
+    )
     if route == "dense":
         total = grads[0].div(world_size)
         for grad in grads[1:]:
