@@ -60,6 +60,11 @@ def test_auto_picks_by_bytes():
     f32 = torch.float32
     assert choose_collective("auto", none, 10_000, f32, 8) == "allreduce"
     assert choose_collective("auto", fp16, 10_000, f32, 8) == "allreduce"
+    # Aggregatable payloads stay on all_reduce even where per-chunk rounding would make two
+    # phases a few bytes smaller (Random-K 1% of 1000 on 3 ranks: 3 + 3 + 3 values against 10).
+    randomk = build("randomk:ratio=0.01")
+    assert plan_chunks(randomk, 1000, f32, 3).total_payload_nbytes < randomk.payload_nbytes(1000)
+    assert choose_collective("auto", randomk, 1000, f32, 3) == "allreduce"
     # Two ranks: all_gather and two phases send the same bytes; one round wins the tie.
     assert choose_collective("auto", topk, 10_000, f32, 2) == "allgather"
     for world_size in (3, 4, 8):

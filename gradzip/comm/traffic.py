@@ -138,11 +138,13 @@ def choose_collective(
     """The route a bucket takes: one of :data:`ROUTES`, identical on every rank.
 
     ``auto`` takes the route with the fewest bytes sent summed over all ranks (so the choice
-    does not depend on the rank), among ``allreduce`` (aggregatable codecs only), ``allgather``,
-    ``twophase`` and ``dense``; ties go to the earlier in that order (one round before two,
-    compressed before dense). A forced collective is kept, except that a codec whose payload for
-    the bucket would exceed the raw bytes sends the bucket ``dense`` (compression never sends
-    more than the raw tensor).
+    does not depend on the rank): for aggregatable codecs between ``allreduce`` and ``dense``
+    (a ring all_reduce already is a reduce-scatter and an all-gather of the payload, summed as
+    it is, so two phases would add a second compression for at most a few bytes of rounding);
+    for the others among ``allgather``, ``twophase`` and ``dense``. Ties go to the earlier in
+    that order (one round before two, compressed before dense). A forced collective is kept,
+    except that a codec whose payload for the bucket would exceed the raw bytes sends the bucket
+    ``dense`` (compression never sends more than the raw tensor).
 
     Args:
         collective: one of :data:`COLLECTIVES` (validated by :func:`check_collective`).
@@ -166,7 +168,6 @@ def choose_collective(
         "twophase": 2 * (world_size - 1) * payload["twophase"],
         "dense": world_size * allreduce_bytes(raw, world_size),
     }
-    candidates = [
-        r for r in ROUTES if payload[r] <= raw and (r != "allreduce" or compressor.aggregatable)
-    ]
+    compressed = ("allreduce",) if compressor.aggregatable else ("allgather", "twophase")
+    candidates = [r for r in ROUTES if r == "dense" or (r in compressed and payload[r] <= raw)]
     return min(candidates, key=lambda r: (total[r], ROUTES.index(r)))
