@@ -39,7 +39,7 @@ def test_onebit_adam_in_the_main_job(tmp_path):
     [
         ("nosuch", "--optimizer must be one of adamw, onebit-adam, zeroone-adam"),
         ("onebit-adam:warmup_steps=0", "warmup_steps must be an integer >= 1"),
-        ("onebit-adam:freeze=3", "--optimizer onebit-adam has no parameter 'freeze'; it takes warmup_steps"),
+        ("onebit-adam:freeze=3", "--optimizer onebit-adam has no parameter 'freeze'; it takes warmup_steps, bucket_cap_mb"),
         ("zeroone-adam:local_step_clipper=0", "local_step_clipper must be an integer >= 1"),
         ("fp16:warmup_steps=10", "warmup_steps and clip_norm need a codec with a ratio"),
         ("topk:ratio=0.01,clip_norm=-1", "clip_norm must be a number > 0"),
