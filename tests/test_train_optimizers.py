@@ -65,3 +65,8 @@ def test_compare_runs_an_optimizer_entry_behind_the_uncompressed_hook(tmp_path):
     assert argv("topk:ratio=0.01")[1:3] == ["--compressor", "topk:ratio=0.01"]
     with pytest.raises(ValueError, match="warmup_steps must be an integer >= 1"):
         run_compare(CompareConfig(compressors=["onebit-adam:warmup_steps=0"], out=str(tmp_path / "c")))
+
+
+def test_compressed_optimizer_refuses_fsdp(capsys, tmp_path):
+    assert main(["train", "--fsdp", "--compressor", "none", "--optimizer", "onebit-adam", "--out", str(tmp_path / "x")]) == 2
+    assert "cannot run with --fsdp" in capsys.readouterr().err

@@ -92,9 +92,13 @@ def check_optimizer(cfg) -> None:
     any worker starts.
 
     Raises:
-        ValueError: for a bad spec or parameter.
+        ValueError: for a bad spec or parameter, or a compressed optimizer with ``--fsdp``.
     """
-    build_optimizer(cfg, torch.nn.Linear(1, 1))
+    optimizer = build_optimizer(cfg, torch.nn.Linear(1, 1))
+    if owns_communication(optimizer) and getattr(cfg, "fsdp", False):
+        # their exchange averages whole replicated tensors; FSDP gives each rank a different shard
+        raise ValueError(f"--optimizer {parse_optimizer(cfg.optimizer)[0]} exchanges replicated momenta and "
+                         "cannot run with --fsdp (sharded parameters); use it with DDP")
 
 
 def owns_communication(optimizer: torch.optim.Optimizer) -> bool:
