@@ -115,7 +115,6 @@ def split_compressors(text: str) -> list[str]:
 
 def _check_specs(cfg: CompareConfig) -> None:
     """Fail on a bad spec or training option now, not in the fifth run."""
-    from gradzip.train.config import TrainConfig
     from gradzip.train.hooks import make_hook
     from gradzip.train.optimizers import check_optimizer, names_optimizer
 
