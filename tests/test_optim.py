@@ -305,7 +305,9 @@ def _ranks(rank: int, world_size: int) -> dict:
 
 def _zeroone(rank: int) -> dict:
     def make(ps):
-        return ZeroOneAdam(ps, lr=1e-2, var_freeze_step=4, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4)
+        # bucket_cap_mb=0: every tensor exchanged alone (the other runs here share one bucket)
+        return ZeroOneAdam(ps, lr=1e-2, var_freeze_step=4, var_update_scaler=2, local_step_scaler=2, local_step_clipper=4,
+                           bucket_cap_mb=0)
 
     model = tiny_model(0)
     opt = make(groups(model))

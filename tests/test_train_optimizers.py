@@ -39,7 +39,7 @@ def test_onebit_adam_in_the_main_job(tmp_path):
     [
         ("nosuch", "--optimizer must be one of adamw, onebit-adam, zeroone-adam"),
         ("onebit-adam:warmup_steps=0", "warmup_steps must be an integer >= 1"),
-        ("onebit-adam:freeze=3", "--optimizer onebit-adam has no parameter 'freeze'; it takes warmup_steps"),
+        ("onebit-adam:freeze=3", "--optimizer onebit-adam has no parameter 'freeze'; it takes warmup_steps, bucket_cap_mb"),
         ("zeroone-adam:local_step_clipper=0", "local_step_clipper must be an integer >= 1"),
         ("fp16:warmup_steps=10", "warmup_steps and clip_norm need a codec with a ratio"),
         ("topk:ratio=0.01,clip_norm=-1", "clip_norm must be a number > 0"),
@@ -65,3 +65,8 @@ def test_compare_runs_an_optimizer_entry_behind_the_uncompressed_hook(tmp_path):
     assert argv("topk:ratio=0.01")[1:3] == ["--compressor", "topk:ratio=0.01"]
     with pytest.raises(ValueError, match="warmup_steps must be an integer >= 1"):
         run_compare(CompareConfig(compressors=["onebit-adam:warmup_steps=0"], out=str(tmp_path / "c")))
+
+
+def test_compressed_optimizer_refuses_fsdp(capsys, tmp_path):
+    assert main(["train", "--fsdp", "--compressor", "none", "--optimizer", "onebit-adam", "--out", str(tmp_path / "x")]) == 2
+    assert "cannot run with --fsdp" in capsys.readouterr().err

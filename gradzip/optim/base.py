@@ -101,6 +101,10 @@ class CompressedAdamBase(torch.optim.Optimizer):
             (``reduce(key, tensor, *, step) -> Future`` of the mean, ``state_dict``).
         metrics: where bytes and times of this optimizer's collectives go (share the DDP
             hook's to count both in one place).
+        bucket_cap_mb: compressed tensors travel flattened in buckets of up to this many MiB
+            (>= 0; DDP's default, 25), two collectives per bucket; each of the ``world_size``
+            chunks of a bucket gets one scale, as DeepSpeed's 1-bit Adam compresses its flat
+            fp32 parameter groups. 0 sends every tensor alone (one scale per chunk of each).
 
     Raises:
         ValueError: for a value out of its range, naming it.
@@ -125,6 +129,7 @@ class CompressedAdamBase(torch.optim.Optimizer):
         average_grads: bool = True,
         reducer: Reducer | None = None,
         metrics: StepMetrics | None = None,
+        bucket_cap_mb: float = 25.0,
     ) -> None:
         defaults = {
             "lr": check_nonnegative(lr, name="lr", strict=True),
@@ -139,6 +144,7 @@ class CompressedAdamBase(torch.optim.Optimizer):
             check_nonnegative(group["lr"], name="lr", strict=True)
             check_nonnegative(group["eps"], name="eps")
             check_nonnegative(group["weight_decay"], name="weight_decay")
+        self.bucket_cap_mb = check_nonnegative(bucket_cap_mb, name="bucket_cap_mb")
         self.process_group = process_group
         self.average_grads = bool(average_grads)
         self.metrics = metrics if metrics is not None else StepMetrics()
@@ -204,18 +210,44 @@ class CompressedAdamBase(torch.optim.Optimizer):
 
         Args:
             tensors: ``key -> (tensor, compress)``; keys name the error-feedback buffers across
-                steps. Compressed tensors go through :attr:`reducer` (all launched before any is
-                awaited, in key order, which is identical on every rank); the others through one
-                uncompressed ``all_reduce``.
+                steps. Compressed tensors are flattened into buckets of up to ``bucket_cap_mb``
+                (in key order, identical on every rank; a bucket is keyed by its first tensor's
+                key) and go through :attr:`reducer`, every bucket launched before any is
+                awaited; the others through one uncompressed ``all_reduce``.
             step: the optimizer step (seeds and schedules of the codec).
         """
         if self.world_size == 1 or not tensors:
             return
         compressed = [(key, t) for key, (t, squeeze) in tensors.items() if squeeze]
-        futures = [(t, self.reducer.reduce(key, t, step=step)) for key, t in compressed]
+        futures = []
+        for bucket in self._buckets(compressed):
+            parts = [t for _, t in bucket]
+            flat = parts[0] if len(parts) == 1 else _flatten_dense_tensors(parts)
+            futures.append((parts, self.reducer.reduce((bucket[0][0], len(parts)), flat, step=step)))
         self._dense_mean_([t for t, squeeze in tensors.values() if not squeeze], step=step)
-        for t, fut in futures:
-            t.copy_(fut.wait())
+        for parts, fut in futures:
+            mean = fut.wait()
+            if len(parts) == 1:
+                parts[0].copy_(mean)
+                continue
+            for t, part in zip(parts, _unflatten_dense_tensors(mean, parts)):
+                t.copy_(part)
+
+    def _buckets(self, items: list[tuple[Hashable, Tensor]]) -> list[list[tuple[Hashable, Tensor]]]:
+        """Consecutive runs of ``items`` of one dtype and device, each up to ``bucket_cap_mb``
+        (a larger tensor alone; ``bucket_cap_mb == 0``: every tensor alone)."""
+        cap_bytes = self.bucket_cap_mb * 2**20
+        buckets: list[list[tuple[Hashable, Tensor]]] = []
+        size = 0
+        for key, t in items:
+            nbytes = t.numel() * t.element_size()
+            last = buckets[-1][-1][1] if buckets else None
+            if last is None or (last.dtype, last.device) != (t.dtype, t.device) or size + nbytes > cap_bytes:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((key, t))
+            size += nbytes
+        return buckets
 
     # ----- AdamW's arithmetic, operation for operation ----------------------------------------
 

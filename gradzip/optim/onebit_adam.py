@@ -47,7 +47,7 @@ class OneBitAdam(CompressedAdamBase):
         lr, betas, eps, weight_decay: as for ``torch.optim.AdamW`` (its defaults).
         warmup_steps: full-precision steps before the variance freezes (>= 1: a frozen
             variance needs at least one update). The paper uses 15-25% of training.
-        process_group, average_grads, reducer, metrics: see
+        process_group, average_grads, reducer, metrics, bucket_cap_mb: see
             :class:`~gradzip.optim.base.CompressedAdamBase` (DDP: ``average_grads=False`` and
             backward inside :func:`~gradzip.optim.grad_sync`, so the hook steps aside after
             warm-up).
@@ -73,11 +73,12 @@ class OneBitAdam(CompressedAdamBase):
         average_grads: bool = True,
         reducer: Reducer | None = None,
         metrics: StepMetrics | None = None,
+        bucket_cap_mb: float = 25.0,
     ) -> None:
         self.warmup_steps = check_int(warmup_steps, name="warmup_steps", low=1)
         super().__init__(
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, process_group=process_group,
-            average_grads=average_grads, reducer=reducer, metrics=metrics,
+            average_grads=average_grads, reducer=reducer, metrics=metrics, bucket_cap_mb=bucket_cap_mb,
         )
 
     @property

@@ -64,7 +64,7 @@ class ZeroOneAdam(CompressedAdamBase):
         var_update_scaler: kappa, variance steps per doubling of ``var_interval`` (>= 1).
         local_step_scaler: stage-2 steps per doubling of ``local_interval`` (>= 1).
         local_step_clipper: H, the largest ``local_interval`` (>= 1).
-        process_group, average_grads, reducer, metrics: see
+        process_group, average_grads, reducer, metrics, bucket_cap_mb: see
             :class:`~gradzip.optim.base.CompressedAdamBase`.
 
     Raises:
@@ -87,6 +87,7 @@ class ZeroOneAdam(CompressedAdamBase):
         average_grads: bool = True,
         reducer: Reducer | None = None,
         metrics: StepMetrics | None = None,
+        bucket_cap_mb: float = 25.0,
     ) -> None:
         self.var_freeze_step = check_int(var_freeze_step, name="var_freeze_step", low=1)
         self.var_update_scaler = check_int(var_update_scaler, name="var_update_scaler", low=1)
@@ -98,7 +99,7 @@ class ZeroOneAdam(CompressedAdamBase):
         self.local_counter = 0
         super().__init__(
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, process_group=process_group,
-            average_grads=average_grads, reducer=reducer, metrics=metrics,
+            average_grads=average_grads, reducer=reducer, metrics=metrics, bucket_cap_mb=bucket_cap_mb,
         )
 
     # ----- the schedule -----------------------------------------------------------------------

@@ -38,9 +38,10 @@ def add_parser(sub) -> None:
     p.add_argument("--compressor", default=d.compressor, metavar="SPEC",
                    help=f"codec spec, e.g. topk:ratio=0.01 (see 'gradzip list'); torch:fp16 etc. for PyTorch's hooks (default {d.compressor})")
     p.add_argument("--optimizer", default=d.optimizer, metavar="SPEC",
-                   help="adamw, onebit-adam[:warmup_steps=N] or zeroone-adam[:var_freeze_step=N,var_update_scaler=K,"
-                   "local_step_scaler=S,local_step_clipper=H]; the last two send 1-bit momenta after their "
-                   f"full-precision steps (default {d.optimizer})")
+                   help="adamw, onebit-adam[:warmup_steps=N,bucket_cap_mb=M] or zeroone-adam[:var_freeze_step=N,"
+                   "var_update_scaler=K,local_step_scaler=S,local_step_clipper=H,bucket_cap_mb=M]; the last two send "
+                   "1-bit momenta after N full-precision steps (unless given: 20%% of --steps, at least "
+                   f"--warmup-steps); default {d.optimizer}")
     p.add_argument("--world-size", type=int, default=d.world_size, help=f"local workers to spawn (default {d.world_size})")
     p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"sequences per worker per step (default {d.batch_size})")

@@ -20,7 +20,7 @@ class TrainConfig:
     optimizer: str = "adamw"
     """``adamw``, ``onebit-adam[:warmup_steps=N]`` or ``zeroone-adam[:var_freeze_step=N,...]``
     (see :mod:`gradzip.train.optimizers`); the last two exchange 1-bit momenta themselves after
-    their full-precision steps (default: 20% of ``steps``)."""
+    their full-precision steps (default: 20% of ``steps``, at least ``warmup_steps``)."""
 
     world_size: int = 2
     """Local workers to spawn (ignored under torchrun, which sets it)."""

@@ -20,8 +20,8 @@ from gradzip.optim import CompressedAdamBase, OneBitAdam, ZeroOneAdam
 #: optimizer name -> the spec parameters it takes
 OPTIMIZERS: dict[str, tuple[str, ...]] = {
     "adamw": (),
-    "onebit-adam": ("warmup_steps",),
-    "zeroone-adam": ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper"),
+    "onebit-adam": ("warmup_steps", "bucket_cap_mb"),
+    "zeroone-adam": ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "bucket_cap_mb"),
 }
 
 #: Adam's betas in the main job (nanoGPT's choice for GPT-2)
@@ -55,10 +55,11 @@ def names_optimizer(spec: str) -> bool:
     return len(parts) == 1 and parts[0][0] in OPTIMIZERS
 
 
-def default_warmup_steps(steps: int) -> int:
-    """Full-precision steps before 1-bit Adam freezes its variance: 20% of training (the
-    paper's 15-25%), at least 1."""
-    return max(1, round(0.2 * steps))
+def default_warmup_steps(cfg) -> int:
+    """Full-precision steps before the variance freezes: 20% of training (1-bit Adam's 15-25%),
+    and not before the learning-rate warm-up has ended (0/1 Adam's rule: the variance moves most
+    while the learning rate climbs); at least 1."""
+    return max(1, cfg.warmup_steps, round(0.2 * cfg.steps))
 
 
 def build_optimizer(cfg, model: torch.nn.Module, *, metrics: StepMetrics | None = None) -> torch.optim.Optimizer:
@@ -80,9 +81,9 @@ def build_optimizer(cfg, model: torch.nn.Module, *, metrics: StepMetrics | None 
         return torch.optim.AdamW(model.parameters(), **common)
     shared = {"average_grads": False, "metrics": metrics, **common}
     if name == "onebit-adam":
-        params.setdefault("warmup_steps", default_warmup_steps(cfg.steps))
+        params.setdefault("warmup_steps", default_warmup_steps(cfg))
         return OneBitAdam(model.parameters(), **params, **shared)
-    params.setdefault("var_freeze_step", default_warmup_steps(cfg.steps))
+    params.setdefault("var_freeze_step", default_warmup_steps(cfg))
     return ZeroOneAdam(model.parameters(), **params, **shared)
 
 
@@ -91,9 +92,13 @@ def check_optimizer(cfg) -> None:
     any worker starts.
 
     Raises:
-        ValueError: for a bad spec or parameter.
+        ValueError: for a bad spec or parameter, or a compressed optimizer with ``--fsdp``.
     """
-    build_optimizer(cfg, torch.nn.Linear(1, 1))
+    optimizer = build_optimizer(cfg, torch.nn.Linear(1, 1))
+    if owns_communication(optimizer) and getattr(cfg, "fsdp", False):
+        # their exchange averages whole replicated tensors; FSDP gives each rank a different shard
+        raise ValueError(f"--optimizer {parse_optimizer(cfg.optimizer)[0]} exchanges replicated momenta and "
+                         "cannot run with --fsdp (sharded parameters); use it with DDP")
 
 
 def owns_communication(optimizer: torch.optim.Optimizer) -> bool:
