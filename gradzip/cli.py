@@ -15,6 +15,9 @@ import sys
 COMMANDS = [
     "gradzip.train.cli",
     "gradzip.listing",
+    "gradzip.bench",
+    "gradzip.compare.cli",
+    "gradzip.cluster.cli",
     "gradzip.simulate.cli",
 ]
 

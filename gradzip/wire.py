@@ -33,11 +33,17 @@ def packed_nbytes(numel: int, bits: int) -> int:
     return (numel * bits + 7) // 8
 
 
+#: the integer dtype holding the codes of one packed byte (8 // bits bytes of one code each)
+_LANE_WORD = {1: torch.int64, 2: torch.int32, 4: torch.int16}
+
+
 def pack_bits(codes: Tensor, bits: int) -> Tensor:
     """Pack integer codes of ``bits`` bits each into bytes, little end first.
 
+    Code ``i`` lands in byte ``i // (8 // bits)`` at bit ``(i % (8 // bits)) * bits``.
+
     Args:
-        codes: any shape, integer dtype, every value in ``[0, 2**bits)``. Flattened.
+        codes: any shape, integer or bool dtype, every value in ``[0, 2**bits)``. Flattened.
         bits: 1, 2, 4 or 8.
 
     Returns:
@@ -54,23 +60,50 @@ def pack_bits(codes: Tensor, bits: int) -> Tensor:
     pad = (-flat.numel()) % per_byte
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    lanes = flat.view(-1, per_byte)
-    packed = lanes[:, 0].clone()
-    for lane in range(1, per_byte):
-        packed |= lanes[:, lane] << (lane * bits)
-    return packed
+    elif flat.storage_offset() % per_byte:
+        flat = flat.clone()
+    # The codes of one output byte sit in one word, a byte each; folding the word onto itself
+    # (shift by 8 - bits, then twice that, ...) gathers them into its low byte in a few
+    # whole-tensor integer ops instead of one op per lane.
+    word = flat.view(_LANE_WORD[bits])
+    shift = 8 - bits
+    for _ in range(per_byte.bit_length() - 1):
+        word = word | (word >> shift)
+        shift *= 2
+    return (word & 0xFF).to(torch.uint8)
 
 
-def unpack_bits(packed: Tensor, bits: int, numel: int) -> Tensor:
+def _unpack_table(bits: int, lut: tuple[int, ...] | None, device: torch.device) -> Tensor:
+    """For every byte value, the word whose bytes are its ``8 // bits`` codes (mapped by ``lut``)."""
+    key = (bits, lut, str(device))
+    table = _UNPACK_TABLES.get(key)
+    if table is None:
+        byte = torch.arange(256, dtype=torch.int64)
+        lanes = torch.stack([(byte >> (lane * bits)) & ((1 << bits) - 1) for lane in range(8 // bits)], 1)
+        if lut is not None:
+            lanes = torch.tensor(lut, dtype=torch.int64)[lanes]
+        table = lanes.to(torch.uint8).contiguous().view(_LANE_WORD[bits]).reshape(-1).to(device)
+        _UNPACK_TABLES[key] = table
+    return table
+
+
+#: unpacking tables by (bits, lut, device); a few hundred bytes each, built once
+_UNPACK_TABLES: dict[tuple, Tensor] = {}
+
+
+def unpack_bits(packed: Tensor, bits: int, numel: int, *, lut: Tensor | None = None) -> Tensor:
     """Inverse of :func:`pack_bits`.
 
     Args:
-        packed: uint8 tensor of shape ``(ceil(numel * bits / 8),)``.
+        packed: uint8 tensor of shape ``(ceil(numel * bits / 8),)`` (longer is allowed).
         bits: 1, 2, 4 or 8.
         numel: how many codes to return.
+        lut: optional int8 or uint8 tensor of shape ``(2**bits,)``: return ``lut[code]``
+            instead of the code, in the same pass (bits 1, 2 and 4).
 
     Returns:
-        uint8 tensor of shape ``(numel,)`` with values in ``[0, 2**bits)``.
+        tensor of shape ``(numel,)``: uint8 codes in ``[0, 2**bits)``, or ``lut``'s values and
+        dtype.
 
     Raises:
         ValueError: if ``bits`` is not supported or ``packed`` is too short for ``numel``.
@@ -82,11 +115,47 @@ def unpack_bits(packed: Tensor, bits: int, numel: int) -> Tensor:
             f"needed for numel={numel} at bits={bits}"
         )
     if bits == 8:
-        return packed[:numel]
-    mask = (1 << bits) - 1
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
-    lanes = (packed.view(-1, 1) >> shifts) & mask
-    return lanes.reshape(-1)[:numel]
+        codes = packed.reshape(-1)[:numel]
+        return codes if lut is None else lut[codes.long()]
+    # One table lookup per byte (a 256-entry table of words) expands all its codes at once.
+    packed = packed.reshape(-1)[: packed_nbytes(numel, bits)]
+    table = _unpack_table(bits, None if lut is None else tuple(lut.tolist()), packed.device)
+    out_dtype = torch.uint8 if lut is None else lut.dtype
+    return torch.index_select(table, 0, packed.long()).view(out_dtype)[:numel]
+
+
+def unpack_lookup(packed: Tensor, bits: int, numel: int, values: Tensor) -> Tensor:
+    """``values[code]`` for every code of :func:`pack_bits`, in one gather.
+
+    A ``(256, 8 // bits)`` table maps each packed byte straight to the values of its codes, so
+    decoding writes each output element once.
+
+    Args:
+        packed: uint8 tensor of shape ``(ceil(numel * bits / 8),)`` (longer is allowed).
+        bits: 1, 2, 4 or 8.
+        numel: how many codes to decode.
+        values: ``(2**bits,)`` tensor of any dtype: the value of each code.
+
+    Returns:
+        tensor of shape ``(numel,)``, ``values``' dtype and device (contiguous).
+
+    Raises:
+        ValueError: if ``bits`` is not supported, ``values`` has the wrong length or
+            ``packed`` is too short.
+    """
+    check_bits(bits)
+    if values.numel() != 1 << bits:
+        raise ValueError(f"values must hold 2**bits = {1 << bits} entries; got {values.numel()}")
+    if packed.numel() < packed_nbytes(numel, bits):
+        raise ValueError(
+            f"packed holds {packed.numel()} bytes, fewer than the {packed_nbytes(numel, bits)} "
+            f"needed for numel={numel} at bits={bits}"
+        )
+    byte = torch.arange(256, device=values.device)
+    codes = torch.stack([(byte >> (lane * bits)) & ((1 << bits) - 1) for lane in range(8 // bits)], 1)
+    table = values.reshape(-1)[codes]
+    rows = packed.reshape(-1)[: packed_nbytes(numel, bits)].long()
+    return torch.index_select(table, 0, rows).view(-1)[:numel]
 
 
 def index_dtype(numel: int) -> torch.dtype:

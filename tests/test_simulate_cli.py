@@ -5,7 +5,7 @@ import json
 import pytest
 
 from gradzip.cli import main
-from gradzip.simulate.calibrate import TCP_GOODPUT, calibrate, parse_rate_bits
+from gradzip.simulate.calibrate import TCP_GOODPUT, calibrate, fit_link_efficiency, parse_rate_bits
 from gradzip.simulate.cli import codec_speeds, split_specs
 from gradzip.simulate.exchange import Method
 
@@ -57,11 +57,27 @@ def test_calibrate_hand_computed(tmp_path):
     assert fast["none"].comm_s == pytest.approx(2 * 3 / 4 * 16e6 / (1e9 / 8 * TCP_GOODPUT), rel=1e-12)
 
 
+def test_fitted_link_matches_the_dense_run(tmp_path):
+    cmp = _write_compare_dir(tmp_path / "cmp")
+    # none: 2.0 s measured, 0.5 s compute, latency 2*3*50 us; bandwidth term at 1 Gbit/s 2*3/4*16e6/1.25e8
+    efficiency = fit_link_efficiency(cmp, bandwidth="1gbit", latency_us=50)
+    assert efficiency == pytest.approx((2 * 3 / 4 * 16e6 / 1.25e8) / (2.0 - 0.5 - 3e-4), rel=1e-12)
+    rows = {r.compressor: r for r in calibrate(cmp, bandwidth="1gbit", latency_us=50, link_efficiency=efficiency)}
+    assert rows["none"].predicted_step_s == pytest.approx(2.0, rel=1e-12)
+    assert rows["topk:ratio=0.01"].link_efficiency == efficiency
+    # at 100 Mbit/s the dense run is faster than the link allows: the fit clamps at 1
+    assert fit_link_efficiency(cmp, latency_us=50) == 1.0
+
+
 def test_calibrate_cli_and_errors(tmp_path, capsys):
     cmp = _write_compare_dir(tmp_path / "cmp")
     assert main(["simulate", "--calibrate", str(cmp)]) == 0
     out = capsys.readouterr().out
     assert "topk:ratio=0.01" in out and "largest |error|" in out
+    assert main(["simulate", "--calibrate", str(cmp), "--bandwidth", "1gbit", "--link-efficiency", "fit"]) == 0
+    assert "(fit)" in capsys.readouterr().out
+    assert main(["simulate", "--calibrate", str(cmp), "--link-efficiency", "most"]) == 2
+    assert "link-efficiency" in capsys.readouterr().err
     assert main(["simulate", "--calibrate", str(_write_compare_dir(tmp_path / "nolimit", limit=False))]) == 2
     assert "limit" in capsys.readouterr().err
     assert main(["simulate", "--calibrate", str(tmp_path / "missing")]) == 2

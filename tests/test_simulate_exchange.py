@@ -26,8 +26,13 @@ def _default_single_round_codecs():
     return specs
 
 
-def _reduced_payload_bytes(rank, world_size, specs, shapes):
-    """On each rank: the bytes the real reducers record for one bucket of every spec."""
+def _routes(spec):
+    codec = build(spec)
+    return ["auto"] if codec.aggregatable or codec.multi_round else ["allgather", "twophase"]
+
+
+def _reduced_bytes(rank, world_size, specs, shapes):
+    """On each rank: payload and sent bytes the real reducers record for one bucket, per route."""
     from gradzip.comm import make_reducer
     from gradzip.metrics import StepMetrics
 
@@ -35,30 +40,36 @@ def _reduced_payload_bytes(rank, world_size, specs, shapes):
     numel = sum(math.prod(s) for s in shapes)
     gen = torch.Generator().manual_seed(rank)
     for spec in specs:
-        metrics = StepMetrics()
-        codec = build(spec)
-        # The model's all_gather route: auto would pick two phases where they send fewer bytes.
-        collective = "allgather" if not (codec.aggregatable or codec.multi_round) else "auto"
-        reducer = make_reducer(spec, metrics=metrics, collective=collective)
-        grad = torch.randn(numel, generator=gen)
-        reducer.reduce(0, grad, step=0, shapes=[torch.Size(s) for s in shapes]).wait()
-        out[spec] = metrics.pop()["payload_bytes"]
+        for route in _routes(spec):
+            metrics = StepMetrics()
+            reducer = make_reducer(spec, metrics=metrics, collective=route)
+            grad = torch.randn(numel, generator=gen)
+            reducer.reduce(0, grad, step=0, shapes=[torch.Size(s) for s in shapes]).wait()
+            figures = metrics.pop()
+            out[spec, route] = (figures["payload_bytes"], figures["sent_bytes"])
     return out
 
 
-def _model_payload(spec, p):
-    candidates = Method(spec).ddp_candidates(SHAPES, torch.float32, p, "allgather")
+def _model_payload(spec, p, route="allgather"):
+    candidates = Method(spec).ddp_candidates(SHAPES, torch.float32, p, "allgather" if route == "auto" else route)
     assert len(candidates) == 1
-    return candidates[0].payload_bytes
+    return candidates[0]
 
 
 def test_model_bytes_equal_what_the_real_reducers_send():
+    # Three ranks cut the 286-element bucket into uneven two-phase chunks (96, 95, 95).
     specs = ["none", "fp16", "topk:ratio=0.1", "powersgd:approx_rank=2", *_default_single_round_codecs()]
     specs = list(dict.fromkeys(specs))
-    results = run_ranks(_reduced_payload_bytes, 2, specs, SHAPES, timeout_s=120)
+    world_size = 3
+    results = run_ranks(_reduced_bytes, world_size, specs, SHAPES, timeout_s=120)
     for spec in specs:
-        assert results[0][spec] == results[1][spec]
-        assert _model_payload(spec, 2) == results[0][spec], spec
+        for route in _routes(spec):
+            model = _model_payload(spec, world_size, route)
+            payloads = {r[spec, route][0] for r in results}
+            assert payloads == {model.payload_bytes}, (spec, route)
+            # The ring all_reduce floors 2 (W-1) B / W per rank; the model keeps the fraction.
+            mean_sent = sum(r[spec, route][1] for r in results) / world_size
+            assert model.sent_bytes(world_size) == pytest.approx(mean_sent, abs=1), (spec, route)
 
 
 @pytest.mark.parametrize("spec", _default_single_round_codecs() + ["topk:ratio=0.3", "topk:ratio=1.0"])
@@ -68,7 +79,7 @@ def test_payload_equals_compressed_tensor_bytes(spec):
     payload = codec.compress(x, step=0, key=0)
     dense = NUMEL * 4
     expected = payload.nbytes if payload.nbytes <= dense else dense  # the reducer's dense fallback
-    assert _model_payload(spec, 3) == expected
+    assert _model_payload(spec, 3).payload_bytes == expected
 
 
 def test_collective_follows_declared_properties():
@@ -95,19 +106,21 @@ def test_allgather_hand_computed():
 
 def test_twophase_bytes_hand_computed_and_flat_in_world_size():
     codec = build("topk:ratio=0.1")
-    # p = 4: chunks of ceil(286 / 4) = 72 elements, k = 7: 7 * (4 + 1) = 35 bytes (uint8 indices)
+    # p = 4: chunks of 72, 72, 71, 71 elements, k = 7 each: 7 * (4 + 1) = 35 bytes (uint8 indices)
     ex = twophase_exchange(codec.payload_nbytes, NUMEL, torch.float32, 4)
     assert [r.collective for r in ex.rounds] == ["alltoall", "allgather"]
     assert [r.nbytes for r in ex.rounds] == [4 * 35, 4 * 35]
+    assert ex.payload_bytes == 4 * 35
     assert ex.sent_bytes(4) == 2 * 3 * 35
-    assert ex.encode_bytes == 5 * 72 * 4 and ex.decode_bytes == 2 * 4 * 72 * 4
+    # encode: every chunk, then the own mean (72); decode: 4 versions of the own chunk, every mean
+    assert ex.encode_bytes == (286 + 72) * 4 and ex.decode_bytes == (4 * 72 + 286) * 4
     # 1-bit payload of a large tensor: two-phase sends about 2 payloads per worker for any p
     sign = Method("onebit-adam")
     n = 1 << 24
     full = sign.sign_payload_nbytes(n)
     for p in (8, 64, 1024):
         sent = sign.onebit_momentum_exchange(n, p).sent_bytes(p)
-        assert sent == 2 * (p - 1) * sign.sign_payload_nbytes(-(-n // p))
+        assert sent == 2 * (p - 1) * sign.sign_payload_nbytes(n // p)  # p divides n: equal chunks
         assert 1.75 * full <= sent < 2 * full + 2 * p * 4  # 2 (p-1)/p payloads, plus per-chunk scales
 
 

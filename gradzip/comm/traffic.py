@@ -101,6 +101,24 @@ def allgather_bytes(payload_nbytes: int, world_size: int) -> int:
     return (world_size - 1) * payload_nbytes
 
 
+def reduce_scatter_bytes(nbytes: int, world_size: int, backend: str) -> int:
+    """Bytes one rank sends (and receives) in a reduce_scatter of ``nbytes`` (the whole input).
+
+    A ring reduce-scatter (NCCL) moves ``(W-1) B // W``. gloo runs it as an all_reduce and keeps
+    one part: ``2 (W-1) B // W``, as :func:`allreduce_bytes` (measured on loopback with the
+    ``wchar`` count of ``benchmarks/collectives.py`` at W = 2 and 3).
+    """
+    if backend == "gloo":
+        return allreduce_bytes(nbytes, world_size)
+    return (world_size - 1) * nbytes // world_size
+
+
+def all_to_all_bytes(chunk_nbytes: int, world_size: int) -> int:
+    """Bytes one rank sends (and receives) in an all_to_all of ``world_size`` chunks of
+    ``chunk_nbytes`` each: ``(W-1) c`` (the own chunk stays)."""
+    return (world_size - 1) * chunk_nbytes
+
+
 def route_bytes(route: str, compressor: Compressor, numel: int, dtype: torch.dtype, world_size: int, rank: int) -> int:
     """Bytes ``rank`` sends for one bucket through ``route`` (one of :data:`ROUTES`)."""
     if route == "dense":

@@ -25,7 +25,10 @@ Both rounds go through the group's :class:`~gradzip.comm.queue.CollectiveQueue`,
 bucket is handed over, so every rank issues them in the same order however callbacks
 interleave; each round's compression runs inside its launch, not in the caller. An empty chunk
 (a bucket smaller than ``W``) is neither compressed nor sent. As with ``all_gather``, a codec's
-payload shapes and ``ctx`` must depend only on the number of elements and the dtype.
+payload shapes must depend only on the number of elements and the dtype, and so must its local
+decode context (``ctx``), except for codecs that need a shared seed: their context comes from
+``(seed, step, key)`` and each chunk's mean is drawn under its own key, so every rank re-derives
+it by encoding zeros under that key (one extra encode of the bucket, for those codecs only).
 
 Non-finite gradients (:mod:`gradzip.comm.guard`): a rank whose bucket holds inf or NaN sends
 NaN-marked payloads for every chunk in round 1, so every rank finds the marker among the payloads
@@ -172,6 +175,8 @@ class TwoPhaseAllReduce:
             return self.metrics.track(work.get_future(), (key,))
 
         # Step 6: decode every chunk's mean.
+        shared_seed = self.compressor.needs_shared_seed
+
         def finish(fut: Future) -> Tensor:
             fut.value()  # re-raises a failed collective
             with self.metrics.timed("decompress_s", key):
@@ -180,7 +185,7 @@ class TwoPhaseAllReduce:
                 for j, (start, size) in enumerate(zip(plan.offsets, plan.sizes)):
                     if size == 0:
                         continue
-                    template = own[j]
+                    template = self._mean_template(key, j, size, step, out) if shared_seed else own[j]
                     part = recv_means[offset : offset + plan.payload_nbytes[j]]
                     offset += plan.payload_nbytes[j]
                     payload = Payload(wire.from_bytes(part, template.tensors), template.ctx)
@@ -192,6 +197,11 @@ class TwoPhaseAllReduce:
 
         scattered = self.queue.submit(launch_scatter)
         return self.queue.submit(launch_gather, after=scattered).then(finish)
+
+    def _mean_template(self, key: Hashable, chunk: int, size: int, step: int, like: Tensor) -> Payload:
+        """The decode context of chunk ``chunk``'s mean for a codec that draws it from
+        ``(seed, step, key)`` (Random-K's positions): encoding zeros under the same key draws it."""
+        return self.compressor.compress(like.new_zeros(size), step=step, key=mean_key(key, chunk))
 
     def _compress_chunks(
         self, key: Hashable, flat: Tensor, plan: ChunkPlan, step: int, own: list[Payload | None]

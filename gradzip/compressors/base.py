@@ -7,6 +7,7 @@ payload may be ``all_reduce``-d), ``unbiased`` and ``needs_shared_seed``.
 
 from __future__ import annotations
 
+import inspect
 import math
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
@@ -71,11 +72,25 @@ class Compressor(ABC):
 
     @property
     def spec(self) -> str:
-        """The canonical spec string that :func:`gradzip.compressors.build` turns back into this."""
-        if not self.params:
-            return self.name
-        args = ",".join(f"{k}={_format(v)}" for k, v in self.params.items())
-        return f"{self.name}:{args}"
+        """The canonical spec: the name and the parameters that differ from their defaults.
+
+        ``build(c.spec)`` gives a codec equal to ``c``; two codecs built from equivalent specs
+        (``topk:ratio=1`` and ``topk:ratio=1.0``) have the same spec.
+        """
+        defaults = {
+            p.name: p.default
+            for p in inspect.signature(type(self).__init__).parameters.values()
+            if p.kind is inspect.Parameter.KEYWORD_ONLY
+        }
+        args = []
+        for key, value in self.params.items():
+            default = defaults.get(key, inspect.Parameter.empty)
+            if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+                value = float(value)
+            if default is not inspect.Parameter.empty and value == default and type(value) is type(default):
+                continue
+            args.append(f"{key}={_format(value)}")
+        return f"{self.name}:{','.join(args)}" if args else self.name
 
     def state_dict(self) -> dict[str, Any]:
         """Codec state beyond its parameters (none for stateless codecs)."""
@@ -92,6 +107,8 @@ class Compressor(ABC):
 def _format(value: Any) -> str:
     if isinstance(value, bool):
         return str(value).lower()
+    if isinstance(value, float):
+        return repr(value)
     return str(value)
 
 
@@ -129,13 +146,18 @@ def kept_count(numel: int, ratio: float) -> int:
     return min(max(int(round(ratio * numel)), 1), numel)
 
 
-def seeded_generator(seed: int, step: int, key: Hashable, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator seeded from ``(seed, step, key)``, identical on every rank; never the global RNG."""
+def seed_hash(seed: int, step: int, key: Hashable) -> int:
+    """A 63-bit integer from ``(seed, step, key)``, the same in every process (FNV-1a of the text;
+    ``hash()`` of a str differs between processes)."""
     text = f"{seed}/{step}/{key!r}".encode()
-    # FNV-1a: stable across processes, unlike hash() of a str.
     h = 0xCBF29CE484222325
     for byte in text:
         h = ((h ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return h & 0x7FFFFFFFFFFFFFFF
+
+
+def seeded_generator(seed: int, step: int, key: Hashable, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator seeded from ``(seed, step, key)``, identical on every rank; never the global RNG."""
     gen = torch.Generator(device=device)
-    gen.manual_seed(h & 0x7FFFFFFFFFFFFFFF)
+    gen.manual_seed(seed_hash(seed, step, key))
     return gen

@@ -1,7 +1,8 @@
-"""Controllers and monitors: what to compress how much, and how well compression is doing.
+"""Controllers, schedules and monitors: what to compress how much, and how well compression is doing.
 
 - :mod:`.auto`: ``--compressor auto`` (a bandwidth-aware per-bucket choice with a quality budget)
   and the explicit schedules (Accordion, LEGACY-style, EDGC-style).
 - :mod:`.monitor`: quality figures into metrics.jsonl, TensorBoard and the summary, with a warning
   when the norm ratio stays low.
+- :mod:`.sparsity`: Deep Gradient Compression's exponential sparsity warm-up.
 """

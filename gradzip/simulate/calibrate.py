@@ -86,6 +86,7 @@ class CalibrationRow:
     """One run: what was measured and what the model predicts (seconds per step, bytes per rank).
 
     ``predicted_step_s`` is None for a run whose payload bytes were not recorded;
+    ``link_efficiency`` is the payload fraction of the link rate the prediction used;
     ``measured_sent_bytes`` counts Ethernet frames (headers and acknowledgements included).
     """
 
@@ -102,6 +103,7 @@ class CalibrationRow:
     collective: str
     predicted_sent_bytes: float
     measured_sent_bytes: float | None
+    link_efficiency: float = TCP_GOODPUT
 
     @property
     def error(self) -> float | None:
@@ -240,7 +242,7 @@ def calibrate(
         fabric = single_level(Link(latency_us * 1e-6, rate_bits / 8 * link_efficiency))
         if compressor == "limit":
             out.append(CalibrationRow(str(root), "limit", world_size, rate_bits / 1e6, measured, compute_s,
-                                      compute_s, 0.0, 0.0, 0.0, "none", 0.0, None))
+                                      compute_s, 0.0, 0.0, 0.0, "none", 0.0, None, link_efficiency))
             continue
         payload = row.get("payload_bytes_per_step", summary.get("payload_bytes_per_step"))
         steps = row.get("steps") or summary.get("steps")
@@ -249,7 +251,7 @@ def calibrate(
         if payload is None:
             # The hook did not count its bytes (PyTorch's PowerSGD): nothing to predict from.
             out.append(CalibrationRow(str(root), compressor, world_size, rate_bits / 1e6, measured, None,
-                                      compute_s, 0.0, 0.0, 0.0, "unknown", 0.0, measured_sent))
+                                      compute_s, 0.0, 0.0, 0.0, "unknown", 0.0, measured_sent, link_efficiency))
             continue
         payload = float(payload)
         codec_s, buckets = _codec_seconds(row, summary, run_dir / "metrics.jsonl" if run_dir is not None else None)
@@ -266,8 +268,34 @@ def calibrate(
             CalibrationRow(
                 str(root), compressor, world_size, rate_bits / 1e6, measured,
                 compute_s + codec_s + comm_s, compute_s, codec_s, comm_s, payload,
-                "+".join(sorted({c for c, _ in rounds})), sent, measured_sent,
+                "+".join(sorted({c for c, _ in rounds})), sent, measured_sent, link_efficiency,
             )
         )
     out.sort(key=lambda r: r.compressor != "limit")
     return out
+
+
+def fit_link_efficiency(
+    directory: str | Path, *, bandwidth: str | float | None = None, latency_us: float = DEFAULT_LATENCY_US
+) -> float:
+    """The payload fraction of the link rate that makes the model match the ``none`` run exactly.
+
+    With the ``none`` run's ring all_reduce, ``comm = L + B / efficiency`` (``L`` the latency
+    terms, ``B`` the bandwidth term at the full rate), and the measured comm is its step time minus
+    compute alone minus its codec seconds. Every other run is then predicted with that efficiency.
+
+    Raises:
+        ValueError: if the directory has no finished ``none`` run with bytes, or its step is not
+            longer than compute alone plus latency.
+    """
+    rows = {r.compressor: r for r in calibrate(directory, bandwidth=bandwidth, latency_us=latency_us, link_efficiency=1.0)}
+    none = rows.get("none")
+    if none is None or none.measured_step_s is None or none.predicted_step_s is None or none.collective != "allreduce":
+        raise ValueError(f"link efficiency is fitted on a finished 'none' run; {directory} has none")
+    p = none.world_size
+    latency_s = 2 * (p - 1) * latency_us * 1e-6
+    bandwidth_s = none.comm_s - latency_s
+    measured_s = none.measured_step_s - none.compute_s - none.codec_s - latency_s
+    if not (bandwidth_s > 0 and measured_s > 0):
+        raise ValueError(f"the 'none' run in {directory} is not slower than compute alone: nothing to fit")
+    return min(1.0, bandwidth_s / measured_s)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from gradzip.simulate.calibrate import DEFAULT_LATENCY_US, TCP_GOODPUT, CalibrationRow, calibrate
+from gradzip.simulate.calibrate import DEFAULT_LATENCY_US, TCP_GOODPUT, CalibrationRow, calibrate, fit_link_efficiency
 from gradzip.simulate.collectives import ALGORITHMS
 from gradzip.simulate.exchange import COLLECTIVE_CHOICES, Method
 from gradzip.simulate.presets import CLUSTERS, GBYTE, MODELS, get_cluster, model_shapes
@@ -195,8 +195,8 @@ def plot_speedup(scenario: Scenario, methods: list[Method], gpus: list[int], pat
     return {"gpus": gpus, "speedup": curves}
 
 
-def format_calibration(rows: list[CalibrationRow]) -> str:
-    """A Markdown table of predicted vs measured step times."""
+def format_calibration(rows: list[CalibrationRow], *, fitted: bool = False) -> str:
+    """A Markdown table of predicted vs measured step times (``fitted``: the ``none`` rows fixed the link)."""
     lines = [
         "| run | world_size | link Mbit/s | compressor | collective | measured s | predicted s | error "
         "| compute s | codec s | comm s | sent MB/rank/step (model / interface) |",
@@ -204,6 +204,8 @@ def format_calibration(rows: list[CalibrationRow]) -> str:
     ]
     for r in rows:
         err = "-" if r.error is None else f"{r.error:+.1%}"
+        if fitted and r.compressor == "none":
+            err = "(fit)"
         measured = "-" if r.measured_step_s is None else f"{r.measured_step_s:.3f}"
         iface = "-" if r.measured_sent_bytes is None else f"{r.measured_sent_bytes / 1e6:.2f}"
         predicted = "-" if r.predicted_step_s is None else f"{r.predicted_step_s:.3f}"
@@ -216,22 +218,32 @@ def format_calibration(rows: list[CalibrationRow]) -> str:
 
 
 def run_calibration(args: argparse.Namespace) -> int:
+    fit = str(args.link_efficiency).strip() == "fit"
+    efficiency = TCP_GOODPUT
+    if not fit and args.link_efficiency is not None:
+        try:
+            efficiency = float(args.link_efficiency)
+        except ValueError:
+            raise ValueError(f"link-efficiency must be a fraction in (0, 1] or 'fit'; got {args.link_efficiency!r}") from None
     rows: list[CalibrationRow] = []
     for directory in args.calibrate:
-        rows.extend(
-            calibrate(directory, bandwidth=args.bandwidth, latency_us=args.latency_us, link_efficiency=args.link_efficiency)
-        )
-    errors = [abs(r.error) for r in rows if r.compressor != "limit" and r.error is not None]
+        if fit:
+            efficiency = fit_link_efficiency(directory, bandwidth=args.bandwidth, latency_us=args.latency_us)
+        rows.extend(calibrate(directory, bandwidth=args.bandwidth, latency_us=args.latency_us, link_efficiency=efficiency))
+    # With a fitted link the 'none' run is matched by construction, not predicted.
+    errors = [abs(r.error) for r in rows if r.compressor != "limit" and r.error is not None and not (fit and r.compressor == "none")]
     if args.json:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
         return 0
-    print(format_calibration(rows))
+    print(format_calibration(rows, fitted=fit))
+    how = "fitted on each directory's 'none' run" if fit else "given" if args.link_efficiency else "TCP payload per Ethernet frame"
+    efficiencies = ", ".join(sorted({f"{r.link_efficiency:.3f}" for r in rows}))
     print(
-        f"\nlink: tbf rate x {args.link_efficiency:.3f} (TCP payload per frame), {args.latency_us:g} us per "
-        "collective step; prediction = compute alone (limit row) + codec seconds + collectives, not overlapped."
+        f"\nlink: tbf rate x {efficiencies} ({how}), {args.latency_us:g} us per collective step; "
+        "prediction = compute alone (limit row) + codec seconds + collectives, not overlapped."
     )
     if errors:
-        print(f"runs: {len(errors)}, largest |error| {max(errors):.1%}, mean |error| {sum(errors) / len(errors):.1%}")
+        print(f"predicted runs: {len(errors)}, largest |error| {max(errors):.1%}, mean |error| {sum(errors) / len(errors):.1%}")
     return 0
 
 
@@ -312,7 +324,8 @@ def add_parser(sub) -> None:
         help=f"with --calibrate: latency per collective step, us (default {DEFAULT_LATENCY_US:g})",
     )
     p.add_argument(
-        "--link-efficiency", type=float, default=TCP_GOODPUT,
-        help=f"with --calibrate: payload fraction of the link rate (default {TCP_GOODPUT:.3f}, TCP over Ethernet)",
+        "--link-efficiency", default=None,
+        help=f"with --calibrate: payload fraction of the link rate, or 'fit' to fit it on each directory's "
+        f"'none' run (default {TCP_GOODPUT:.4f}, TCP over Ethernet)",
     )
     p.set_defaults(func=run)

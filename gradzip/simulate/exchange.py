@@ -20,12 +20,14 @@ bit per element, and one fp32 scale per chunk) after a warm-up fraction of dense
 from __future__ import annotations
 
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from gradzip import wire
+from gradzip.comm.traffic import chunk_sizes
 from gradzip.compressors import REGISTRY, Compressor, build
 from gradzip.compressors.spec import parse_spec
 from gradzip.simulate.collectives import Fabric
@@ -147,7 +149,10 @@ class Method:
     # DDP -----------------------------------------------------------------------------------
 
     def ddp_candidates(self, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype, p: int, collective: str = "auto") -> list[Exchange]:
-        """The ways one DDP bucket holding tensors of ``shapes`` can travel; the caller picks the fastest.
+        """The ways one DDP bucket holding tensors of ``shapes`` can travel.
+
+        The step model takes the fastest by predicted seconds (the reducer's ``auto`` takes the
+        fewest bytes sent; ``collective`` forces one route for both).
 
         Args:
             shapes: shapes of the gradients in the bucket (flattened end to end).
@@ -224,34 +229,42 @@ class Method:
             return Exchange("reducescatter", (Round("reducescatter", dense_bytes),), dense_bytes)
         if codec.aggregatable:
             return Exchange("reducescatter", (Round("reducescatter", payload),), payload, dense_bytes, dense_bytes / p)
-        chunk = -(-numel // p)
-        chunk_payload = codec.payload_nbytes(chunk, dtype)
+        total, own = chunked_payload_nbytes(codec.payload_nbytes, numel, dtype, p)
         item = wire.dtype_nbytes(dtype)
-        return Exchange(
-            "alltoall", (Round("alltoall", p * chunk_payload),), p * chunk_payload, dense_bytes, p * chunk * item
-        )
+        return Exchange("alltoall", (Round("alltoall", total),), total, dense_bytes, p * own * item)
+
+
+def chunked_payload_nbytes(payload_nbytes, numel: int, dtype: torch.dtype, p: int) -> tuple[int, int]:
+    """Payload bytes of a bucket cut into ``p`` chunks as the reducer cuts it, and the largest chunk.
+
+    Chunks follow :func:`gradzip.comm.traffic.chunk_sizes`; an empty chunk sends nothing.
+    """
+    counts = Counter(chunk_sizes(numel, p))
+    total = sum(payload_nbytes(size, dtype) * count for size, count in counts.items() if size)
+    return total, max(counts)
 
 
 def twophase_exchange(payload_nbytes, numel: int, dtype: torch.dtype, p: int) -> Exchange:
     """The two-phase compressed all_reduce of ``numel`` elements over ``p`` workers.
 
-    Phase 1: split into ``p`` chunks of ``c = ceil(numel / p)`` elements, compress each, all_to_all
-    (each worker holds ``p * payload(c)`` bytes). Each worker decodes the ``p`` versions of its
-    chunk, averages, compresses again. Phase 2: all_gather of ``payload(c)`` from every worker.
-    Per-worker bytes sent: ``2 (p - 1) payload(c)``, about ``2 payload(numel)`` for any ``p``.
+    The bucket is cut as :func:`gradzip.comm.traffic.chunk_sizes` cuts it (``p`` chunks, sizes
+    differing by at most one) and every chunk compressed: ``P = sum_j payload(c_j)`` bytes per
+    worker, the figure the reducer records. Phase 1: all_to_all of the chunk payloads (each worker
+    holds ``P``). Each worker decodes the ``p`` versions of its chunk, averages, compresses again.
+    Phase 2: all_gather of those (``P`` gathered). Per-worker bytes sent: about ``2 (p-1)/p P``,
+    flat in ``p``.
 
     Args:
         payload_nbytes: the codec's ``payload_nbytes(numel, dtype)``.
     """
-    chunk = -(-numel // p)
-    c_bytes = payload_nbytes(chunk, dtype)
+    total, own = chunked_payload_nbytes(payload_nbytes, numel, dtype, p)
     item = wire.dtype_nbytes(dtype)
     return Exchange(
         "twophase",
-        (Round("alltoall", p * c_bytes), Round("allgather", p * c_bytes)),
-        2 * p * c_bytes,
-        encode_bytes=(p + 1) * chunk * item,  # all chunks, then the own averaged chunk again
-        decode_bytes=2 * p * chunk * item,  # p versions of the own chunk, then p gathered chunks
+        (Round("alltoall", total), Round("allgather", total)),
+        total,
+        encode_bytes=(numel + own) * item,  # every chunk, then the own averaged chunk again
+        decode_bytes=(p * own + numel) * item,  # p versions of the own chunk, then every mean
     )
 
 

@@ -278,10 +278,21 @@ def _load(path: Path) -> dict[str, Any]:
 
 
 def save_training_state(
-    cfg, progress: Progress, *, rank: int, world_size: int, model, optimizer, scheduler, hook_state, data_gen
+    cfg, progress: Progress, *, rank: int, world_size: int, model, optimizer, scheduler, hook_state, data_gen,
+    parallel=None, per_rank_optimizer: bool = False,
 ) -> Path:
-    """Checkpoint everything a bit-identical continuation needs (see the module docstring)."""
+    """Checkpoint everything a bit-identical continuation needs (see the module docstring).
+
+    ``parallel`` (a :class:`gradzip.train.parallel.Parallel`) supplies the full model and
+    optimizer state (a collective under FSDP, so every rank calls this). With
+    ``per_rank_optimizer`` each rank also saves its own optimizer state: optimizers that own their
+    communication keep error buffers that differ across ranks.
+    """
     config = cfg.to_dict()
+    if parallel is not None:
+        model_state, optimizer_state = parallel.checkpoint_state(optimizer)
+    else:
+        model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
     return save_checkpoint(
         cfg.out,
         progress.step,
@@ -289,11 +300,16 @@ def save_training_state(
             "step": progress.step,
             "progress": asdict(progress),
             "config": config,
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
+            "model": model_state,
+            "optimizer": optimizer_state,
             "scheduler": scheduler.state_dict(),
         },
-        per_rank={"rank": rank, "hook": hook_state.state_dict(), "data_generator": data_gen.get_state()},
+        per_rank={
+            "rank": rank,
+            "hook": hook_state.state_dict(),
+            "data_generator": data_gen.get_state(),
+            "optimizer": optimizer.state_dict() if per_rank_optimizer else None,
+        },
         rank=rank,
         world_size=world_size,
         config=config,
@@ -315,7 +331,7 @@ def restore_training_state(
     mine = _load(folder / f"rank-{rank}.pt")
     try:
         model.load_state_dict(shared["model"])
-        optimizer.load_state_dict(shared["optimizer"])
+        optimizer.load_state_dict(mine["optimizer"] if mine.get("optimizer") is not None else shared["optimizer"])
         scheduler.load_state_dict(shared["scheduler"])
         hook_state.load_state_dict(mine["hook"])
         data_gen.set_state(mine["data_generator"])

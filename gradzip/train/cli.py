@@ -21,7 +21,9 @@ examples:
   gradzip train --compressor topk:ratio=0.01 --steps 200 --out runs/topk
   gradzip train --compressor topk:ratio=0.01 --collective twophase --world-size 4
   gradzip train --compressor torch:powersgd:approx_rank=4      # PyTorch's own hook, as an anchor
+  gradzip train --optimizer onebit-adam --compressor none      # 1-bit Adam after a dense warm-up
   gradzip train --compressor auto --adapt-every 50 --verify-every 100
+  gradzip train --fsdp --compressor topk:ratio=0.01           # sharded, compressed reduce-scatter
   torchrun --nproc-per-node 2 -m gradzip train --steps 50
   gradzip train --checkpoint-every 50 --out runs/a; gradzip train --resume runs/a   # exact resume
 """
@@ -35,6 +37,10 @@ def add_parser(sub) -> None:
     d = TrainConfig()
     p.add_argument("--compressor", default=d.compressor, metavar="SPEC",
                    help=f"codec spec, e.g. topk:ratio=0.01 (see 'gradzip list'); torch:fp16 etc. for PyTorch's hooks (default {d.compressor})")
+    p.add_argument("--optimizer", default=d.optimizer, metavar="SPEC",
+                   help="adamw, onebit-adam[:warmup_steps=N] or zeroone-adam[:var_freeze_step=N,var_update_scaler=K,"
+                   "local_step_scaler=S,local_step_clipper=H]; the last two send 1-bit momenta after their "
+                   f"full-precision steps (default {d.optimizer})")
     p.add_argument("--world-size", type=int, default=d.world_size, help=f"local workers to spawn (default {d.world_size})")
     p.add_argument("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
     p.add_argument("--batch-size", type=int, default=d.batch_size, help=f"sequences per worker per step (default {d.batch_size})")
@@ -51,6 +57,7 @@ def add_parser(sub) -> None:
     p.add_argument("--eval-every", type=int, default=d.eval_every, help=f"steps between validation passes (default {d.eval_every})")
     p.add_argument("--eval-batches", type=int, default=d.eval_batches, help=f"validation batches per pass (default {d.eval_batches})")
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help=f"DDP bucket size in MB (default {d.bucket_cap_mb})")
+    p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (fully_shard per block) and compress its gradient reduce-scatter")
     p.add_argument("--collective", default=d.collective, choices=["auto", "allreduce", "allgather", "twophase"],
                    help="how compressed buckets travel: auto picks by bytes; twophase is the compressed all_reduce "
                         "whose bytes per worker stay flat in the world size (default auto)")

@@ -17,6 +17,11 @@ class TrainConfig:
     """Codec spec (see ``gradzip list``), or ``torch:allreduce|fp16|bf16|powersgd[:approx_rank=R]``
     for PyTorch's own DDP hooks."""
 
+    optimizer: str = "adamw"
+    """``adamw``, ``onebit-adam[:warmup_steps=N]`` or ``zeroone-adam[:var_freeze_step=N,...]``
+    (see :mod:`gradzip.train.optimizers`); the last two exchange 1-bit momenta themselves after
+    their full-precision steps (default: 20% of ``steps``)."""
+
     world_size: int = 2
     """Local workers to spawn (ignored under torchrun, which sets it)."""
 
@@ -64,6 +69,10 @@ class TrainConfig:
 
     bucket_cap_mb: float = 25.0
     """DDP bucket size in MB (DDP's default)."""
+
+    fsdp: bool = False
+    """Shard the model with FSDP2 (``fully_shard`` per transformer block and the root) and apply
+    the compressor to its gradient reduce-scatter instead of DDP's all-reduce."""
 
     collective: str = "auto"
     """How compressed buckets travel: ``auto`` (the route sending the fewest bytes), ``allreduce``
@@ -180,6 +189,10 @@ class TrainConfig:
             raise ValueError(f"--weight-decay must be in [0, 1); got {self.weight_decay!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"--n-embd ({self.n_embd}) must be divisible by --n-head ({self.n_head})")
+        if self.fsdp and self.compressor.strip().lower().startswith("torch:"):
+            raise ValueError("--fsdp takes a gradzip codec (torch: names DDP hooks); 'none' is FSDP's own reduce-scatter")
+        if self.fsdp and (self.collective != "auto" or self.min_compress_bytes):
+            raise ValueError("--collective and --min-compress-bytes shape DDP buckets; with --fsdp the codec picks the exchange")
         if self.collective not in COLLECTIVES:
             raise ValueError(f"--collective must be one of {', '.join(COLLECTIVES)}; got {self.collective!r}")
         if not (isinstance(self.norm_warn, (int, float)) and 0 < self.norm_warn <= 1):
@@ -188,10 +201,15 @@ class TrainConfig:
             self.auto_config().validate()
         if self.backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"--backend must be auto, gloo or nccl; got {self.backend!r}")
+        from gradzip.train.optimizers import check_optimizer
+
+        check_optimizer(self)
         if os.path.exists(self.out) and not os.path.isdir(self.out):
             raise ValueError(f"--out must be a folder; {self.out} is a file")
         if self.resume is not None and not os.path.isdir(self.resume):
             raise FileNotFoundError(f"--resume: no such folder: {self.resume}")
+        if self.resume is not None and self.fsdp:
+            raise ValueError("--resume cannot load into a sharded model: resume runs without --fsdp")
         if self.data is not None:
             if not os.path.exists(self.data):
                 raise FileNotFoundError(f"--data: no such file: {self.data}")

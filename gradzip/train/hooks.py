@@ -1,7 +1,7 @@
 """Which DDP communication hook a spec asks for: gradzip's, or PyTorch's own as an anchor."""
 
-from __future__ import annotations
-
+# No ``from __future__ import annotations`` here: DDP's register_comm_hook checks that the hook's
+# ``bucket`` annotation *is* dist.GradBucket, and a string annotation fails that check.
 from typing import Any
 
 import torch
@@ -13,6 +13,7 @@ from gradzip.comm.traffic import allreduce_bytes
 from gradzip.compressors import SpecError, parse_spec
 from gradzip.ddp import CompressionState, compression_hook
 from gradzip.metrics import StepMetrics
+from gradzip.optim.dgc import WarmupState, split_training_options
 
 TORCH_HOOKS = ("allreduce", "fp16", "bf16", "powersgd")
 
@@ -99,6 +100,9 @@ def make_hook(spec: str, **options: Any):
             raise SpecError(f"unknown PyTorch hook {rest!r}; known: {', '.join('torch:' + h for h in TORCH_HOOKS)}")
         name, params = parts[0]
         return TorchHookState(name, params), torch_hook
+    codec_spec, warmup = split_training_options(spec)  # DGC's warm-up and clipping, if asked for
+    if warmup:
+        return WarmupState(codec_spec, **warmup, **options), compression_hook
     return CompressionState(spec, **options), compression_hook
 
 

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import time
-from contextlib import nullcontext
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,12 +22,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradzip.control.monitor import QualityMonitor
+from gradzip.optim import grad_sync
 from gradzip.train import faults, report
 from gradzip.train.checkpoint import Progress, resume, save_training_state
 from gradzip.train.config import TrainConfig
 from gradzip.train.data import Corpus, batch_generator, sample_batch, val_batches
-from gradzip.train.hooks import hook_options, is_torch_hook, make_hook
 from gradzip.train.model import build_model, count_parameters
+from gradzip.train.optimizers import build_optimizer, owns_communication
+from gradzip.train.parallel import Parallel, make_parallel
 
 CALIBRATION_STEPS = 3
 
@@ -60,18 +61,19 @@ def evaluate(model: torch.nn.Module, batches, device) -> float:
     return sum(losses) / len(losses)
 
 
-def measure_compute(ddp: DDP, corpus: Corpus, cfg: TrainConfig, device) -> float:
-    """Median forward + backward seconds with no gradient exchange (``no_sync``), the floor of
-    any step time; gradients are discarded and the model is unchanged."""
+def measure_compute(par: Parallel, corpus: Corpus, cfg: TrainConfig, device) -> float:
+    """Median forward + backward seconds with no gradient exchange (``no_sync``; under FSDP
+    the parameter all-gathers still run), the floor of any step time; gradients are discarded
+    and the model is unchanged."""
     gen = batch_generator(cfg.seed + 1, dist.get_rank())
     times = []
     for _ in range(CALIBRATION_STEPS):
         x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, gen)
         start = time.perf_counter()
-        with ddp.no_sync():
-            ddp(input_ids=x.to(device), labels=y.to(device)).loss.backward()
+        with par.no_exchange():
+            par.module(input_ids=x.to(device), labels=y.to(device)).loss.backward()
         times.append(time.perf_counter() - start)
-        ddp.zero_grad(set_to_none=True)
+        par.module.zero_grad(set_to_none=True)
     return report.median(times)
 
 
@@ -132,22 +134,19 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     corpus = Corpus.load(cfg.data, cfg.vocab_size)
     corpus.check_fits(cfg.seq_len)
     model = build_model(cfg, corpus.vocab_size).to(device)
-    ddp = DDP(model, bucket_cap_mb=cfg.bucket_cap_mb)
-    settle_buckets(ddp, corpus, cfg, device)
-    hook_state, hook = make_hook(cfg.compressor, **hook_options(cfg))
-    ddp.register_comm_hook(hook_state, hook)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
+    par = make_parallel(model, cfg, settle=lambda ddp: settle_buckets(ddp, corpus, cfg, device))
+    optimizer = build_optimizer(cfg, model, metrics=par.state.metrics)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     data_gen = batch_generator(cfg.seed, rank)
     val = val_batches(corpus, cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
     tokens_per_step = world_size * cfg.batch_size * cfg.seq_len
-    state = dict(model=model, optimizer=optimizer, scheduler=scheduler, hook_state=hook_state, data_gen=data_gen)
+    state = dict(model=model, optimizer=optimizer, scheduler=scheduler, hook_state=par.state, data_gen=data_gen)
 
     # Starting point (step 0, or where the checkpoint left off) and the floor of the step time.
     progress = resume(cfg, rank=rank, world_size=world_size, **state) if cfg.resume else Progress()
     if progress.initial_val_loss is None:
         progress.initial_val_loss = evaluate(model, val, device)
-    compute_s = measure_compute(ddp, corpus, cfg, device)
+    compute_s = measure_compute(par, corpus, cfg, device)
 
     log = report.RunLog(cfg.out, start_step=progress.step) if is_main else None
     monitor = QualityMonitor(
@@ -161,8 +160,8 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
         fault_plan.at_step(model, rank=rank, step=step)
         x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
         step_start = time.perf_counter()
-        with ddp.no_sync() if cfg.no_exchange else nullcontext():
-            loss = ddp(input_ids=x.to(device), labels=y.to(device)).loss
+        with par.no_exchange() if cfg.no_exchange else grad_sync(par.module, optimizer):
+            loss = par.module(input_ids=x.to(device), labels=y.to(device)).loss
             loss.backward()
         backward_end = time.perf_counter()
         # Every rank holds the same averaged gradient, so all agree to skip a non-finite step.
@@ -175,7 +174,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
         optimizer.zero_grad(set_to_none=True)
         step_end = time.perf_counter()
 
-        comm = hook_state.metrics.pop()
+        comm = par.state.metrics.pop()
         record = {
             "step": step,
             "loss": float(loss.detach()),
@@ -206,12 +205,20 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
             _update_progress(bar, record, tokens_per_step, progress.skipped_steps)
         progress.step, progress.elapsed_s = step + 1, step_end - train_start
         if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0 and progress.step < cfg.steps:
-            save_training_state(cfg, progress, rank=rank, world_size=world_size, **state)
+            save_training_state(
+                cfg, progress, rank=rank, world_size=world_size, parallel=par,
+                per_rank_optimizer=owns_communication(optimizer), **state,
+            )
 
     if bar is not None:
         bar.close()
+    if owns_communication(optimizer):
+        optimizer.synchronize()  # 0/1 Adam: ranks that took local steps meet again
     final_val = evaluate(model, val, device)
-    save_training_state(cfg, progress, rank=rank, world_size=world_size, **state)
+    save_training_state(
+        cfg, progress, rank=rank, world_size=world_size, parallel=par,
+        per_rank_optimizer=owns_communication(optimizer), **state,
+    )
     if log is None:
         return None
     log.close()
@@ -219,7 +226,9 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     summary = report.summarize(
         log.records,
         compressor=cfg.compressor if not cfg.no_exchange else "no-exchange",
-        hook="torch" if is_torch_hook(hook_state) else "gradzip",
+        optimizer=cfg.optimizer,
+        hook=par.hook,
+        parallel=par.kind,
         collective=cfg.collective,
         min_compress_bytes=cfg.min_compress_bytes,
         world_size=world_size,

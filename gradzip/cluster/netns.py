@@ -1,0 +1,363 @@
+"""Emulated hosts on a slow link: Linux network namespaces, veth pairs, a bridge and ``tbf``.
+
+Layout of one cluster (suffix ``S`` = owner pid as 6 hex digits + 2 random hex digits)::
+
+    netns gz-S-h0  eth0 10.77.0.1/24 --veth-- h0 ┐
+    netns gz-S-h1  eth0 10.77.0.2/24 --veth-- h1 ├ br0   (in netns gz-S-sw)
+    ...                                          ┘
+
+Every host's ``eth0`` has a ``tbf`` qdisc at ``bandwidth`` (its egress); the switch-side end of
+each veth has one too (its ingress), so each host sees a full-duplex link of that rate, like a
+NIC on a switch port. ``netem`` is not available in the kernels this runs on, so latency is not
+emulated. Nothing is created in the root namespace: the hosts reach only each other, and two
+clusters never clash (same addresses, different namespaces). Deleting the switch namespace
+destroys every veth pair.
+
+Needs root, ``ip`` and ``tc`` (iproute2). Standard library only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+PREFIX = "gz-"
+SUBNET = "10.77.0"  # 10.77.0.1 .. 10.77.0.N; private, and only inside the cluster's namespaces
+IFNAME = "eth0"  # the host's interface inside its namespace (GLOO_SOCKET_IFNAME)
+MAX_HOSTS = 250
+_NAME = re.compile(r"^gz-(?P<suffix>(?P<pid>[0-9a-f]{6})[0-9a-f]{2})-(?P<role>sw|h\d+)$")
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9}
+# Below one full-size frame tbf drops every packet; above it, enough for 1 ms at the rate so
+# that high rates are not capped by the timer granularity.
+_MIN_BURST_BYTES = 32 * 1024
+_QUEUE_LATENCY_MS = 50  # tbf queue limit, as the time the queue takes to drain at the rate
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not be created (not root, no netns support, a failed ``ip``/``tc``)."""
+
+
+def parse_bandwidth(text: str | int) -> int:
+    """Bits per second from ``100mbit``, ``1gbit``, ``500kbit`` or a plain number of bit/s.
+
+    Raises:
+        ValueError: naming ``bandwidth`` for a malformed or non-positive value.
+    """
+    if isinstance(text, int):
+        value = text
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)(?:bit)?(?:/s)?\s*", text.lower())
+        if not match:
+            raise ValueError(f"bandwidth must look like 20mbit, 100mbit or 1gbit; got {text!r}")
+        value = int(float(match.group(1)) * _UNITS[match.group(2)])
+    if value < 64_000:
+        raise ValueError(f"bandwidth must be at least 64kbit; got {text!r}")
+    return value
+
+
+def format_bandwidth(bits_per_s: int) -> str:
+    """``100000000`` -> ``100mbit`` (the form ``tc`` and the CLI accept)."""
+    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
+        if bits_per_s % scale == 0:
+            return f"{bits_per_s // scale}{unit}"
+    return f"{bits_per_s}bit"
+
+
+def _sh(argv: Sequence[str], *, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(list(argv), capture_output=True, text=True)
+    if check and proc.returncode != 0:
+        raise ClusterError(f"{' '.join(argv)}: {proc.stderr.strip() or f'exit {proc.returncode}'}")
+    return proc
+
+
+def support_problem() -> str | None:
+    """One line saying why emulated hosts cannot be made here, or None when they can.
+
+    Checks root, the ``ip`` and ``tc`` tools, and creates and deletes a namespace holding a veth
+    pair with a ``tbf`` qdisc.
+    """
+    if os.geteuid() != 0:
+        return f"emulated hosts need root (network namespaces and tc); running as uid {os.geteuid()}"
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"emulated hosts need the '{tool}' command (iproute2), which is not installed"
+    probe = f"{PREFIX}{os.getpid():06x}{secrets.token_hex(1)}-sw"
+    try:
+        _sh(["ip", "netns", "add", probe])
+        try:
+            _sh(["ip", "-n", probe, "link", "add", "name", "probe0", "type", "veth", "peer", "name", "probe1"])
+            _sh(["tc", "-n", probe, "qdisc", "add", "dev", "probe0", "root", "tbf", *_tbf_args(10**8)])
+        finally:
+            _sh(["ip", "netns", "delete", probe], check=False)
+    except ClusterError as exc:
+        return f"network namespaces with veth and tbf are not available here ({exc})"
+    return None
+
+
+def _tbf_args(bits_per_s: int) -> list[str]:
+    burst_bytes = max(_MIN_BURST_BYTES, bits_per_s // 8 // 1000)
+    return ["rate", f"{bits_per_s}bit", "burst", str(burst_bytes), "latency", f"{_QUEUE_LATENCY_MS}ms"]
+
+
+@dataclass(frozen=True)
+class Host:
+    """One emulated host: its namespace, its address on the cluster's subnet, its interface."""
+
+    index: int
+    netns: str
+    address: str
+    ifname: str = IFNAME
+
+
+class _Terminated(SystemExit):
+    """Raised in the main thread on SIGTERM/SIGHUP so that ``with`` blocks unwind and clean up."""
+
+
+class Cluster:
+    """``num_hosts`` emulated hosts joined by a switch, each link limited to ``bandwidth``.
+
+    Use as a context manager; everything is removed on exit, on Ctrl-C, on SIGTERM/SIGHUP (while
+    the ``with`` block runs in the main thread) and at interpreter exit. After a hard kill of the
+    owner, :func:`clean` (``gradzip cluster clean``) removes what is left.
+
+        with Cluster(2, "100mbit") as cluster:
+            proc = cluster.popen(cluster.hosts[1], ["python", "worker.py"])
+            before = cluster.tx_bytes()
+            ...
+
+    Args:
+        num_hosts: 1 to 250.
+        bandwidth: link rate in each direction, ``100mbit``, ``1gbit`` or bit/s.
+
+    Raises:
+        ValueError: for a bad ``num_hosts`` or ``bandwidth``.
+        ClusterError: from :meth:`start` when the hosts cannot be made (see :func:`support_problem`).
+    """
+
+    def __init__(self, num_hosts: int, bandwidth: str | int = "100mbit") -> None:
+        if not 1 <= num_hosts <= MAX_HOSTS:
+            raise ValueError(f"num_hosts must be in [1, {MAX_HOSTS}]; got {num_hosts}")
+        self.bandwidth_bits = parse_bandwidth(bandwidth)
+        self.suffix = f"{os.getpid():06x}{secrets.token_hex(1)}"
+        self.switch = f"{PREFIX}{self.suffix}-sw"
+        self.hosts = [Host(i, f"{PREFIX}{self.suffix}-h{i}", f"{SUBNET}.{i + 1}") for i in range(num_hosts)]
+        self._created: list[str] = []
+        self._popened: list[subprocess.Popen] = []
+        self._old_handlers: dict[int, object] = {}
+        self._closed = False
+
+    # -- life cycle ---------------------------------------------------------------------------
+    def start(self) -> Cluster:
+        """Create the namespaces, links and qdiscs. On failure removes what it made and raises
+        :class:`ClusterError`."""
+        atexit.register(self.close)
+        try:
+            self._netns_add(self.switch)
+            _sh(["ip", "-n", self.switch, "link", "add", "br0", "type", "bridge"])
+            self._quiet_namespace(self.switch)
+            _sh(["ip", "-n", self.switch, "link", "set", "br0", "up"])
+            tbf = _tbf_args(self.bandwidth_bits)
+            for host in self.hosts:
+                port = f"h{host.index}"
+                self._netns_add(host.netns)
+                self._quiet_namespace(host.netns)
+                _sh(["ip", "link", "add", "name", port, "netns", self.switch, "type", "veth",
+                     "peer", "name", host.ifname, "netns", host.netns])  # fmt: skip
+                _sh(["ip", "-n", self.switch, "link", "set", port, "master", "br0", "up"])
+                _sh(["tc", "-n", self.switch, "qdisc", "add", "dev", port, "root", "tbf", *tbf])
+                _sh(["ip", "-n", host.netns, "addr", "add", f"{host.address}/24", "dev", host.ifname])
+                _sh(["ip", "-n", host.netns, "link", "set", host.ifname, "up"])
+                _sh(["ip", "-n", host.netns, "link", "set", "lo", "up"])
+                _sh(["tc", "-n", host.netns, "qdisc", "add", "dev", host.ifname, "root", "tbf", *tbf])
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _netns_add(self, name: str) -> None:
+        _sh(["ip", "netns", "add", name])
+        self._created.append(name)
+
+    @staticmethod
+    def _quiet_namespace(netns: str) -> None:
+        # IPv6 neighbour discovery and MLD would add packets to tx_bytes that no worker sent.
+        _sh(["ip", "netns", "exec", netns, "sysctl", "-q", "-w",
+             "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1"], check=False)  # fmt: skip
+
+    def close(self) -> None:
+        """Kill every process in the hosts, then delete the namespaces. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        hosts_first = [n for n in self._created if n != self.switch] + [n for n in self._created if n == self.switch]
+        _remove_namespaces(hosts_first)
+        for proc in self._popened:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+        self._created.clear()
+
+    def __enter__(self) -> Cluster:
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+        try:
+            return self.start()
+        except BaseException:
+            self._restore_handlers()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        # A second Ctrl-C or SIGTERM must not interrupt the teardown half way.
+        masked = {}
+        if threading.current_thread() is threading.main_thread():
+            masked = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.close()
+        finally:
+            for sig, handler in masked.items():
+                signal.signal(sig, handler)
+            self._restore_handlers()
+
+    def _on_signal(self, signum: int, frame) -> None:
+        raise _Terminated(128 + signum)
+
+    def _restore_handlers(self) -> None:
+        for sig, handler in self._old_handlers.items():
+            signal.signal(sig, handler)
+        self._old_handlers.clear()
+
+    # -- running commands ---------------------------------------------------------------------
+    def command(self, host: Host, argv: Sequence[str]) -> list[str]:
+        """``argv`` wrapped to run inside ``host``'s namespace."""
+        return ["ip", "netns", "exec", host.netns, *argv]
+
+    def popen(self, host: Host, argv: Sequence[str], *, env: Mapping[str, str] | None = None, **kwargs) -> subprocess.Popen:
+        """Start ``argv`` inside ``host`` (its own session, so a terminal's Ctrl-C reaches only
+        this process, which then tears everything down). Keyword arguments go to ``Popen``."""
+        kwargs.setdefault("start_new_session", True)
+        proc = subprocess.Popen(self.command(host, argv), env=dict(env) if env is not None else None, **kwargs)
+        self._popened.append(proc)
+        return proc
+
+    def run(self, host: Host, argv: Sequence[str], **kwargs) -> subprocess.CompletedProcess:
+        """Run ``argv`` inside ``host`` to completion (keyword arguments go to ``subprocess.run``)."""
+        return subprocess.run(self.command(host, argv), **kwargs)
+
+    def kill_processes(self) -> int:
+        """Kill every process running in any host; returns how many there were."""
+        pids = [pid for host in self.hosts for pid in _netns_pids(host.netns)]
+        _kill_all(pids)
+        return len(pids)
+
+    # -- measuring ----------------------------------------------------------------------------
+    def tx_bytes(self) -> list[int]:
+        """Bytes each host's interface has sent so far (Ethernet frames, as the kernel counts
+        them), indexed by host."""
+        return [self._link_stats(host)["tx"]["bytes"] for host in self.hosts]
+
+    def rx_bytes(self) -> list[int]:
+        """Bytes each host's interface has received so far, indexed by host."""
+        return [self._link_stats(host)["rx"]["bytes"] for host in self.hosts]
+
+    def _link_stats(self, host: Host) -> dict:
+        out = _sh(["ip", "-j", "-s", "-n", host.netns, "link", "show", "dev", host.ifname]).stdout
+        return json.loads(out)[0]["stats64"]
+
+    def qdiscs(self) -> list[dict]:
+        """The root qdisc of each host's interface, as ``tc -j`` reports it (``kind``, ``options``)."""
+        rows = []
+        for host in self.hosts:
+            out = _sh(["tc", "-j", "-n", host.netns, "qdisc", "show", "dev", host.ifname]).stdout
+            rows.append(next(q for q in json.loads(out) if q.get("root")))
+        return rows
+
+    @property
+    def names(self) -> list[str]:
+        """Every namespace this cluster owns (hosts then switch)."""
+        return [h.netns for h in self.hosts] + [self.switch]
+
+
+# -- leftovers ---------------------------------------------------------------------------------
+def _netns_pids(netns: str) -> list[int]:
+    proc = _sh(["ip", "netns", "pids", netns], check=False)
+    return [int(p) for p in proc.stdout.split()] if proc.returncode == 0 else []
+
+
+def _kill_all(pids: list[int], grace_s: float = 2.0) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in pids:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while pids and time.monotonic() < deadline:
+            pids = [p for p in pids if _alive(p)]
+            time.sleep(0.05)
+        if not pids:
+            return
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie holds no namespace
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def _remove_namespaces(names: Sequence[str]) -> None:
+    for name in names:
+        _kill_all(_netns_pids(name))
+    for name in names:
+        _sh(["ip", "netns", "delete", name], check=False)
+
+
+def list_namespaces() -> list[str]:
+    """Every network namespace whose name has the cluster's form."""
+    proc = _sh(["ip", "netns", "list"], check=False)
+    names = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+    return sorted(n for n in names if _NAME.match(n))
+
+
+def leftovers() -> dict[str, dict]:
+    """Clusters present on this machine: ``suffix -> {owner_pid, owner_alive, namespaces}``."""
+    found: dict[str, dict] = {}
+    for name in list_namespaces():
+        match = _NAME.match(name)
+        entry = found.setdefault(
+            match["suffix"], {"owner_pid": int(match["pid"], 16), "owner_alive": False, "namespaces": []}
+        )
+        entry["namespaces"].append(name)
+    for entry in found.values():
+        entry["owner_alive"] = _alive(entry["owner_pid"])
+    return found
+
+
+def clean(*, force: bool = False) -> tuple[list[str], list[str]]:
+    """Remove clusters whose owning process is gone (every cluster with ``force``).
+
+    Returns:
+        (removed namespaces, namespaces kept because their owner is alive).
+    """
+    removed, kept = [], []
+    for entry in leftovers().values():
+        if entry["owner_alive"] and not force:
+            kept.extend(entry["namespaces"])
+            continue
+        names = sorted(entry["namespaces"], key=lambda n: n.endswith("-sw"))  # hosts, then switch
+        _remove_namespaces(names)
+        removed.extend(names)
+    return removed, kept

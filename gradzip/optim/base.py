@@ -1,0 +1,330 @@
+"""What the compressed Adam optimizers share: AdamW's parameter groups, state and step, the
+process group, full-precision gradient averaging, the compressed exchange and ``state_dict``.
+
+Communication and DDP. These optimizers own their communication. :attr:`needs_grad_sync`
+says, before each backward pass, whether the coming :meth:`step` wants gradients averaged in
+full precision (1-bit Adam's warm-up, 0/1 Adam's variance steps) or each rank's own gradient
+(every other step: the optimizer exchanges a compressed quantity itself). Two ways to run:
+
+- Without DDP (``average_grads=True``, the default): :meth:`step` averages the gradients itself
+  with an uncompressed ``all_reduce`` when it needs them averaged.
+- Under DDP (``average_grads=False``): DDP's hook averages them; run backward inside
+  ``grad_sync(ddp_model, optimizer)``, which is ``ddp_model.no_sync()`` whenever
+  :attr:`needs_grad_sync` is False, so after warm-up the hook steps aside and nothing travels
+  twice. (Forgetting ``no_sync`` costs a second exchange, not correctness.)
+
+At world_size 1, or with no process group initialised, nothing is communicated and nothing is
+compressed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable
+from contextlib import AbstractContextManager, nullcontext
+from itertools import chain
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from gradzip.comm import Reducer
+from gradzip.comm.queue import CollectiveQueue
+from gradzip.metrics import StepMetrics
+from gradzip.optim import exchange
+
+
+def check_betas(betas: Any) -> tuple[float, float]:
+    """Validate Adam's ``(beta1, beta2)``, each in [0, 1).
+
+    Raises:
+        ValueError: naming ``betas`` and the allowed range.
+    """
+    try:
+        beta1, beta2 = (float(b) for b in betas)
+    except (TypeError, ValueError):
+        raise ValueError(f"betas must be two numbers in [0, 1); got {betas!r}") from None
+    if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
+        raise ValueError(f"betas must be two numbers in [0, 1); got {betas!r}")
+    return beta1, beta2
+
+
+def check_nonnegative(value: Any, *, name: str, strict: bool = False) -> float:
+    """Validate a finite number >= 0 (> 0 when ``strict``).
+
+    Raises:
+        ValueError: naming ``name`` and the allowed range.
+    """
+    bound = "> 0" if strict else ">= 0"
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a number {bound}; got {value!r}")
+    if value < 0 or (strict and value == 0):
+        raise ValueError(f"{name} must be a number {bound}; got {value!r}")
+    return float(value)
+
+
+def group_world_size(group: dist.ProcessGroup | None) -> int:
+    """Ranks in ``group``; 1 when no process group is initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
+
+
+def grad_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> AbstractContextManager:
+    """The context to run backward in: ``model.no_sync()`` when ``model`` is DDP and
+    ``optimizer`` (a gradzip compressed optimizer) wants each rank's own gradient for its next
+    step; otherwise a no-op (plain optimizers always want DDP's averaged gradients)."""
+    needs = getattr(optimizer, "needs_grad_sync", True)
+    if not needs and hasattr(model, "no_sync"):
+        return model.no_sync()
+    return nullcontext()
+
+
+class CompressedAdamBase(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias-corrected moments) whose subclasses decide which
+    steps communicate what.
+
+    Args:
+        params: parameters or parameter groups, as for ``torch.optim.AdamW``. A group may set
+            ``compress=False``: its tensors are exchanged uncompressed (``all_reduce``).
+        lr: learning rate (> 0).
+        betas: ``(beta1, beta2)`` in [0, 1).
+        eps: added to the square root of the variance (>= 0).
+        weight_decay: decoupled weight decay per unit of learning rate (>= 0), as AdamW.
+        process_group: the data-parallel group; None for the default group.
+        average_grads: average gradients with an uncompressed ``all_reduce`` in :meth:`step`
+            when the step needs them averaged; False under DDP, whose hook does it.
+        reducer: the compressed exchange; None builds :func:`gradzip.optim.exchange.onebit_reducer`
+            on the first compressed step. Anything with gradzip's ``Reducer`` interface
+            (``reduce(key, tensor, *, step) -> Future`` of the mean, ``state_dict``).
+        metrics: where bytes and times of this optimizer's collectives go (share the DDP
+            hook's to count both in one place).
+
+    Raises:
+        ValueError: for a value out of its range, naming it.
+
+    Every parameter in the groups must have a gradient on every rank at every step after the
+    first compressed step, or on none (the exchange is collective). State per parameter:
+    AdamW's ``step``, ``exp_avg``, ``exp_avg_sq``, plus ``variance_steps`` (how often
+    ``exp_avg_sq`` was updated; its bias correction uses it). :meth:`state_dict` adds the
+    optimizer's step counter and the exchange's error-feedback buffers, which differ per rank:
+    save every rank's own ``state_dict`` to resume bit-exactly.
+    """
+
+    def __init__(
+        self,
+        params: Iterable,
+        *,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        process_group: dist.ProcessGroup | None = None,
+        average_grads: bool = True,
+        reducer: Reducer | None = None,
+        metrics: StepMetrics | None = None,
+    ) -> None:
+        defaults = {
+            "lr": check_nonnegative(lr, name="lr", strict=True),
+            "betas": check_betas(betas),
+            "eps": check_nonnegative(eps, name="eps"),
+            "weight_decay": check_nonnegative(weight_decay, name="weight_decay"),
+            "compress": True,
+        }
+        super().__init__(params, defaults)
+        for group in self.param_groups:
+            group["betas"] = check_betas(group["betas"])
+            check_nonnegative(group["lr"], name="lr", strict=True)
+            check_nonnegative(group["eps"], name="eps")
+            check_nonnegative(group["weight_decay"], name="weight_decay")
+        self.process_group = process_group
+        self.average_grads = bool(average_grads)
+        self.metrics = metrics if metrics is not None else StepMetrics()
+        self.queue = CollectiveQueue()
+        self.steps_taken = 0
+        self._reducer = reducer
+        self._dense: Reducer | None = None
+
+    # ----- what subclasses decide -------------------------------------------------------------
+
+    @property
+    def needs_grad_sync(self) -> bool:
+        """Whether the next :meth:`step` wants gradients averaged in full precision."""
+        raise NotImplementedError
+
+    def synchronize(self) -> None:
+        """Bring every rank to the same parameters now (collective where the method takes local
+        steps; a no-op here, where every step ends synchronised)."""
+
+    # ----- communication ----------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return group_world_size(self.process_group)
+
+    @property
+    def reducer(self) -> Reducer:
+        """The compressed exchange (built on first use)."""
+        if self._reducer is None:
+            self._reducer = exchange.onebit_reducer(group=self.process_group, queue=self.queue, metrics=self.metrics)
+        return self._reducer
+
+    def _dense_reducer(self) -> Reducer:
+        if self._dense is None:
+            self._dense = exchange.dense_reducer(group=self.process_group, queue=self.queue, metrics=self.metrics)
+        return self._dense
+
+    def _dense_mean_(self, tensors: list[Tensor], *, step: int) -> None:
+        """Replace each tensor by its mean over the group, uncompressed: one ``all_reduce`` per
+        dtype of the flattened tensors (``tensor / world_size`` summed)."""
+        if self.world_size == 1 or not tensors:
+            return
+        by_dtype: dict[torch.dtype, list[Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
+        futures, parts = [], []
+        for dtype, group in by_dtype.items():
+            flat = _flatten_dense_tensors(group)
+            futures.append(self._dense_reducer().reduce(("dense", str(dtype)), flat, step=step))
+            parts.append(group)
+        for fut, group in zip(futures, parts):
+            for t, mean in zip(group, _unflatten_dense_tensors(fut.wait(), group)):
+                t.copy_(mean)
+
+    def average_gradients_(self, params: list[Tensor], *, step: int) -> None:
+        """Average ``p.grad`` of ``params`` over the group in place (uncompressed), unless
+        ``average_grads`` is False (DDP did it)."""
+        if self.average_grads:
+            self._dense_mean_([p.grad for p in params], step=step)
+
+    def exchange_(self, tensors: dict[Hashable, tuple[Tensor, bool]], *, step: int) -> None:
+        """Replace every tensor by its mean over the group, in place.
+
+        Args:
+            tensors: ``key -> (tensor, compress)``; keys name the error-feedback buffers across
+                steps. Compressed tensors go through :attr:`reducer` (all launched before any is
+                awaited, in key order, which is identical on every rank); the others through one
+                uncompressed ``all_reduce``.
+            step: the optimizer step (seeds and schedules of the codec).
+        """
+        if self.world_size == 1 or not tensors:
+            return
+        compressed = [(key, t) for key, (t, squeeze) in tensors.items() if squeeze]
+        futures = [(t, self.reducer.reduce(key, t, step=step)) for key, t in compressed]
+        self._dense_mean_([t for t, squeeze in tensors.values() if not squeeze], step=step)
+        for t, fut in futures:
+            t.copy_(fut.wait())
+
+    # ----- AdamW's arithmetic, operation for operation ----------------------------------------
+
+    def _state(self, p: Tensor) -> dict[str, Any]:
+        """AdamW's state of ``p`` (created as AdamW creates it), plus ``variance_steps``."""
+        state = self.state[p]
+        if len(state) == 0:
+            state["step"] = torch.tensor(0.0, dtype=torch.float32)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["variance_steps"] = 0
+        return state
+
+    @staticmethod
+    def decay_(p: Tensor, group: dict[str, Any]) -> None:
+        """AdamW's decoupled weight decay: ``p *= 1 - lr * weight_decay``."""
+        if group["weight_decay"] != 0:
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+
+    @staticmethod
+    def update_momentum_(state: dict[str, Any], grad: Tensor, group: dict[str, Any]) -> None:
+        """``exp_avg = beta1 * exp_avg + (1 - beta1) * grad``, in place (an out-of-place update
+        would leave the stored moment without the gradient term)."""
+        state["exp_avg"].lerp_(grad, 1 - group["betas"][0])
+
+    @staticmethod
+    def update_variance_(state: dict[str, Any], grad: Tensor, group: dict[str, Any]) -> None:
+        """``exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad**2``, in place."""
+        beta2 = group["betas"][1]
+        state["exp_avg_sq"].mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        state["variance_steps"] += 1
+
+    def denominator(self, p: Tensor, state: dict[str, Any], group: dict[str, Any]) -> Tensor:
+        """``sqrt(exp_avg_sq / (1 - beta2 ** variance_steps)) + eps``, as AdamW computes it.
+
+        Raises:
+            RuntimeError: if the variance of ``p`` was never updated (no gradient during
+                warm-up), which would divide by zero.
+        """
+        if state["variance_steps"] == 0:
+            raise RuntimeError(
+                f"a parameter of shape {tuple(p.shape)} had no gradient during the full-precision "
+                "steps, so it has no variance to freeze; give every parameter a gradient in warm-up"
+            )
+        bias_correction2 = 1 - group["betas"][1] ** state["variance_steps"]
+        return (state["exp_avg_sq"].sqrt() / bias_correction2**0.5).add_(group["eps"])
+
+    def apply_update_(self, p: Tensor, state: dict[str, Any], group: dict[str, Any], denom: Tensor) -> None:
+        """``p -= lr / (1 - beta1 ** step) * exp_avg / denom`` (weight decay applied before)."""
+        step = float(state["step"])
+        bias_correction1 = 1 - group["betas"][0] ** step
+        p.addcdiv_(state["exp_avg"], denom, value=-(group["lr"] / bias_correction1))
+
+    def adamw_step_(self, p: Tensor, grad: Tensor, group: dict[str, Any]) -> None:
+        """One step of ``torch.optim.AdamW`` (single-tensor path, ``amsgrad=False``), bit for bit."""
+        state = self._state(p)
+        state["step"] += 1
+        self.decay_(p, group)
+        self.update_momentum_(state, grad, group)
+        self.update_variance_(state, grad, group)
+        self.apply_update_(p, state, group, self.denominator(p, state, group))
+
+    def params_with_grad(self) -> list[tuple[Hashable, Tensor, dict[str, Any]]]:
+        """``(key, param, group)`` for every parameter with a gradient; the key is the
+        parameter's position over all groups (as in :meth:`state_dict`)."""
+        out = []
+        index = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    if p.grad.is_sparse:
+                        raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                    out.append((index, p, group))
+                index += 1
+        return out
+
+    # ----- checkpoints ------------------------------------------------------------------------
+
+    def extra_state(self) -> dict[str, Any]:
+        """Optimizer-level state beyond the step counter (subclasses add theirs)."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`extra_state` returned."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """AdamW's ``state_dict`` plus ``"gradzip"``: the step counter, the subclass's schedule
+        state and the exchange's error-feedback buffers (this rank's; they differ per rank)."""
+        out = super().state_dict()
+        reducer_state = self._reducer.state_dict() if self._reducer is not None else None
+        out["gradzip"] = {"steps_taken": self.steps_taken, "exchange": reducer_state, **self.extra_state()}
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned. A plain ``torch.optim.AdamW`` state_dict
+        loads too (the step counter is then taken from the parameters' ``step``)."""
+        state_dict = dict(state_dict)
+        extra = state_dict.pop("gradzip", None)
+        super().load_state_dict(state_dict)
+        for state in self.state.values():
+            state.setdefault("variance_steps", int(float(state["step"])))
+        if extra is None:
+            steps = [int(float(s["step"])) for s in self.state.values()]
+            self.steps_taken = max(steps, default=0)
+            return
+        self.steps_taken = extra["steps_taken"]
+        if extra["exchange"] is not None:
+            self.reducer.load_state_dict(extra["exchange"])
+        self.load_extra_state(extra)
+
+    def all_params(self) -> Iterable[Tensor]:
+        return chain.from_iterable(g["params"] for g in self.param_groups)

@@ -1,0 +1,167 @@
+"""The emulated cluster: qdiscs in place, bytes counted on the wire, nothing left behind.
+
+Needs root and network namespaces (CI has both); elsewhere these tests skip with the reason.
+Run as a script, this file is the worker that the byte-count test starts in each host.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from gradzip.cluster import Cluster, clean, format_bandwidth, leftovers, parse_bandwidth, support_problem
+from gradzip.cluster.netns import list_namespaces
+
+PROBLEM = support_problem() if sys.platform.startswith("linux") else "emulated hosts need Linux"
+needs_netns = pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+
+ALLREDUCE_NUMEL = 2_000_000  # 8 MB of fp32 per rank: large against the fixed handshake traffic
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_parse_bandwidth():
+    assert parse_bandwidth("100mbit") == 100_000_000
+    assert parse_bandwidth("1gbit") == 1_000_000_000
+    assert parse_bandwidth("20Mbit") == 20_000_000
+    assert parse_bandwidth("1.5mbit") == 1_500_000
+    assert parse_bandwidth(64_000) == 64_000
+    assert format_bandwidth(20_000_000) == "20mbit"
+    assert format_bandwidth(1_000_000_000) == "1gbit"
+    for bad in ("fast", "100 mbyte", "-1mbit", "10bit"):
+        with pytest.raises(ValueError, match="bandwidth"):
+            parse_bandwidth(bad)
+    with pytest.raises(ValueError, match="num_hosts"):
+        Cluster(0)
+
+
+def _ours(cluster_or_suffix) -> list[str]:
+    suffix = getattr(cluster_or_suffix, "suffix", cluster_or_suffix)
+    return [n for n in list_namespaces() if f"-{suffix}-" in n]
+
+
+def _dead(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+@needs_netns
+def test_two_hosts_qdisc_and_allreduce_bytes():
+    with Cluster(2, "100mbit") as cluster:
+        assert sorted(_ours(cluster)) == sorted(cluster.names)
+        # tbf on each host's egress and on the switch port towards it (its ingress), 12.5 MB/s
+        for qdisc in cluster.qdiscs():
+            assert qdisc["kind"] == "tbf" and qdisc["options"]["rate"] == 100_000_000 // 8
+        for host in cluster.hosts:
+            port = subprocess.run(
+                ["tc", "-n", cluster.switch, "qdisc", "show", "dev", f"h{host.index}"],
+                capture_output=True, text=True, check=True,
+            ).stdout  # fmt: skip
+            assert "tbf" in port and "rate 100Mbit" in port
+
+        before = cluster.tx_bytes()
+        procs = []
+        for host in cluster.hosts:
+            # The script runs by path, so the package comes from the checkout even when not installed.
+            pythonpath = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
+            env = dict(os.environ, GLOO_SOCKET_IFNAME=host.ifname, TORCH_CPP_LOG_LEVEL="ERROR", PYTHONPATH=pythonpath)
+            argv = [sys.executable, __file__, "allreduce", str(host.index), cluster.hosts[0].address]
+            procs.append(cluster.popen(host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = [p.communicate(timeout=90)[0] for p in procs]
+        assert all(p.returncode == 0 for p in procs), outputs
+        sent = [a - b for a, b in zip(cluster.tx_bytes(), before)]
+
+    # all_reduce over 2 ranks (reduce-scatter + all-gather, or a direct exchange) puts exactly
+    # numel * 4 bytes of tensor data on each rank's link. On top: Ethernet/IP/TCP headers of at
+    # most 66 bytes per 1448-byte segment sent (<= 4.6 %), ACKs for as many bytes received (at
+    # most one 66-byte ACK per segment, <= 4.6 %), and a fixed part for the rendezvous,
+    # connection set-up, the barrier and shutdown (a few kB; bounded by 256 KiB).
+    payload = ALLREDUCE_NUMEL * 4
+    for rank, nbytes in enumerate(sent):
+        assert payload <= nbytes <= 1.10 * payload + 256 * 1024, (rank, nbytes, payload)
+    assert all(o.strip().endswith("sum=3.0") for o in outputs), outputs
+    assert _ours(cluster) == []
+
+
+@needs_netns
+def test_nothing_left_after_exit_and_killed_worker():
+    with Cluster(2, "20mbit") as cluster:
+        hung = cluster.popen(cluster.hosts[0], ["sleep", "300"])
+        killed = cluster.popen(cluster.hosts[1], ["sleep", "300"])
+        time.sleep(0.2)
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        assert len(_ours(cluster)) == 3
+    # the worker still running at exit was killed with its host; the namespaces are gone
+    assert hung.poll() is not None and _dead(hung.pid)
+    assert _ours(cluster) == []
+
+    with pytest.raises(RuntimeError, match="boom"), Cluster(2, "20mbit") as cluster:
+        raise RuntimeError("boom")
+    assert _ours(cluster) == []
+
+
+_OWNER = """
+import sys, time
+from gradzip.cluster import Cluster
+with Cluster(2, "20mbit") as cluster:
+    worker = cluster.popen(cluster.hosts[1], ["sleep", "300"])
+    print(cluster.suffix, worker.pid, flush=True)
+    time.sleep(300)
+"""
+
+
+def _start_owner() -> tuple[subprocess.Popen, str, int]:
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    owner = subprocess.Popen([sys.executable, "-c", _OWNER], stdout=subprocess.PIPE, text=True, env=env)
+    suffix, worker_pid = owner.stdout.readline().split()
+    return owner, suffix, int(worker_pid)
+
+
+@needs_netns
+def test_owner_terminated_or_killed():
+    # SIGTERM: the owner's handler unwinds its `with` block, which removes everything
+    owner, suffix, worker_pid = _start_owner()
+    assert leftovers()[suffix]["owner_alive"]
+    assert clean()[1] and len(_ours(suffix)) == 3  # clean leaves a running owner's cluster alone
+    owner.send_signal(signal.SIGTERM)
+    assert owner.wait(timeout=30) == 128 + signal.SIGTERM
+    assert _ours(suffix) == [] and _dead(worker_pid)
+
+    # SIGKILL: nothing runs in the owner; `gradzip cluster clean` removes what is left
+    owner, suffix, worker_pid = _start_owner()
+    owner.kill()
+    owner.wait()
+    assert len(_ours(suffix)) == 3 and not leftovers()[suffix]["owner_alive"]
+    removed, _ = clean()
+    assert sorted(removed) == sorted(f"gz-{suffix}-{r}" for r in ("h0", "h1", "sw"))
+    assert _ours(suffix) == [] and _dead(worker_pid)
+
+
+def _allreduce_worker(rank: int, master_addr: str) -> None:
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://{master_addr}:29517", rank=rank, world_size=2, timeout=timedelta(seconds=60)
+    )
+    x = torch.full((ALLREDUCE_NUMEL,), float(rank + 1))
+    dist.all_reduce(x)
+    dist.barrier()
+    dist.destroy_process_group()
+    assert torch.all(x == 3.0)
+    print(f"sum={x[0].item()}")
+
+
+if __name__ == "__main__" and sys.argv[1] == "allreduce":
+    _allreduce_worker(int(sys.argv[2]), sys.argv[3])

@@ -1,0 +1,67 @@
+"""``gradzip train --optimizer``: 1-bit Adam in the main job (the DDP hook steps aside after
+warm-up, the optimizer's 1-bit bytes are counted, per-rank state is checkpointed) and its errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from gradzip.cli import main
+
+TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--batch-size", "4", "--vocab-size", "512"]
+
+
+def test_onebit_adam_in_the_main_job(tmp_path):
+    out = tmp_path / "onebit"
+    args = TINY + ["--steps", "8", "--eval-every", "4", "--optimizer", "onebit-adam:warmup_steps=3",
+                   "--compressor", "none", "--out", str(out), "--quiet"]
+    proc = subprocess.run([sys.executable, "-m", "gradzip", "train", *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    dense = records[0]["dense_bytes"]
+    # warm-up: the hook's uncompressed all_reduce; after: only the optimizer's 1-bit exchange
+    assert all(r["payload_bytes"] == dense for r in records[:3])
+    assert all(0 < r["payload_bytes"] * 16 <= dense for r in records[3:])
+    assert all(r["dense_bytes"] == dense for r in records)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["optimizer"] == "onebit-adam:warmup_steps=3"
+    assert summary["final_val_loss"] < summary["initial_val_loss"]
+    ckpt = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    for rank in (0, 1):
+        state = torch.load(ckpt / f"rank-{rank}.pt", weights_only=False)["optimizer"]["gradzip"]
+        assert state["steps_taken"] == 8 and state["exchange"]["feedback"]["residuals"]
+
+
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("nosuch", "--optimizer must be one of adamw, onebit-adam, zeroone-adam"),
+        ("onebit-adam:warmup_steps=0", "warmup_steps must be an integer >= 1"),
+        ("onebit-adam:freeze=3", "--optimizer onebit-adam has no parameter 'freeze'; it takes warmup_steps"),
+        ("zeroone-adam:local_step_clipper=0", "local_step_clipper must be an integer >= 1"),
+        ("fp16:warmup_steps=10", "warmup_steps and clip_norm need a codec with a ratio"),
+        ("topk:ratio=0.01,clip_norm=-1", "clip_norm must be a number > 0"),
+    ],
+)
+def test_bad_optimizer_or_dgc_option_is_one_line_and_exit_code_2(spec, message, capsys, tmp_path):
+    flag = "--compressor" if spec.startswith(("fp16", "topk")) else "--optimizer"
+    assert main(["train", flag, spec, "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_compare_runs_an_optimizer_entry_behind_the_uncompressed_hook(tmp_path):
+    from gradzip.compare import CompareConfig, run_compare
+    from gradzip.compare.runner import train_command
+
+    def argv(entry):
+        return train_command(entry, out_dir=tmp_path, steps=5, seed=0, collective_timeout_s=60, no_exchange=False,
+                             options={}, prefix=("train",))  # fmt: skip
+
+    assert argv("onebit-adam:warmup_steps=2")[1:5] == ["--optimizer", "onebit-adam:warmup_steps=2", "--compressor", "none"]
+    assert argv("topk:ratio=0.01")[1:3] == ["--compressor", "topk:ratio=0.01"]
+    with pytest.raises(ValueError, match="warmup_steps must be an integer >= 1"):
+        run_compare(CompareConfig(compressors=["onebit-adam:warmup_steps=0"], out=str(tmp_path / "c")))
