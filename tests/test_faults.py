@@ -22,14 +22,14 @@ ROOT = Path(__file__).resolve().parents[1]
 BAD_STEPS = {2: "inf", 4: "nan"}  # step -> value injected (rank 1 at step 2, rank 0 at step 4)
 
 
-def _nonfinite_worker(rank: int, world_size: int, base: str, data: str, specs: list[str]) -> dict:
+def _nonfinite_worker(rank: int, world_size: int, base: str, data: str, runs: dict[str, dict]) -> dict:
     without_plots()
     os.environ[ENV] = "nonfinite:rank=1,step=2,value=inf+nonfinite:rank=0,step=4,value=nan"
     results = {}
-    for spec in specs:
+    for spec, options in runs.items():
         out = Path(base) / spec.replace(":", "_")
-        train_worker(tiny_config(data, str(out), compressor=spec, world_size=world_size, steps=6,
-                                 checkpoint_every=1, keep_checkpoints=0))
+        train_worker(tiny_config(data, str(out), world_size=world_size, steps=6, checkpoint_every=1,
+                                 keep_checkpoints=0, **options))
         folders = {step: out / "checkpoints" / f"step-{step:06d}" for step in range(1, 7)}
         entry = {}
         for bad in BAD_STEPS:
@@ -37,6 +37,7 @@ def _nonfinite_worker(rank: int, world_size: int, base: str, data: str, specs: l
             before, after = folders[bad], folders[bad + 1]
             mine_before, mine_after = load(before, f"rank-{rank}.pt"), load(after, f"rank-{rank}.pt")
             entry[f"hook_unchanged_{bad}"] = same(mine_before["hook"]["reducer"], mine_after["hook"]["reducer"])
+            entry[f"own_optimizer_unchanged_{bad}"] = same(mine_before["optimizer"], mine_after["optimizer"])
             entry[f"data_advanced_{bad}"] = not same(mine_before["data_generator"], mine_after["data_generator"])
             if rank == 0:
                 shared_before, shared_after = load(before, "shared.pt"), load(after, "shared.pt")
@@ -54,13 +55,19 @@ def _nonfinite_worker(rank: int, world_size: int, base: str, data: str, specs: l
 def test_nonfinite_steps_are_skipped_by_all_ranks_and_leave_no_trace(tmp_path, monkeypatch):
     monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path / "cache"))
     data = write_corpus(tmp_path / "corpus.txt")
-    specs = ["topk:ratio=0.1", "powersgd:approx_rank=4"]
-    results = run_ranks(_nonfinite_worker, 2, str(tmp_path), data, specs, timeout_s=240)
+    runs = {
+        "topk": {"compressor": "topk:ratio=0.1"},
+        "powersgd": {"compressor": "powersgd:approx_rank=4"},
+        # each rank its own gradient after step 1: the ranks must still skip together
+        "onebit-adam": {"compressor": "none", "optimizer": "onebit-adam:warmup_steps=1"},
+    }
+    results = run_ranks(_nonfinite_worker, 2, str(tmp_path), data, runs, timeout_s=300)
     for rank, per_spec in enumerate(results):
         for spec, entry in per_spec.items():
             for bad in BAD_STEPS:
                 assert entry[f"hook_unchanged_{bad}"], f"{spec}: rank {rank} error feedback changed by skipped step {bad}"
                 assert entry[f"data_advanced_{bad}"], f"{spec}: the skipped step {bad} did not consume its batch"
+                assert entry[f"own_optimizer_unchanged_{bad}"], f"{spec}: rank {rank} optimizer buffers changed by skipped step {bad}"
                 if rank == 0:
                     for part in ("model", "optimizer", "scheduler"):
                         assert entry[f"{part}_unchanged_{bad}"], f"{spec}: {part} changed by skipped step {bad}"

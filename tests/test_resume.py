@@ -17,17 +17,23 @@ from gradzip.testing import run_ranks
 from gradzip.train.checkpoint import NoUsableCheckpoint, find_checkpoint, save_checkpoint
 from gradzip.train.loop import train_worker
 
-SPECS = ["powersgd:approx_rank=4", "topk:ratio=0.1"]  # the default codec; a sparse codec with error feedback
+# The default codec; a sparse codec with error feedback; a compressed optimizer (1-bit Adam,
+# exchanging its own momenta from step 2 on, with error buffers that differ across ranks).
+RUNS = {
+    "powersgd": {"compressor": "powersgd:approx_rank=4"},
+    "topk": {"compressor": "topk:ratio=0.1"},
+    "onebit-adam": {"compressor": "none", "optimizer": "onebit-adam:warmup_steps=2"},
+}
 STEPS = 6
 
 
 def _resume_worker(rank: int, world_size: int, base: str, data: str) -> dict:
     without_plots()
     results = {}
-    for spec in SPECS:
-        run = Path(base) / spec.replace(":", "_")
+    for spec, options in RUNS.items():
+        run = Path(base) / spec
         uninterrupted, resumed = run / "a", run / "b"
-        settings = dict(compressor=spec, world_size=world_size, steps=STEPS)
+        settings = dict(world_size=world_size, steps=STEPS, **options)
         train_worker(tiny_config(data, str(uninterrupted), checkpoint_every=2, keep_checkpoints=0, **settings))
         if rank == 0:
             # The resumed run's folder: the same checkpoints, the newest cut short as by a kill
@@ -47,6 +53,7 @@ def _resume_worker(rank: int, world_size: int, base: str, data: str) -> dict:
             "notes": notes,
             "hook_state": same(mine_a["hook"], mine_b["hook"]),
             "data_generator": same(mine_a["data_generator"], mine_b["data_generator"]),
+            "own_optimizer": same(mine_a["optimizer"], mine_b["optimizer"]),
         }
         if rank == 0:
             shared_a, shared_b = load(final_a, "shared.pt"), load(final_b, "shared.pt")
@@ -63,13 +70,14 @@ def _resume_worker(rank: int, world_size: int, base: str, data: str) -> dict:
 def test_resumed_run_is_bit_identical(tmp_path, monkeypatch, world_size):
     monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path / "cache"))
     data = write_corpus(tmp_path / "corpus.txt")
-    results = run_ranks(_resume_worker, world_size, str(tmp_path), data, timeout_s=240)
+    results = run_ranks(_resume_worker, world_size, str(tmp_path), data, timeout_s=300)
     for rank, per_spec in enumerate(results):
         for spec, entry in per_spec.items():
             assert entry["fell_back_to"] == "step-000004", (spec, entry["fell_back_to"])
             assert entry["notes"] and "bytes" in entry["notes"][0], entry["notes"]
             assert entry["hook_state"], f"{spec}: rank {rank} compressor state differs after resume"
             assert entry["data_generator"], f"{spec}: rank {rank} data order differs after resume"
+            assert entry["own_optimizer"], f"{spec}: rank {rank} optimizer error buffers differ after resume"
             if rank == 0:
                 for part in ("model", "optimizer", "scheduler"):
                     assert entry[part], f"{spec}: {part} differs after resume"

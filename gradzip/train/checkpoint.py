@@ -36,7 +36,10 @@ MANIFEST = "complete.json"
 _FOLDER = re.compile(r"^step-(\d+)$")
 
 #: settings a resumed run must share with its checkpoint: they shape the saved state or the data
-MUST_MATCH = ("compressor", "seed", "vocab_size", "n_layer", "n_embd", "n_head", "seq_len", "batch_size", "bucket_cap_mb")
+MUST_MATCH = (
+    "compressor", "optimizer", "seed", "vocab_size", "n_layer", "n_embd", "n_head", "seq_len", "batch_size",
+    "bucket_cap_mb",
+)
 
 
 class NoUsableCheckpoint(ValueError):

@@ -3,7 +3,9 @@
 Non-finite gradients: gradzip's reducers hand every rank an all-NaN bucket when any rank's bucket
 held inf or NaN (:mod:`gradzip.comm.guard`), and a dense all_reduce carries inf and NaN by itself,
 so every rank sees the same averaged gradient and :func:`gradients_finite` gives the same answer
-on all of them: the step is skipped everywhere, with no extra collective.
+on all of them: the step is skipped everywhere, with no extra collective. Where ranks hold
+different gradients (FSDP shards; a compressed optimizer's own steps) :func:`step_finite` agrees
+with one small all_reduce instead.
 
 Lost workers: a worker that dies closes its connections and the others' next collective fails at
 once; a worker that hangs makes it fail after the collective timeout (``--timeout-s``). The
@@ -41,8 +43,26 @@ _LOST_PEER_WORDS = ("connection closed", "connection reset", "broken pipe", "tim
 
 
 def gradients_finite(model: torch.nn.Module) -> bool:
-    """Whether every parameter's gradient is finite (one pass; no collective)."""
+    """Whether every parameter's gradient is finite on this rank (one pass; no collective)."""
     return all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+
+
+def step_finite(model: torch.nn.Module, *, own_gradients: bool) -> bool:
+    """Whether every rank may take this step, the same answer on every rank.
+
+    Args:
+        own_gradients: the ranks hold different gradients (FSDP shards, or a compressed optimizer
+            that exchanges its momenta itself after its warm-up), so a local check could split
+            them; they then agree with one all_reduce of a flag. Otherwise every rank holds the
+            same averaged gradient (a non-finite one reaches all of them as NaN) and the local
+            check is the agreement.
+    """
+    finite = gradients_finite(model)
+    if not own_gradients or not dist.is_initialized() or dist.get_world_size() == 1:
+        return finite
+    flag = torch.tensor([1.0 if finite else 0.0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item() == 1.0)
 
 
 @dataclass(frozen=True)

@@ -164,8 +164,9 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
             loss = par.module(input_ids=x.to(device), labels=y.to(device)).loss
             loss.backward()
         backward_end = time.perf_counter()
-        # Every rank holds the same averaged gradient, so all agree to skip a non-finite step.
-        finite = faults.gradients_finite(model)
+        # A step whose gradient is not finite on some rank is skipped by all ranks together.
+        own_gradients = par.kind != "ddp" or (owns_communication(optimizer) and not optimizer.needs_grad_sync)
+        finite = faults.step_finite(model, own_gradients=own_gradients)
         if finite:
             optimizer.step()
             scheduler.step()
