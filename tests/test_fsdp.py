@@ -8,10 +8,13 @@ training steps per codec, exact resume of the compressor state, and world size 1
 """
 
 import io
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from tiny_run import load, same, tiny_config, without_plots, write_corpus
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -20,6 +23,7 @@ from gradzip.feedback import ErrorFeedback
 from gradzip.fsdp import CompressedReduceScatter, compress_reduce_scatter
 from gradzip.metrics import StepMetrics
 from gradzip.testing import run_ranks
+from gradzip.train.loop import train_worker
 
 # Shapes of the parameters within one chunk of a hand-made buffer: two that PowerSGD compresses
 # (as stacked matrices), two it sends as they are.
@@ -442,27 +446,44 @@ def test_model_without_fully_shard_is_refused():
         compress_reduce_scatter(nn.Linear(3, 3), "none")
 
 
-def test_train_fsdp_end_to_end(tmp_path):
-    """``gradzip train --fsdp``: a tiny GPT, PowerSGD on its blocks' reduce-scatters, a
-    checkpoint whose model loads into the unsharded model and whose rank files hold every
-    sharded module's compressor state."""
-    from gradzip.train.config import TrainConfig
-    from gradzip.train.launch import launch
+def _fsdp_resume_worker(rank: int, world_size: int, base: str, data: str) -> dict:
+    """``gradzip train --fsdp``: 4 steps with checkpoints at 2 and 4; then a copy whose step-4
+    checkpoint was cut short, resumed from step 2."""
+    without_plots()
+    uninterrupted, resumed = Path(base) / "a", Path(base) / "b"
+    settings = dict(compressor="powersgd:approx_rank=2", fsdp=True, world_size=world_size, steps=4)
+    summary = train_worker(tiny_config(data, str(uninterrupted), checkpoint_every=2, keep_checkpoints=0, **settings))
+    if rank == 0:
+        shutil.copytree(uninterrupted, resumed)
+        cut = resumed / "checkpoints" / "step-000004" / "rank-1.pt"
+        cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+    dist.barrier()
+    train_worker(tiny_config(data, str(resumed), resume=str(resumed), **settings))
+    final_a, final_b = (folder / "checkpoints" / "step-000004" for folder in (uninterrupted, resumed))
+    mine_a, mine_b = load(final_a, f"rank-{rank}.pt"), load(final_b, f"rank-{rank}.pt")
+    out = {"hook_state": same(mine_a["hook"], mine_b["hook"]), "modules": sorted(mine_a["hook"]["modules"])}
+    if rank == 0:
+        shared_a, shared_b = load(final_a, "shared.pt"), load(final_b, "shared.pt")
+        out.update({part: same(shared_a[part], shared_b[part]) for part in ("model", "optimizer", "scheduler")})
+        out["summary"] = summary
+        out["model_state"] = shared_a["model"]
+    return out
+
+
+def test_train_fsdp_resumes_bit_identical(tmp_path, monkeypatch):
+    """``gradzip train --fsdp`` (PowerSGD on a tiny GPT, 2 ranks): bytes below the raw buffer, a
+    checkpoint whose model loads into the unsharded model, and a run resumed from step 2 that
+    ends bit-identical to the uninterrupted one (model, optimizer, every rank's compressor state)."""
     from gradzip.train.model import build_model
 
-    out = tmp_path / "run"
-    cfg = TrainConfig(
-        compressor="powersgd:approx_rank=2", fsdp=True, world_size=2, steps=4, eval_every=2, eval_batches=2,
-        n_layer=2, n_embd=32, n_head=2, seq_len=32, batch_size=4, vocab_size=512, out=str(out), progress=False,
-    )
-    summary = launch(cfg)
-    assert summary["parallel"] == "fsdp" and summary["steps"] == 4
-    assert 0 < summary["payload_bytes_per_step"] < summary["dense_bytes_per_step"]
-    assert summary["final_val_loss"] < summary["initial_val_loss"]
-    folder = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
-    shared = torch.load(folder / "shared.pt", weights_only=False)
-    build_model(cfg, 512).load_state_dict(shared["model"], strict=True)
-    for rank in (0, 1):
-        compression = torch.load(folder / f"rank-{rank}.pt", weights_only=False)["hook"]
-        assert sorted(compression["modules"]) == ["", "transformer.h.0", "transformer.h.1"]
-        assert all(m["step"] == 4 and m["powersgd"]["feedback"]["residuals"] for m in compression["modules"].values())
+    monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path / "cache"))
+    data = write_corpus(tmp_path / "corpus.txt")
+    results = run_ranks(_fsdp_resume_worker, 2, str(tmp_path), data, timeout_s=240)
+    for res in results:
+        assert res["hook_state"] and res["modules"] == ["", "transformer.h.0"]
+    main = results[0]
+    assert main["model"] and main["optimizer"] and main["scheduler"]
+    summary = main["summary"]
+    assert summary["parallel"] == "fsdp" and 0 < summary["payload_bytes_per_step"] < summary["dense_bytes_per_step"]
+    cfg = tiny_config(data, str(tmp_path / "unused"))
+    build_model(cfg, cfg.vocab_size).load_state_dict(main["model_state"], strict=True)

@@ -14,7 +14,9 @@ bytes were damaged since.
 complete one before it; a checkpoint folder may also be named directly. Resuming restores the
 model, the optimizer (moments and step count), the scheduler, every rank's compressor state
 (error-feedback residuals, PowerSGD factors), every rank's data-order generator and the step
-counter, so the continued run is bit-identical to one that was never interrupted.
+counter, so the continued run is bit-identical to one that was never interrupted. Under
+``--fsdp`` ``shared.pt`` holds the full (unsharded) model and optimizer state, gathered to rank 0
+(the optimizer's keyed by parameter name), and every rank takes its shards back on resume.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ _FOLDER = re.compile(r"^step-(\d+)$")
 
 #: settings a resumed run must share with its checkpoint: they shape the saved state or the data
 MUST_MATCH = (
-    "compressor", "optimizer", "seed", "vocab_size", "n_layer", "n_embd", "n_head", "seq_len", "batch_size",
+    "fsdp", "compressor", "optimizer", "seed", "vocab_size", "n_layer", "n_embd", "n_head", "seq_len", "batch_size",
     "bucket_cap_mb",
 )
 
@@ -321,9 +323,13 @@ def save_training_state(
 
 
 def restore_training_state(
-    folder: Path, cfg, *, rank: int, world_size: int, model, optimizer, scheduler, hook_state, data_gen
+    folder: Path, cfg, *, rank: int, world_size: int, model, optimizer, scheduler, hook_state, data_gen,
+    parallel=None,
 ) -> Progress:
     """Load ``folder`` (from :func:`find_checkpoint`) into the live objects of this rank.
+
+    ``parallel`` (a :class:`gradzip.train.parallel.Parallel`) loads the full model and optimizer
+    state into a sharded model (under FSDP every rank calls this).
 
     Raises:
         ValueError: if this run's settings differ from the checkpoint's where they must not, or
@@ -333,8 +339,12 @@ def restore_training_state(
     shared = _load(folder / "shared.pt")
     mine = _load(folder / f"rank-{rank}.pt")
     try:
-        model.load_state_dict(shared["model"])
-        optimizer.load_state_dict(mine["optimizer"] if mine.get("optimizer") is not None else shared["optimizer"])
+        optimizer_state = mine["optimizer"] if mine.get("optimizer") is not None else shared["optimizer"]
+        if parallel is not None:
+            parallel.load_checkpoint_state(optimizer, shared["model"], optimizer_state)
+        else:
+            model.load_state_dict(shared["model"])
+            optimizer.load_state_dict(optimizer_state)
         scheduler.load_state_dict(shared["scheduler"])
         hook_state.load_state_dict(mine["hook"])
         data_gen.set_state(mine["data_generator"])
@@ -344,7 +354,9 @@ def restore_training_state(
     return Progress(**shared["progress"])
 
 
-def resume(cfg, *, rank: int, world_size: int, model, optimizer, scheduler, hook_state, data_gen) -> Progress:
+def resume(
+    cfg, *, rank: int, world_size: int, model, optimizer, scheduler, hook_state, data_gen, parallel=None
+) -> Progress:
     """Find the checkpoint ``cfg.resume`` names and load it into this rank's live objects; rank 0
     says which one (and which newer ones it passed over) when progress output is on.
 
@@ -354,7 +366,7 @@ def resume(cfg, *, rank: int, world_size: int, model, optimizer, scheduler, hook
     folder, passed_over = find_checkpoint(cfg.resume)
     progress = restore_training_state(
         folder, cfg, rank=rank, world_size=world_size, model=model, optimizer=optimizer,
-        scheduler=scheduler, hook_state=hook_state, data_gen=data_gen,
+        scheduler=scheduler, hook_state=hook_state, data_gen=data_gen, parallel=parallel,
     )
     if rank == 0 and cfg.progress:
         print(f"resuming from {folder} (step {progress.step})" + "".join(f"; passed over {n}" for n in passed_over))

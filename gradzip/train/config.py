@@ -193,6 +193,12 @@ class TrainConfig:
             raise ValueError("--fsdp takes a gradzip codec (torch: names DDP hooks); 'none' is FSDP's own reduce-scatter")
         if self.fsdp and (self.collective != "auto" or self.min_compress_bytes):
             raise ValueError("--collective and --min-compress-bytes shape DDP buckets; with --fsdp the codec picks the exchange")
+        if self.fsdp and self.compressor.strip().lower() == "auto":
+            raise ValueError("--compressor auto adapts DDP buckets; with --fsdp name a codec")
+        if self.fsdp and self.optimizer.split(":")[0].strip().lower() != "adamw":
+            raise ValueError(
+                f"--optimizer {self.optimizer} exchanges its own momenta over replicated parameters; with --fsdp use adamw"
+            )
         if self.collective not in COLLECTIVES:
             raise ValueError(f"--collective must be one of {', '.join(COLLECTIVES)}; got {self.collective!r}")
         if not (isinstance(self.norm_warn, (int, float)) and 0 < self.norm_warn <= 1):
@@ -208,8 +214,6 @@ class TrainConfig:
             raise ValueError(f"--out must be a folder; {self.out} is a file")
         if self.resume is not None and not os.path.isdir(self.resume):
             raise FileNotFoundError(f"--resume: no such folder: {self.resume}")
-        if self.resume is not None and self.fsdp:
-            raise ValueError("--resume cannot load into a sharded model: resume runs without --fsdp")
         if self.data is not None:
             if not os.path.exists(self.data):
                 raise FileNotFoundError(f"--data: no such file: {self.data}")

@@ -143,7 +143,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     state = dict(model=model, optimizer=optimizer, scheduler=scheduler, hook_state=par.state, data_gen=data_gen)
 
     # Starting point (step 0, or where the checkpoint left off) and the floor of the step time.
-    progress = resume(cfg, rank=rank, world_size=world_size, **state) if cfg.resume else Progress()
+    progress = resume(cfg, rank=rank, world_size=world_size, parallel=par, **state) if cfg.resume else Progress()
     if progress.initial_val_loss is None:
         progress.initial_val_loss = evaluate(model, val, device)
     compute_s = measure_compute(par, corpus, cfg, device)

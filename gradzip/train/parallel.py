@@ -56,6 +56,24 @@ class Parallel:
         )
 
 
+    def load_checkpoint_state(self, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict) -> None:
+        """Load what :meth:`checkpoint_state` saved. Under FSDP every rank calls it with the full
+        state and keeps its own shards."""
+        if self.kind == "ddp":
+            self.module.module.load_state_dict(model_state)
+            optimizer.load_state_dict(optimizer_state)
+            return
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True)
+        set_model_state_dict(self.module, model_state, options=options)
+        set_optimizer_state_dict(self.module, optimizer, optimizer_state, options=options)
+
+
 def shard_gpt(model: nn.Module) -> nn.Module:
     """Apply ``fully_shard`` to every transformer block of a GPT-2 model, then to the root
     (embeddings, final norm and the tied head); returns the same object, now sharded."""
