@@ -130,18 +130,30 @@ def ratios(table: list[dict], codecs: list[str]) -> list[dict]:
 
 
 def markdown(table: list[dict], ratio_rows: list[dict], numel: int) -> str:
+    """Three tables: kB sent per worker (counted / measured), ms per bucket, and the ratios."""
+    method_names = list(dict.fromkeys(r["method"] for r in table))
+    index = {(r["world_size"], r["method"]): r for r in table}
+    world_sizes = sorted({r["world_size"] for r in table})
+    header = "| world size | " + " | ".join(method_names) + " |"
+    rule = "|---:|" + "---:|" * len(method_names)
     lines = [
-        f"Bucket: {numel:,} fp32 elements ({numel * 4 / 1e6:.2f} MB). Bytes sent per worker per bucket.",
+        f"One bucket of {numel:,} fp32 elements ({numel * 4 / 1e6:.2f} MB). kB sent per worker, counted by the "
+        "formula / measured (wchar):",
         "",
-        "| world size | method | route | counted (formula) | measured (wchar) | ms per bucket |",
-        "|---:|---|---|---:|---:|---:|",
+        header,
+        rule,
     ]
-    for r in table:
-        lines.append(
-            f"| {r['world_size']} | {r['method']} | {r['collective']} | {r['sent_bytes_per_worker']:,.0f} | "
-            f"{r['written_bytes_per_worker']:,.0f} | {r['time_s'] * 1000:.1f} |"
-        )
-    lines += ["", "| world size | codec | all_gather / two-phase | dense all_reduce / two-phase |", "|---:|---|---:|---:|"]
+    for w in world_sizes:
+        cells = [
+            f"{index[(w, m)]['sent_bytes_per_worker'] / 1e3:,.1f} / {index[(w, m)]['written_bytes_per_worker'] / 1e3:,.1f}"
+            for m in method_names
+        ]
+        lines.append(f"| {w} | " + " | ".join(cells) + " |")
+    lines += ["", "ms per bucket (median of the repeats, slowest rank, compression included):", "", header, rule]
+    for w in world_sizes:
+        lines.append(f"| {w} | " + " | ".join(f"{index[(w, m)]['time_s'] * 1000:.1f}" for m in method_names) + " |")
+    lines += ["", "Bytes per worker relative to two-phase (counted):", ""]
+    lines += ["| world size | codec | all_gather / two-phase | dense all_reduce / two-phase |", "|---:|---|---:|---:|"]
     for r in ratio_rows:
         lines.append(
             f"| {r['world_size']} | {r['spec']} | {r['allgather_over_twophase']:.2f}x | {r['dense_over_twophase']:.1f}x |"

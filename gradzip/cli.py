@@ -26,9 +26,14 @@ class UsageError(ValueError):
     """A bad command-line value; printed as one line, exit code 2."""
 
 
+def one_line(text: object) -> str:
+    """``text`` with its line breaks escaped, so a message quoting user input stays one line."""
+    return str(text).strip().replace("\r", "\\r").replace("\n", "\\n")
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage too)
-        self.exit(2, f"gradzip: error: {message}\n")
+        self.exit(2, f"gradzip: error: {one_line(message)}\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, NotADirectoryError, IsADirectoryError) as exc:
-        print(f"gradzip: error: {exc}", file=sys.stderr)
+    except (ValueError, OSError) as exc:  # bad values, unreadable or missing files
+        print(f"gradzip: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("gradzip: interrupted", file=sys.stderr)

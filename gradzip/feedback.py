@@ -24,6 +24,10 @@ class ErrorFeedback:
             an integer >= 0.
         dtype: dtype of the residuals; None keeps each gradient's own dtype. fp32 residuals for
             half-precision gradients keep small dropped values from flushing to zero.
+        deferred: keep the residual each :meth:`update` replaces until :meth:`commit`, so that
+            :meth:`discard` can put it back: a step skipped for a non-finite gradient then
+            leaves the residuals exactly as they were. Costs one extra residual per key during
+            a step (the old one, not a copy).
 
     Raises:
         ValueError: if ``start_step`` is not an integer >= 0.
@@ -32,12 +36,14 @@ class ErrorFeedback:
     at zeros of the new shape, with a warning, so memory stays one residual per key.
     """
 
-    def __init__(self, *, start_step: int = 0, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, *, start_step: int = 0, dtype: torch.dtype | None = None, deferred: bool = False) -> None:
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise ValueError(f"start_step must be an integer >= 0; got {start_step!r}")
         self.start_step = start_step
         self.dtype = dtype
+        self.deferred = deferred
         self.residuals: dict[Hashable, Tensor] = {}
+        self.replaced: dict[Hashable, Tensor | None] = {}  # deferred mode: key -> residual before the step
 
     def compensate(self, key: Hashable, grad: Tensor, *, step: int) -> Tensor:
         """Return ``grad + residual[key]`` as a new tensor (``grad`` is never modified).
@@ -62,17 +68,38 @@ class ErrorFeedback:
             residual = None
         if residual is None or step < self.start_step:
             return grad.to(dtype, copy=True)
+        if residual.device != grad.device:  # loaded from a checkpoint onto the CPU
+            residual = self.residuals[key] = residual.to(grad.device)
         return grad.to(dtype) + residual
 
     def update(self, key: Hashable, compensated: Tensor, decoded: Tensor, *, step: int) -> None:
         """Store ``compensated - decoded`` as the residual of ``key`` (nothing before ``start_step``)."""
         if step < self.start_step:
             return
+        if self.deferred:
+            if key not in self.replaced:
+                self.replaced[key] = self.residuals.get(key)
+            self.residuals[key] = compensated - decoded.to(compensated.dtype)
+            return
         residual = self.residuals.get(key)
         if residual is not None and residual.shape == compensated.shape:
             torch.sub(compensated, decoded.to(compensated.dtype), out=residual)
         else:
             self.residuals[key] = compensated - decoded.to(compensated.dtype)
+
+    def commit(self) -> None:
+        """Keep the updates since the last commit (``deferred`` mode): forget the old residuals."""
+        self.replaced = {}
+
+    def discard(self) -> None:
+        """Undo the updates since the last commit (``deferred`` mode): the residuals are again
+        what they were before the step."""
+        for key, old in self.replaced.items():
+            if old is None:
+                self.residuals.pop(key, None)
+            else:
+                self.residuals[key] = old
+        self.replaced = {}
 
     def residual_norm(self, key: Hashable) -> float:
         """L2 norm of the residual of ``key`` (0.0 if none)."""
@@ -90,3 +117,4 @@ class ErrorFeedback:
         """Restore what :meth:`state_dict` returned."""
         self.start_step = state["start_step"]
         self.residuals = {k: v.clone() for k, v in state["residuals"].items()}
+        self.replaced = {}

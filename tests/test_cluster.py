@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -69,7 +70,9 @@ def test_two_hosts_qdisc_and_allreduce_bytes():
         before = cluster.tx_bytes()
         procs = []
         for host in cluster.hosts:
-            env = dict(os.environ, GLOO_SOCKET_IFNAME=host.ifname, TORCH_CPP_LOG_LEVEL="ERROR")
+            # The script runs by path, so the package comes from the checkout even when not installed.
+            pythonpath = os.pathsep.join(filter(None, [str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))
+            env = dict(os.environ, GLOO_SOCKET_IFNAME=host.ifname, TORCH_CPP_LOG_LEVEL="ERROR", PYTHONPATH=pythonpath)
             argv = [sys.executable, __file__, "allreduce", str(host.index), cluster.hosts[0].address]
             procs.append(cluster.popen(host, argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outputs = [p.communicate(timeout=90)[0] for p in procs]

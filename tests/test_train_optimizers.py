@@ -51,3 +51,17 @@ def test_bad_optimizer_or_dgc_option_is_one_line_and_exit_code_2(spec, message, 
     err = capsys.readouterr().err
     assert message in err
     assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_compare_runs_an_optimizer_entry_behind_the_uncompressed_hook(tmp_path):
+    from gradzip.compare import CompareConfig, run_compare
+    from gradzip.compare.runner import train_command
+
+    def argv(entry):
+        return train_command(entry, out_dir=tmp_path, steps=5, seed=0, collective_timeout_s=60, no_exchange=False,
+                             options={}, prefix=("train",))  # fmt: skip
+
+    assert argv("onebit-adam:warmup_steps=2")[1:5] == ["--optimizer", "onebit-adam:warmup_steps=2", "--compressor", "none"]
+    assert argv("topk:ratio=0.01")[1:3] == ["--compressor", "topk:ratio=0.01"]
+    with pytest.raises(ValueError, match="warmup_steps must be an integer >= 1"):
+        run_compare(CompareConfig(compressors=["onebit-adam:warmup_steps=0"], out=str(tmp_path / "c")))

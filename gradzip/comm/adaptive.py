@@ -14,6 +14,10 @@ applies from that step on: every rank makes the same decisions, at the same step
 When a bucket changes codec its error-feedback residual is taken from the old reducer and added
 to the bucket's next gradient before the new codec sees it, so nothing compression dropped is
 lost, whatever the new codec keeps (a dense exchange sends it whole).
+
+The candidate reducers share one :class:`~gradzip.comm.guard.StepLedger`: a step skipped for a
+non-finite gradient in any bucket is put back in every candidate's state, and a non-finite
+gradient does not enter the window's gradient sums.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
+from gradzip.comm import guard
 from gradzip.comm.powersgd import PowerSGDReducer
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.comm.reducer import CompressedReducer
@@ -106,6 +111,7 @@ class AdaptiveReducer:
         self.group = group
         self.queue = queue or CollectiveQueue()
         self.metrics = metrics or StepMetrics()
+        self.ledger = guard.StepLedger()
         self.reducers = [self._make(c) for c in codecs]
         self.choices: dict[Hashable, int] = {}
         self.carry: dict[Hashable, Tensor] = {}
@@ -129,10 +135,11 @@ class AdaptiveReducer:
 
     def _make(self, codec: Compressor):
         if codec.multi_round:
-            return PowerSGDReducer(codec, group=self.group, queue=self.queue, metrics=self.metrics)
+            return PowerSGDReducer(codec, group=self.group, queue=self.queue, metrics=self.metrics, ledger=self.ledger)
         return CompressedReducer(
             codec, group=self.group, error_feedback=codec.name != "none",
             collective="auto" if codec.aggregatable else "allgather", queue=self.queue, metrics=self.metrics,
+            ledger=self.ledger,
         )
 
     # -- the hook's entry point ------------------------------------------------------------
@@ -156,7 +163,7 @@ class AdaptiveReducer:
         if key not in self._order:
             self._order.append(key)
         in_window = self.window_start <= step < self.window_end
-        if in_window and self.controller.needs_gradient_sum:
+        if in_window and self.controller.needs_gradient_sum and guard.is_finite(grad):
             total = self._sums.get(key)
             if total is None or total.shape != grad.shape:
                 self._sums[key] = grad.detach().float().clone()
@@ -175,6 +182,11 @@ class AdaptiveReducer:
         """Nothing is held back (see the constructor); kept for the reducer interface."""
         for reducer in self.reducers:
             reducer.flush()
+
+    def settle(self) -> None:
+        """Settle every candidate's open step (see :meth:`CompressedReducer.settle`)."""
+        for reducer in self.reducers:
+            reducer.settle()
 
     def force(self, at_step: int, choices: dict[Hashable, str | int]) -> None:
         """Make buckets use given candidates from ``at_step`` on (call identically on every rank).
@@ -324,6 +336,8 @@ class AdaptiveReducer:
         old = self.choices.get(key, 0)
         if index == old:
             return
+        # Settled first, so that what a skipped step changed is put back before it moves.
+        self.reducers[old].settle()
         residual = self.reducers[old].take_residual(key, self.shapes.get(key))
         if residual is not None:
             previous = self.carry.get(key)

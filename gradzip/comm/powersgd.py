@@ -4,11 +4,19 @@ For one bucket (a flat tensor holding several gradients) at a step past ``start_
 
 1. Split the bucket into gradients; those that compress (``(n + m) r < n m``) are viewed as
    ``n x m`` matrices ``M``, error-compensated in fp32.
-2. Round 1: one all_reduce of ``[uncompressed / world_size, P_1 .. P_k]`` with ``P = M Q``.
+2. Round 1: one all_reduce of ``[uncompressed / world_size, P_1 / world_size .. P_k / world_size]``
+   with ``P = M Q``.
 3. Orthogonalize each summed ``P`` in fp32 (reduced QR).
-4. Round 2: one all_reduce of ``[Q_1 .. Q_k]`` with ``Q = M^T P``.
-5. Output ``P (Q / world_size)^T``; residual ``M - P Q_local^T``; keep ``Q / world_size`` to
-   warm-start the next step.
+4. Round 2: one all_reduce of ``[Q_1 / world_size .. Q_k / world_size]`` with ``Q = M^T P``.
+5. Output ``P Q^T``; residual ``M - P Q_local^T``; keep the averaged ``Q`` to warm-start the
+   next step.
+
+Non-finite gradients (:mod:`gradzip.comm.guard`): a rank whose bucket holds inf or NaN sends a
+round 1 of NaN; every rank then sees a non-finite round-1 sum, skips round 2 (all ranks agree,
+as the sum is the same everywhere), returns all NaN, and the step's residual and warm-start
+updates are dropped. Factors are divided by world_size before they are summed and saturated at
+the wire dtype's range, and an overflowing product is recomputed in float64, so finite input
+gives finite output whatever its magnitude.
 
 Both rounds go through the group's :class:`~gradzip.comm.queue.CollectiveQueue`, queued when the
 bucket is hooked, so every rank issues them in the same order however callbacks interleave. A
@@ -17,6 +25,7 @@ bucket with no matrix to compress takes round 1 only; an empty bucket takes no c
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -28,6 +37,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from gradzip import wire
+from gradzip.comm import guard
 from gradzip.comm.queue import CollectiveQueue, completed
 from gradzip.comm.traffic import allreduce_bytes
 from gradzip.compressors.base import seeded_generator
@@ -37,8 +47,30 @@ from gradzip.metrics import QualityAccumulator, StepMetrics, quality_figures
 
 
 def orthogonalize(p: Tensor) -> Tensor:
-    """Orthonormal columns spanning ``p`` (``n x r``, computed in fp32 by reduced QR)."""
-    return torch.linalg.qr(p.float(), mode="reduced").Q
+    """Orthonormal columns spanning ``p`` (``n x r``, computed in fp32 by reduced QR).
+
+    Entries so large that QR's internal norms overflow are first scaled down (the span does not
+    change with a common scale).
+    """
+    p = p.float()
+    peak = float(p.abs().max()) if p.numel() else 0.0
+    if peak > 2.0**60:
+        p = p / peak
+    return torch.linalg.qr(p, mode="reduced").Q
+
+
+def product(a: Tensor, b: Tensor) -> Tensor:
+    """``a @ b`` of fp32 matrices; where fp32 overflows, recomputed in float64 and saturated at
+    the fp32 range (finite inputs give a finite product)."""
+    out = a @ b
+    if guard.is_finite(out):
+        return out
+    return guard.saturate(a.double() @ b.double(), torch.float32).float()
+
+
+def to_wire(t: Tensor, world_size: int, dtype: torch.dtype) -> Tensor:
+    """``t / world_size`` saturated at the range of ``dtype``, so the sum over ranks cannot overflow."""
+    return guard.saturate(t.div(world_size), dtype).to(dtype)
 
 
 @dataclass
@@ -59,6 +91,8 @@ class PowerSGDReducer:
         group: the process group (None: the default group).
         queue: the ordered launch queue shared by every reducer of ``group``.
         metrics: where bytes and times go.
+        ledger: the steps whose gradient was not finite, shared by every reducer of one hook;
+            None for a ledger of this reducer's own.
     """
 
     def __init__(
@@ -68,13 +102,18 @@ class PowerSGDReducer:
         group: dist.ProcessGroup | None = None,
         queue: CollectiveQueue | None = None,
         metrics: StepMetrics | None = None,
+        ledger: guard.StepLedger | None = None,
     ) -> None:
         self.compressor = compressor
         self.group = group
         self.queue = queue or CollectiveQueue()
         self.metrics = metrics or StepMetrics()
-        self.feedback = ErrorFeedback(dtype=torch.float32)
+        # Residual and warm-start updates stay undoable until the step is known to be finite.
+        self.feedback = ErrorFeedback(dtype=torch.float32, deferred=True)
         self.q_memory: dict[Hashable, Tensor] = {}
+        self.q_replaced: dict[Hashable, Tensor | None] = {}  # key -> warm start before the step
+        self.ledger = ledger or guard.StepLedger()
+        self.open_step = guard.OpenStep()
 
     def _layout(self, grad: Tensor, shapes: Sequence[torch.Size] | None) -> _Layout:
         shapes = [torch.Size(s) for s in shapes] if shapes is not None else [grad.shape]
@@ -113,11 +152,16 @@ class PowerSGDReducer:
                 back (small tensors already travel uncompressed in round 1).
 
         Returns:
-            a future whose value is the approximate mean, ``grad``'s shape and dtype.
+            a future whose value is the approximate mean, ``grad``'s shape and dtype; all NaN on
+            every rank if the bucket held inf or NaN on any rank. The future carries the
+            collective's error if a collective failed.
 
         Raises:
             ValueError: if ``shapes`` do not add up to ``grad.numel()``.
         """
+        closed = self.open_step.begin(key, step)
+        if closed is not None:
+            self._settle(self.ledger.finite(closed))
         world_size = dist.get_world_size(self.group)
         if grad.numel() == 0:
             return completed(grad.clone())
@@ -131,16 +175,22 @@ class PowerSGDReducer:
 
         # Step 1: error-compensated matrices and their Q.
         with self.metrics.timed("compress_s", key):
-            matrices, qs = [], []
+            matrices, qs, sendable = [], [], True
             for i in layout.compressed:
                 n, m = matrix_view_shape(layout.shapes[i])
                 r = self.compressor.effective_rank(n, m)
-                matrices.append(self.feedback.compensate((key, i), pieces[i].view(n, m), step=step))
+                piece = pieces[i].view(n, m)
+                mat, finite = guard.checked_input(piece, self.feedback.compensate((key, i), piece, step=step))
+                matrices.append(mat)
+                sendable = sendable and finite
                 q = self.q_memory.get((key, i)) if self.compressor.warm_start else None
+                if q is not None and q.device != grad.device:  # loaded from a checkpoint onto the CPU
+                    q = self.q_memory[(key, i)] = q.to(grad.device)
                 if q is None or q.shape != (m, r):
                     q = self._initial_q((key, i), m, r, step if not self.compressor.warm_start else 0, grad.device)
                 qs.append(q)
         uncompressed = [pieces[i] for i in layout.uncompressed]
+        sendable = sendable and all(guard.is_finite(piece) for piece in uncompressed)
         round1 = torch.cat(
             [torch.cat(uncompressed).div(world_size) if uncompressed else flat.new_empty(0)]
             + [flat.new_empty(mat.shape[0] * q.shape[1]) for mat, q in zip(matrices, qs)]
@@ -160,30 +210,42 @@ class PowerSGDReducer:
         # Step 2: P = M Q for every matrix, one all_reduce with the uncompressed gradients.
         def launch_p() -> Future:
             with self.metrics.timed("compress_s", key):
+                if not sendable:
+                    round1.fill_(float("nan"))  # the marker: every rank's sum turns NaN
+                    return self._all_reduce(key, round1)
                 offset = n_uncompressed
                 for mat, q in zip(matrices, qs):
-                    p = mat @ q
+                    p = to_wire(product(mat, q), world_size, wire_dtype)
                     round1[offset : offset + p.numel()] = p.reshape(-1)
                     offset += p.numel()
             return self._all_reduce(key, round1)
 
         # Steps 3 and 4: orthogonalize P, then Q = M^T P, one all_reduce.
         def launch_q() -> Future:
+            if guard.received_marker([round1]):
+                # Some rank's bucket was not finite. The sum is the same on every rank, so all
+                # of them skip round 2 here together.
+                self.ledger.mark_nonfinite(step)
+                return completed(None)
             with self.metrics.timed("compress_s", key):
                 offset, q_offset = n_uncompressed, 0
                 for mat, q in zip(matrices, qs):
                     n, r = mat.shape[0], q.shape[1]
                     p = orthogonalize(round1[offset : offset + n * r].view(n, r))
                     p_hat.append(p)
-                    q_local = mat.T @ p
-                    round2[q_offset : q_offset + q_local.numel()] = q_local.reshape(-1)
+                    q_local = product(mat.T, p)
+                    round2[q_offset : q_offset + q_local.numel()] = to_wire(q_local, world_size, wire_dtype).reshape(-1)
                     q_local_list.append(q_local)
                     offset += n * r
                     q_offset += q_local.numel()
             return self._all_reduce(key, round2)
 
         # Step 5: decode, update residuals and Q memory.
-        def finish(_fut: Future) -> Tensor:
+        def finish(fut: Future) -> Tensor:
+            fut.value()  # re-raises a failed collective
+            if guard.received_marker([round1, round2]):
+                self.ledger.mark_nonfinite(step)
+                return guard.marker_like(grad)
             quality = QualityAccumulator() if monitored else None
             with self.metrics.timed("decompress_s", key):
                 offset = 0
@@ -194,16 +256,17 @@ class PowerSGDReducer:
                 q_offset = 0
                 for j, i in enumerate(layout.compressed):
                     mat, p, q_local = matrices[j], p_hat[j], q_local_list[j]
-                    q_mean = round2[q_offset : q_offset + q_local.numel()].view_as(q_local).float().div(world_size)
+                    q_mean = round2[q_offset : q_offset + q_local.numel()].view_as(q_local).float()
                     q_offset += q_local.numel()
                     o = layout.offsets[i]
-                    out[o : o + mat.numel()] = (p @ q_mean.T).reshape(-1).to(out.dtype)
+                    out[o : o + mat.numel()] = self._decode(p, q_mean, out.dtype).reshape(-1)
                     local = p @ q_local.T
                     self.feedback.update((key, i), mat, local, step=step)
                     if quality is not None:
                         # the residual just stored is exactly mat - local
                         quality.add(mat, local, difference=self.feedback.residuals.get((key, i)))
                     if self.compressor.warm_start:
+                        self.q_replaced.setdefault((key, i), self.q_memory.get((key, i)))
                         self.q_memory[(key, i)] = q_mean
             if quality is not None:
                 for piece in uncompressed:
@@ -219,6 +282,35 @@ class PowerSGDReducer:
             return first.then(finish)
         return self.queue.submit(launch_q, after=first).then(finish)
 
+    @staticmethod
+    def _decode(p: Tensor, q_mean: Tensor, dtype: torch.dtype) -> Tensor:
+        """``p @ q_mean.T`` in ``dtype``. Each entry is at most ``sqrt(r) * max|q_mean|`` (``p``
+        has orthonormal columns); only past ``dtype``'s range is it computed in float64 and
+        saturated, a decision the same on every rank since ``q_mean`` is."""
+        bound = float(q_mean.abs().max()) * math.sqrt(q_mean.shape[1]) if q_mean.numel() else 0.0
+        if bound < torch.finfo(dtype).max:
+            return (p @ q_mean.T).to(dtype)
+        return guard.saturate(p.double() @ q_mean.double().T, dtype).to(dtype)
+
+    def _settle(self, keep: bool) -> None:
+        if keep:
+            self.feedback.commit()
+        else:
+            self.feedback.discard()
+            for key, old in self.q_replaced.items():
+                if old is None:
+                    self.q_memory.pop(key, None)
+                else:
+                    self.q_memory[key] = old
+        self.q_replaced = {}
+
+    def settle(self) -> None:
+        """End the current step now: keep the residuals and warm-start factors it changed, or put
+        them back if any bucket of the step was non-finite on some rank (``reduce`` does this
+        when the next step starts, and :meth:`state_dict` before it reads the state)."""
+        closed = self.open_step.finish()
+        self._settle(closed is None or self.ledger.finite(closed))  # changes made outside a step stay
+
     def flush(self) -> None:
         """Nothing is held back; see :meth:`reduce`."""
 
@@ -228,6 +320,8 @@ class PowerSGDReducer:
 
     def _reduce_dense(self, key: Hashable, grad: Tensor, world_size: int, *, step: int = 0) -> Future:
         tensor = grad.div(world_size)
+        if not guard.is_finite(grad):
+            tensor.fill_(float("nan"))  # the marker; an inf alone could pass for an overflow
         sent = allreduce_bytes(wire.nbytes([tensor]), world_size)
         self.metrics.add_bucket(
             key, payload_bytes=tensor.numel() * tensor.element_size(),
@@ -236,7 +330,15 @@ class PowerSGDReducer:
         )
         if self.metrics.wants_quality(step):
             self.metrics.add_quality(key, quality_figures(grad, grad))
-        return self.queue.submit(lambda: self._all_reduce(key, tensor)).then(lambda _f: tensor)
+
+        def finish(fut: Future) -> Tensor:
+            fut.value()  # re-raises a failed collective
+            if not guard.received_marker([tensor]):
+                return tensor
+            self.ledger.mark_nonfinite(step)
+            return guard.marker_like(tensor)
+
+        return self.queue.submit(lambda: self._all_reduce(key, tensor)).then(finish)
 
     def probe(self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None) -> dict[str, Any]:
         """One local power iteration on ``grad`` (as one rank alone would run it): no collective,
@@ -301,13 +403,17 @@ class PowerSGDReducer:
         return out if found else None
 
     def state_dict(self) -> dict[str, Any]:
-        """Residuals and warm-start factors, for checkpoints (they differ across ranks)."""
+        """Residuals and warm-start factors, for checkpoints (they differ across ranks), after
+        settling the step in progress."""
+        self.settle()
         return {
             "feedback": self.feedback.state_dict(),
             "q_memory": {k: v.clone() for k, v in self.q_memory.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned (anything undoable is forgotten)."""
+        self.open_step.finish()
+        self.q_replaced = {}
         self.feedback.load_state_dict(state["feedback"])
         self.q_memory = {k: v.clone() for k, v in state["q_memory"].items()}

@@ -24,6 +24,10 @@ buckets back cannot deadlock and the fused collective is issued at the same poin
 Every collective goes through the group's :class:`~gradzip.comm.queue.CollectiveQueue`, and
 each round's compression runs inside its launch, so ``reduce`` returns a future at once.
 
+Non-finite gradients follow :mod:`gradzip.comm.guard` on every route: a rank whose input holds
+inf or NaN sends a NaN-marked payload in the same collective, every rank returns all NaN for
+that bucket, and the step's error-feedback and codec updates are dropped.
+
 On the steps :meth:`gradzip.metrics.StepMetrics.wants_quality` names, the ``allreduce`` and
 ``allgather`` routes record quality figures of the bucket (its local decode against what was
 handed to the codec; codecs without error feedback decode once more for it, outside the timed
@@ -45,6 +49,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from gradzip import wire
+from gradzip.comm import guard
 from gradzip.comm.queue import CollectiveQueue, completed
 from gradzip.comm.traffic import (
     COLLECTIVES,
@@ -74,6 +79,7 @@ class _Held:
 
     key: Hashable
     grad: Tensor
+    step: int
     future: Future
 
 
@@ -92,6 +98,8 @@ class CompressedReducer:
             all_reduce (see the module docstring); an integer >= 0, 0 compresses everything.
         queue: the ordered launch queue shared by every reducer of ``group``.
         metrics: where bytes and times go.
+        ledger: the steps whose gradient was not finite, shared by every reducer of one hook
+            (:class:`gradzip.comm.guard.StepLedger`); None for a ledger of this reducer's own.
 
     Raises:
         ValueError: for an unknown ``collective``, ``allreduce`` with a codec that is not
@@ -108,19 +116,24 @@ class CompressedReducer:
         min_compress_bytes: int = 0,
         queue: CollectiveQueue | None = None,
         metrics: StepMetrics | None = None,
+        ledger: guard.StepLedger | None = None,
     ) -> None:
         assert not compressor.multi_round, "multi-round codecs bring their own reducer"
-        self.compressor = compressor
+        self.compressor = guard.with_marker_slot(compressor)
         self.group = group
         self.collective = check_collective(collective, compressor)
         self.min_compress_bytes = check_int(min_compress_bytes, name="min_compress_bytes", low=0)
         use_feedback = compressor.error_feedback if error_feedback is None else error_feedback
-        self.feedback = ErrorFeedback() if use_feedback else None
+        # Residual updates stay undoable until the step is known to be finite on every rank.
+        self.feedback = ErrorFeedback(deferred=True) if use_feedback else None
         self.queue = queue or CollectiveQueue()
         self.metrics = metrics or StepMetrics()
+        self.ledger = ledger or guard.StepLedger()
+        self.open_step = guard.OpenStep()
+        self._codec_snapshot: dict[str, Any] | None = None
         self.twophase = TwoPhaseAllReduce(
-            compressor, group=group, queue=self.queue, metrics=self.metrics, feedback=self.feedback,
-            server_feedback=ErrorFeedback() if use_feedback else None,
+            self.compressor, group=group, queue=self.queue, metrics=self.metrics, feedback=self.feedback,
+            server_feedback=ErrorFeedback(deferred=True) if use_feedback else None, ledger=self.ledger,
         )
         self._routes: dict[tuple[int, torch.dtype, int], str] = {}
         self._held: list[_Held] = []
@@ -159,14 +172,17 @@ class CompressedReducer:
                 only when more tensors of this step follow and a later call flushes.
 
         Returns:
-            a future whose value is the mean, with ``grad``'s shape and dtype.
+            a future whose value is the mean, with ``grad``'s shape and dtype; all NaN on every
+            rank if ``grad`` held inf or NaN on any rank (see :mod:`gradzip.comm.guard`). The
+            future carries the collective's error if the collective failed.
         """
+        self._begin(key, step)
         if grad.numel() == 0:
             fut = completed(grad.clone())
         else:
             route = self.route(grad.numel(), grad.dtype)
             if route == "fused":
-                fut = self._hold(key, grad)
+                fut = self._hold(key, grad, step)
                 if self.metrics.wants_quality(step):
                     self.metrics.add_quality(key, quality_figures(grad, grad))
             else:
@@ -191,10 +207,45 @@ class CompressedReducer:
         for group in by_dtype.values():
             self._send_fused(group)
 
+    def _begin(self, key: Hashable, step: int) -> None:
+        """Settle the previous step when a new one starts, and snapshot a stateful codec."""
+        closed = self.open_step.begin(key, step)
+        if closed is not None:
+            self._settle(self.ledger.finite(closed))
+        if len(self.open_step.keys) == 1:
+            state = self.compressor.state_dict()
+            self._codec_snapshot = guard.clone_state(state) if state else None
+
+    def _settle(self, keep: bool) -> None:
+        for feedback in (self.feedback, self.twophase.server_feedback):
+            if feedback is not None and keep:
+                feedback.commit()
+            elif feedback is not None:
+                feedback.discard()
+        if not keep and self._codec_snapshot is not None:
+            self.compressor.load_state_dict(self._codec_snapshot)
+        self._codec_snapshot = None
+
+    def settle(self) -> None:
+        """End the current step now: keep what it changed, or put it back if any bucket of the
+        step was non-finite on some rank. ``reduce`` does this by itself when the next step
+        starts, and :meth:`state_dict` before it reads the state."""
+        closed = self.open_step.finish()
+        self._settle(closed is None or self.ledger.finite(closed))  # changes made outside a step stay
+
+    def _marker(self, like: Tensor, step: int) -> Tensor:
+        self.ledger.mark_nonfinite(step)
+        return guard.marker_like(like)
+
     def _compress(self, key: Hashable, grad: Tensor, step: int, box: dict[str, Any]) -> Payload:
-        """Compensate, compress, update the residual; returns the payload (its bytes checked).
-        On monitored steps leaves what the quality check needs in ``box``."""
+        """Compensate, compress, update the residual; returns the payload (its bytes checked),
+        NaN-marked if ``grad`` holds inf or NaN. On monitored steps leaves what the quality
+        check needs in ``box``."""
         compensated = grad if self.feedback is None else self.feedback.compensate(key, grad, step=step)
+        compensated, sendable = guard.checked_input(grad, compensated)
+        if not sendable:
+            # Codecs need not accept inf or NaN: encode zeros for the payload's shapes, then mark it.
+            return guard.marked(self.compressor.compress(torch.zeros_like(compensated), step=step, key=key))
         payload = self.compressor.compress(compensated, step=step, key=key)
         decoded = None
         if self.feedback is not None:
@@ -279,10 +330,16 @@ class CompressedReducer:
 
         def launch() -> Future:
             torch.div(grad, world_size, out=tensor)
+            if not guard.is_finite(grad):
+                tensor.fill_(float("nan"))  # the marker; an inf alone could pass for an overflow
             work = dist.all_reduce(tensor, group=self.group, async_op=True)
             return self.metrics.track(work.get_future(), (key,))
 
-        return self.queue.submit(launch).then(lambda _f: tensor)
+        def finish(fut: Future) -> Tensor:
+            fut.value()  # re-raises a failed collective
+            return self._marker(tensor, step) if guard.received_marker([tensor]) else tensor
+
+        return self.queue.submit(launch).then(finish)
 
     def _all_reduce(self, key: Hashable, grad: Tensor, *, step: int) -> Future:
         world_size = dist.get_world_size(self.group)
@@ -303,8 +360,11 @@ class CompressedReducer:
             fut = works[0] if len(works) == 1 else torch.futures.collect_all(works)
             return self.metrics.track(fut, (key,))
 
-        def decode(_fut: Future) -> Tensor:
+        def decode(fut: Future) -> Tensor:
+            fut.value()  # re-raises a failed collective
             with self.metrics.timed("decompress_s", key):
+                if guard.received_marker(box["tensors"]):
+                    return self._marker(grad, step)
                 return self.compressor.decompress(Payload(box["tensors"], box["ctx"]), like=grad)
 
         return self.queue.submit(launch).then(decode)
@@ -328,16 +388,19 @@ class CompressedReducer:
             work = dist.all_gather_single(recv, send, group=self.group, async_op=True)
             return self.metrics.track(work.get_future(), (key,))
 
-        def decode(_fut: Future) -> Tensor:
+        def decode(fut: Future) -> Tensor:
+            fut.value()  # re-raises a failed collective
             with self.metrics.timed("decompress_s", key):
                 template = box["payload"]
                 rows = recv.view(world_size, -1)
                 payloads = [Payload(wire.from_bytes(rows[r], template.tensors), template.ctx) for r in range(world_size)]
+                if any(guard.received_marker(p.tensors) for p in payloads):
+                    return self._marker(grad, step)
                 return decode_gathered(self.compressor, payloads, grad)
 
         return self.queue.submit(launch).then(decode)
 
-    def _hold(self, key: Hashable, grad: Tensor) -> Future:
+    def _hold(self, key: Hashable, grad: Tensor, step: int) -> Future:
         world_size = dist.get_world_size(self.group)
         raw = wire.nbytes([grad])
         # Each bucket is counted as its own share of the fused ring all_reduce.
@@ -346,7 +409,7 @@ class CompressedReducer:
             key, payload_bytes=raw, dense_bytes=raw, collective="fused", compressed=False,
             sent_bytes=sent, received_bytes=sent,
         )
-        item = _Held(key, grad, Future())
+        item = _Held(key, grad, step, Future())
         with self._lock:
             self._held.append(item)
             self._held_bytes += raw
@@ -358,6 +421,8 @@ class CompressedReducer:
 
         def launch() -> Future:
             torch.cat([h.grad.reshape(-1) for h in held], out=flat).div_(world_size)
+            if not guard.is_finite(flat):
+                flat.fill_(float("nan"))  # the marker, for every bucket of this fused message
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             return self.metrics.track(work.get_future(), tuple(h.key for h in held))
 
@@ -367,6 +432,10 @@ class CompressedReducer:
             except Exception as exc:  # noqa: BLE001 - handed to every waiting bucket
                 for h in held:
                     h.future.set_exception(exc)
+                return
+            if guard.received_marker([flat]):
+                for h in held:
+                    h.future.set_result(self._marker(h.grad, h.step))
                 return
             offset = 0
             for h in held:
@@ -379,7 +448,8 @@ class CompressedReducer:
 
     def state_dict(self) -> dict[str, Any]:
         """Codec state and both error-feedback memories (worker-side, and server-side for the
-        two-phase route); they differ across ranks."""
+        two-phase route), after settling the step in progress; they differ across ranks."""
+        self.settle()
         return {
             "compressor": self.compressor.state_dict(),
             "feedback": None if self.feedback is None else self.feedback.state_dict(),
@@ -387,7 +457,12 @@ class CompressedReducer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned (anything staged is dropped)."""
+        self.open_step.finish()
+        self._codec_snapshot = None
+        for feedback in (self.feedback, self.twophase.server_feedback):
+            if feedback is not None:
+                feedback.discard()
         self.compressor.load_state_dict(state["compressor"])
         if self.feedback is not None and state["feedback"] is not None:
             self.feedback.load_state_dict(state["feedback"])

@@ -29,6 +29,11 @@ payload shapes must depend only on the number of elements and the dtype, and so 
 decode context (``ctx``), except for codecs that need a shared seed: their context comes from
 ``(seed, step, key)`` and each chunk's mean is drawn under its own key, so every rank re-derives
 it by encoding zeros under that key (one extra encode of the bucket, for those codecs only).
+
+Non-finite gradients (:mod:`gradzip.comm.guard`): a rank whose bucket holds inf or NaN sends
+NaN-marked payloads for every chunk in round 1, so every rank finds the marker among the payloads
+of its own chunk and sends a NaN-marked mean in round 2, and every rank returns all NaN. Worker-
+and server-side residual updates are staged by the caller and dropped for such a step.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from gradzip import wire
+from gradzip.comm import guard
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.comm.traffic import ChunkPlan, plan_chunks
 from gradzip.compressors import Compressor, Payload
@@ -62,10 +68,18 @@ def mean_key(key: Hashable, chunk: int) -> tuple:
 def mean_of_payloads(compressor: Compressor, payloads: list[Payload], like: Tensor) -> Tensor:
     """Decode ``payloads`` (one per rank, rank 0 first), sum them in rank order and divide by
     their count; ``like`` gives shape, dtype and device. The order is fixed so that the
-    single-process reference (:func:`gradzip.comm.simulate.simulate_ranks`) matches bit for bit."""
+    single-process reference (:func:`gradzip.comm.simulate.simulate_ranks`) matches bit for bit.
+
+    Decoded payloads are finite, so a sum that is not overflowed near the dtype's maximum: it is
+    then redone dividing each term first, and what still rounds past the maximum is saturated."""
     total = compressor.decompress(payloads[0], like=like).clone()
     for payload in payloads[1:]:
         total += compressor.decompress(payload, like=like)
+    if not guard.is_finite(total):
+        total = compressor.decompress(payloads[0], like=like).div(len(payloads))
+        for payload in payloads[1:]:
+            total += compressor.decompress(payload, like=like).div(len(payloads))
+        return guard.saturate_(total)
     return total.div_(len(payloads))
 
 
@@ -84,6 +98,8 @@ class TwoPhaseAllReduce:
         feedback: the worker-side error feedback (one residual per bucket key), or None.
         server_feedback: the server-side error feedback for the chunk this rank reduces (one
             residual per bucket key), or None.
+        ledger: told when a bucket carried the NaN marker (the caller then puts back what the
+            step changed); None for a ledger of its own.
     """
 
     def __init__(
@@ -95,6 +111,7 @@ class TwoPhaseAllReduce:
         metrics: StepMetrics | None = None,
         feedback: ErrorFeedback | None = None,
         server_feedback: ErrorFeedback | None = None,
+        ledger: guard.StepLedger | None = None,
     ) -> None:
         assert not compressor.multi_round, "multi-round codecs bring their own reducer"
         self.compressor = compressor
@@ -103,6 +120,7 @@ class TwoPhaseAllReduce:
         self.metrics = metrics or StepMetrics()
         self.feedback = feedback
         self.server_feedback = server_feedback
+        self.ledger = ledger or guard.StepLedger()
 
     def reduce(self, key: Hashable, grad: Tensor, *, step: int) -> Future:
         """Queue both rounds for ``grad`` and return at once.
@@ -115,7 +133,8 @@ class TwoPhaseAllReduce:
 
         Returns:
             a future whose value is the approximate mean over the group, ``grad``'s shape and
-            dtype, bit-identical on every rank.
+            dtype, bit-identical on every rank; all NaN if ``grad`` held inf or NaN on any rank.
+            The future carries the collective's error if a collective failed.
         """
         assert grad.numel() > 0, "empty buckets take no collective; the caller returns them"
         world_size = dist.get_world_size(self.group)
@@ -158,7 +177,8 @@ class TwoPhaseAllReduce:
         # Step 6: decode every chunk's mean.
         shared_seed = self.compressor.needs_shared_seed
 
-        def finish(_fut: Future) -> Tensor:
+        def finish(fut: Future) -> Tensor:
+            fut.value()  # re-raises a failed collective
             with self.metrics.timed("decompress_s", key):
                 out = torch.empty_like(flat)
                 offset = 0
@@ -169,6 +189,9 @@ class TwoPhaseAllReduce:
                     part = recv_means[offset : offset + plan.payload_nbytes[j]]
                     offset += plan.payload_nbytes[j]
                     payload = Payload(wire.from_bytes(part, template.tensors), template.ctx)
+                    if guard.received_marker(payload.tensors):
+                        self.ledger.mark_nonfinite(step)
+                        return guard.marker_like(grad)
                     out[start : start + size] = self.compressor.decompress(payload, like=out[start : start + size])
             return out.view(grad.shape)
 
@@ -183,22 +206,28 @@ class TwoPhaseAllReduce:
     def _compress_chunks(
         self, key: Hashable, flat: Tensor, plan: ChunkPlan, step: int, own: list[Payload | None]
     ) -> Tensor:
-        """Steps 1-2; fills ``own`` with the chunk payloads and returns them as one byte buffer."""
+        """Steps 1-2; fills ``own`` with the chunk payloads and returns them as one byte buffer
+        (NaN-marked payloads if ``flat`` holds inf or NaN)."""
         compensated = flat if self.feedback is None else self.feedback.compensate(key, flat, step=step)
-        decoded = torch.zeros_like(compensated) if self.feedback is not None else None
+        compensated, sendable = guard.checked_input(flat, compensated)
+        if not sendable:
+            compensated = torch.zeros_like(compensated)  # codecs need not accept inf or NaN
+        decoded = torch.zeros_like(compensated) if self.feedback is not None and sendable else None
         for j, (start, size) in enumerate(zip(plan.offsets, plan.sizes)):
             if size == 0:
                 own.append(None)
                 continue
             chunk = compensated[start : start + size]
             payload = self.compressor.compress(chunk, step=step, key=chunk_key(key, j))
+            if not sendable:
+                payload = guard.marked(payload)
             assert payload.nbytes == plan.payload_nbytes[j], (
                 f"{self.compressor.name}: chunk payload of {payload.nbytes} bytes, formula says {plan.payload_nbytes[j]}"
             )
             own.append(payload)
             if decoded is not None:
                 decoded[start : start + size] = self.compressor.decompress(payload, like=chunk)
-        if self.feedback is not None:
+        if decoded is not None:
             self.feedback.update(key, compensated, decoded, step=step)
         return wire.to_bytes(t for p in own if p is not None for t in p.tensors)
 
@@ -216,6 +245,11 @@ class TwoPhaseAllReduce:
         with self.metrics.timed("decompress_s", key):
             rows = recv_chunks.view(world_size, -1)
             payloads = [Payload(wire.from_bytes(rows[i], template.tensors), template.ctx) for i in range(world_size)]
+            if any(guard.received_marker(p.tensors) for p in payloads):
+                # Some rank's bucket was not finite: pass the marker on to every rank in round 2.
+                self.ledger.mark_nonfinite(step)
+                blank = self.compressor.compress(like.zero_(), step=step, key=mean_key(key, rank))
+                return wire.to_bytes(guard.marked(blank).tensors)
             mean = mean_of_payloads(self.compressor, payloads, like)
         with self.metrics.timed("compress_s", key):
             server = self.server_feedback

@@ -36,7 +36,8 @@ def add_parser(sub) -> None:
         description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     p.add_argument("--compressors", default="none,fp16,powersgd:approx_rank=4,topk:ratio=0.01", metavar="SPECS",
-                   help="comma-separated specs; torch:fp16, torch:powersgd etc. run PyTorch's hooks (default: %(default)s)")
+                   help="comma-separated specs; torch:fp16, torch:powersgd etc. run PyTorch's hooks; onebit-adam and "
+                   "zeroone-adam[:options] run that optimizer behind the uncompressed hook (default: %(default)s)")
     p.add_argument("--world-size", type=int, default=4, help="workers, one per host (default 4)")
     p.add_argument("--bandwidth", default="100mbit", help="each host's link rate, e.g. 20mbit, 1gbit (default 100mbit)")
     p.add_argument("--steps", type=int, default=100, help="training steps of every run (default 100)")

@@ -115,11 +115,14 @@ def split_compressors(text: str) -> list[str]:
 
 def _check_specs(cfg: CompareConfig) -> None:
     """Fail on a bad spec or training option now, not in the fifth run."""
-    from gradzip.train.config import TrainConfig
     from gradzip.train.hooks import make_hook
+    from gradzip.train.optimizers import check_optimizer, names_optimizer
 
     for spec in cfg.compressors:
-        make_hook(spec)
+        if names_optimizer(spec):
+            check_optimizer(TrainConfig(optimizer=spec, steps=cfg.steps))
+        else:
+            make_hook(spec)
     TrainConfig(steps=cfg.steps, seed=cfg.seed, world_size=cfg.world_size, **cfg.train_options).validate()
 
 

@@ -243,8 +243,13 @@ def train_command(
     options: dict[str, Any], prefix: Sequence[str] = TRAIN_PREFIX,
 ) -> list[str]:  # fmt: skip
     """The argv of one rank of ``gradzip train`` (``prefix`` runs it); ``options`` maps option
-    names (``batch_size``) to values, None meaning the train default."""
-    argv = [*prefix, "--compressor", compressor, "--steps", str(steps), "--seed", str(seed), "--out", str(out_dir),
+    names (``batch_size``) to values, None meaning the train default. ``compressor`` may name an
+    optimizer instead (``onebit-adam``, see :func:`gradzip.train.optimizers.names_optimizer`)."""
+    from gradzip.train.optimizers import names_optimizer
+
+    # an optimizer that owns its exchange (onebit-adam) runs behind the uncompressed hook
+    exchange = ["--optimizer", compressor, "--compressor", "none"] if names_optimizer(compressor) else ["--compressor", compressor]
+    argv = [*prefix, *exchange, "--steps", str(steps), "--seed", str(seed), "--out", str(out_dir),
             "--timeout-s", f"{collective_timeout_s:g}", "--quiet"]  # fmt: skip
     if no_exchange:
         argv.append("--no-exchange")

@@ -61,8 +61,10 @@ def build(spec: str | Compressor) -> Compressor:
     codecs = [_instantiate(name, params) for name, params in parts]
     if len(codecs) == 1:
         return codecs[0]
-    from gradzip.compressors.compose import Composed
-
+    try:
+        from gradzip.compressors.compose import Composed
+    except ImportError:
+        raise SpecError(f"spec {spec!r} joins codecs with '+', and no codec composition is installed") from None
     return Composed(codecs)
 
 

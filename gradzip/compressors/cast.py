@@ -50,10 +50,22 @@ class _Cast(Compressor):
         super().__init__()
 
     def compress(self, x: Tensor, *, step: int = 0, key: Hashable = 0) -> Payload:
-        return Payload((x.reshape(-1).to(self.wire_dtype),))
+        out = x.reshape(-1).to(self.wire_dtype)
+        if x.dtype != self.wire_dtype and out.numel():
+            # Saturate instead of overflowing: a finite value past the wire range must not
+            # become inf (inf in the input saturates too; NaN stays NaN).
+            limit = torch.finfo(self.wire_dtype).max
+            out.nan_to_num_(nan=float("nan"), posinf=limit, neginf=-limit)
+        return Payload((out,))
 
     def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
-        return payload.tensors[0].reshape(like.shape).to(like.dtype)
+        wire_tensor = payload.tensors[0]
+        out = wire_tensor.reshape(like.shape).to(like.dtype)
+        limit = torch.finfo(like.dtype).max
+        if limit < torch.finfo(wire_tensor.dtype).max:
+            # A new tensor here. bf16 rounds fp16's maximum up past it: saturate, not inf.
+            out.nan_to_num_(nan=float("nan"), posinf=limit, neginf=-limit)
+        return out
 
     def payload_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         # An input already at (or below) the wire width travels as it is.
@@ -66,9 +78,10 @@ class _Cast(Compressor):
 class FP16(_Cast):
     """Cast to IEEE half precision (``fp16``) for the wire, back to the input dtype after.
 
-    Equals PyTorch's ``fp16_compress_hook`` bit for bit (cast, divide by world_size, all_reduce).
-    Biased only by rounding (relative error <= 2**-11 for normal values); values above 65504
-    overflow, so the reducer divides by world_size before summing. Aggregatable.
+    Equals PyTorch's ``fp16_compress_hook`` bit for bit (cast, divide by world_size, all_reduce)
+    for values within fp16's range. Biased only by rounding (relative error <= 2**-11 for normal
+    values); values beyond +-65504 saturate at +-65504 instead of overflowing to inf, and the
+    reducer divides by world_size before summing. Aggregatable.
     Payload: ``2 * numel`` bytes (an fp16 input: the same).
     """
 
@@ -80,8 +93,10 @@ class FP16(_Cast):
 class BF16(_Cast):
     """Cast to bfloat16 (``bf16``) for the wire, back to the input dtype after.
 
-    Equals PyTorch's ``bf16_compress_hook``. Same range as fp32, 8 bits of mantissa (relative
-    error <= 2**-8). Aggregatable. Payload: ``2 * numel`` bytes.
+    Equals PyTorch's ``bf16_compress_hook`` for values within bf16's range. About the range of
+    fp32, 8 bits of mantissa (relative error <= 2**-8); the few fp32 values past bf16's largest
+    finite value (about 3.39e38) saturate there instead of rounding to inf. Aggregatable.
+    Payload: ``2 * numel`` bytes.
     """
 
     name = "bf16"

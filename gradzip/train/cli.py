@@ -25,6 +25,7 @@ examples:
   gradzip train --compressor auto --adapt-every 50 --verify-every 100
   gradzip train --fsdp --compressor topk:ratio=0.01           # sharded, compressed reduce-scatter
   torchrun --nproc-per-node 2 -m gradzip train --steps 50
+  gradzip train --checkpoint-every 50 --out runs/a; gradzip train --resume runs/a   # exact resume
 """
 
 
@@ -66,7 +67,13 @@ def add_parser(sub) -> None:
     p.add_argument("--timeout-s", type=float, default=d.timeout_s, help=f"collective timeout in seconds (default {d.timeout_s:g})")
     p.add_argument("--backend", default=d.backend, choices=["auto", "gloo", "nccl"], help="process-group backend (default auto)")
     p.add_argument("--threads", type=int, default=d.threads, help="CPU threads per worker; 0 shares the cores (default 0)")
-    p.add_argument("--out", default=d.out, metavar="DIR", help=f"output folder (default {d.out})")
+    p.add_argument("--out", default=None, metavar="DIR", help=f"output folder (default {d.out}, or the resumed run's folder)")
+    p.add_argument("--checkpoint-every", type=int, default=d.checkpoint_every, metavar="N",
+                   help="save a checkpoint every N steps (default 0: only at the end)")
+    p.add_argument("--keep-checkpoints", type=int, default=d.keep_checkpoints, metavar="K",
+                   help=f"complete checkpoints to keep, newest first; 0 keeps all (default {d.keep_checkpoints})")
+    p.add_argument("--resume", default=None, metavar="DIR",
+                   help="continue a run exactly from its last complete checkpoint (a run folder or a checkpoint folder)")
     g = p.add_argument_group("monitoring and auto")
     g.add_argument("--monitor-every", type=int, default=d.monitor_every, metavar="N",
                    help=f"quality checks (norm ratio, cosine, relative error) every N steps; 0 off (default {d.monitor_every})")
@@ -93,17 +100,26 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
     values["progress"] = not args.quiet
+    if values.get("out") is None:
+        from gradzip.train.checkpoint import run_folder
+
+        values["out"] = str(run_folder(args.resume)) if args.resume else TrainConfig.out
     return TrainConfig(**values)
 
 
 def run(args: argparse.Namespace) -> int:
+    from gradzip.train.faults import PeerLost, leave
     from gradzip.train.launch import WorkerFailed, launch
 
     try:
         launch(config_from_args(args))
+    except PeerLost as exc:  # this process is a rank under torchrun
+        leave(str(exc))
     except WorkerFailed as exc:
         import sys
 
-        print(f"gradzip: {exc}", file=sys.stderr)
+        from gradzip.cli import one_line
+
+        print(f"gradzip: {one_line(exc)}", file=sys.stderr)
         return 1
     return 0

@@ -86,7 +86,19 @@ class TrainConfig:
     Replicas drift apart; use only to measure time."""
 
     timeout_s: float = 300.0
-    """Timeout of every collective: a dead or hung worker stops the others after this long."""
+    """Timeout of every collective: a hung worker stops the others after this long (a worker
+    that dies is noticed at once, as its connections close)."""
+
+    checkpoint_every: int = 0
+    """Steps between checkpoints (0: only the final one)."""
+
+    keep_checkpoints: int = 2
+    """Complete checkpoints kept, the newest; 0 keeps all. Two leave one to fall back on if the
+    newest is damaged."""
+
+    resume: str | None = None
+    """A run folder (its newest complete checkpoint) or one checkpoint folder to continue from,
+    bit-identically to a run that was never interrupted."""
 
     backend: str = "auto"
     """``gloo``, ``nccl`` or ``auto`` (nccl when CUDA is available)."""
@@ -157,16 +169,22 @@ class TrainConfig:
             "verify_every": (0, None),
             "norm_warn_checks": (1, None),
             "adapt_every": (4, None),
+            "checkpoint_every": (0, None),
+            "keep_checkpoints": (0, None),
         }
         for name, (low, high) in ints.items():
             value = getattr(self, name)
             bound = f"[{low}, {high}]" if high is not None else f">= {low}"
             if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer {bound}; got {value!r}")
-        for name in ("lr", "bucket_cap_mb", "timeout_s"):
+        for name, high in (("lr", None), ("bucket_cap_mb", 1e5), ("timeout_s", 1e6)):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be a number > 0; got {value!r}")
+            bound = f"in (0, {high:g}]" if high else "> 0"
+            if (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+                or value <= 0 or (high and value > high)
+            ):
+                raise ValueError(f"--{name.replace('_', '-')} must be a number {bound}; got {value!r}")
         if not (isinstance(self.weight_decay, (int, float)) and 0 <= self.weight_decay < 1):
             raise ValueError(f"--weight-decay must be in [0, 1); got {self.weight_decay!r}")
         if self.n_embd % self.n_head:
@@ -186,6 +204,12 @@ class TrainConfig:
         from gradzip.train.optimizers import check_optimizer
 
         check_optimizer(self)
+        if os.path.exists(self.out) and not os.path.isdir(self.out):
+            raise ValueError(f"--out must be a folder; {self.out} is a file")
+        if self.resume is not None and not os.path.isdir(self.resume):
+            raise FileNotFoundError(f"--resume: no such folder: {self.resume}")
+        if self.resume is not None and self.fsdp:
+            raise ValueError("--resume cannot load into a sharded model: resume runs without --fsdp")
         if self.data is not None:
             if not os.path.exists(self.data):
                 raise FileNotFoundError(f"--data: no such file: {self.data}")

@@ -1,8 +1,10 @@
 """The main job's worker: one rank of data-parallel training with a compressed DDP hook.
 
 Read top to bottom: set up the process group, data, model, DDP with the hook and the optimizer;
-measure compute alone; train with a validation pass every ``eval_every`` steps; save a
-checkpoint; rank 0 writes the metrics, the summary and the plot.
+restore a checkpoint when resuming; measure compute alone; train with a validation pass every
+``eval_every`` steps, skipping on every rank a step whose gradient is not finite on some rank,
+and a checkpoint every ``checkpoint_every`` steps; save the final checkpoint; rank 0 writes the
+metrics, the summary and the plot.
 """
 
 from __future__ import annotations
@@ -17,11 +19,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradzip.control.monitor import QualityMonitor
 from gradzip.optim import grad_sync
-from gradzip.train import report
-from gradzip.train.checkpoint import save_checkpoint
+from gradzip.train import faults, report
+from gradzip.train.checkpoint import Progress, resume, save_training_state
 from gradzip.train.config import TrainConfig
 from gradzip.train.data import Corpus, batch_generator, sample_batch, val_batches
 from gradzip.train.model import build_model, count_parameters
@@ -74,19 +77,47 @@ def measure_compute(par: Parallel, corpus: Corpus, cfg: TrainConfig, device) -> 
     return report.median(times)
 
 
+def settle_buckets(ddp: DDP, corpus: Corpus, cfg: TrainConfig, device) -> None:
+    """One synced forward + backward with DDP's own all_reduce, before the hook is registered.
+
+    DDP rebuilds its buckets after its first synced backward. Doing that here gives every step,
+    the first one included, the final bucket layout, so state keyed by bucket (error feedback,
+    PowerSGD factors) always meets the buckets it was made for, also in a run resumed at any step.
+    The gradients are dropped; the model is unchanged.
+    """
+    gen = batch_generator(cfg.seed + 2, dist.get_rank())
+    x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, gen)
+    ddp(input_ids=x.to(device), labels=y.to(device)).loss.backward()
+    ddp.zero_grad(set_to_none=True)
+
+
 def train_worker(cfg: TrainConfig) -> dict[str, Any] | None:
     """Run one rank. The process group is read from the environment (``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT``), as torchrun and gradzip's launcher set it.
+    ``MASTER_ADDR``, ``MASTER_PORT``), as torchrun and gradzip's launcher set it, unless one is
+    already initialised (then it is used and left open).
 
     Returns:
         the summary on rank 0, None elsewhere.
+
+    Raises:
+        faults.PeerLost: when another rank died or stopped responding (a one-line message).
     """
     backend = pick_backend(cfg)
-    dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
     try:
-        return _train(cfg, backend)
+        return _train(cfg, dist.get_backend())
+    except RuntimeError as exc:
+        if not faults.is_lost_peer_error(exc):
+            raise
+        lost = faults.lost_peer(exc, rank=dist.get_rank(), world_size=dist.get_world_size())
+        if lost is None:
+            raise
+        raise lost from None
     finally:
-        dist.destroy_process_group()
+        if owns_group:
+            dist.destroy_process_group()
 
 
 def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
@@ -103,33 +134,43 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     corpus = Corpus.load(cfg.data, cfg.vocab_size)
     corpus.check_fits(cfg.seq_len)
     model = build_model(cfg, corpus.vocab_size).to(device)
-    par = make_parallel(model, cfg)  # DDP + hook, or FSDP + compressed reduce-scatter
+    par = make_parallel(model, cfg, settle=lambda ddp: settle_buckets(ddp, corpus, cfg, device))
     optimizer = build_optimizer(cfg, model, metrics=par.state.metrics)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     data_gen = batch_generator(cfg.seed, rank)
     val = val_batches(corpus, cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
     tokens_per_step = world_size * cfg.batch_size * cfg.seq_len
+    state = dict(model=model, optimizer=optimizer, scheduler=scheduler, hook_state=par.state, data_gen=data_gen)
 
-    # Starting point and the floor of the step time.
-    initial_val = evaluate(model, val, device)
+    # Starting point (step 0, or where the checkpoint left off) and the floor of the step time.
+    progress = resume(cfg, rank=rank, world_size=world_size, **state) if cfg.resume else Progress()
+    if progress.initial_val_loss is None:
+        progress.initial_val_loss = evaluate(model, val, device)
     compute_s = measure_compute(par, corpus, cfg, device)
 
-    log = report.RunLog(cfg.out) if is_main else None
+    log = report.RunLog(cfg.out, start_step=progress.step) if is_main else None
     monitor = QualityMonitor(
         threshold=cfg.norm_warn, patience=cfg.norm_warn_checks,
         tensorboard_dir=Path(cfg.out) / "tensorboard" if cfg.tensorboard else None,
     ) if is_main else None
-    bar = _progress(cfg, is_main)
-    train_start = time.perf_counter()
-    for step in range(cfg.steps):
+    bar = _progress(cfg, is_main, progress.step)
+    fault_plan = faults.FaultPlan.from_env()  # test-only injection; empty unless GRADZIP_FAULTS is set
+    train_start = time.perf_counter() - progress.elapsed_s
+    for step in range(progress.step, cfg.steps):
+        fault_plan.at_step(model, rank=rank, step=step)
         x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
         step_start = time.perf_counter()
         with par.no_exchange() if cfg.no_exchange else grad_sync(par.module, optimizer):
             loss = par.module(input_ids=x.to(device), labels=y.to(device)).loss
             loss.backward()
         backward_end = time.perf_counter()
-        optimizer.step()
-        scheduler.step()
+        # Every rank holds the same averaged gradient, so all agree to skip a non-finite step.
+        finite = faults.gradients_finite(model)
+        if finite:
+            optimizer.step()
+            scheduler.step()
+        else:
+            progress.skipped_steps += 1
         optimizer.zero_grad(set_to_none=True)
         step_end = time.perf_counter()
 
@@ -153,6 +194,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
             "uncompressed_buckets": comm["uncompressed_buckets"],
             "fused_buckets": comm["fused_buckets"],
             "tokens": tokens_per_step * (step + 1),
+            "skipped": not finite,
         }
         if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
             record["val_loss"] = evaluate(model, val, device)
@@ -160,32 +202,22 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
             record.update(monitor.observe(step, comm, record))
         if log is not None:
             log.write(record)
-            _update_progress(bar, record, tokens_per_step)
+            _update_progress(bar, record, tokens_per_step, progress.skipped_steps)
+        progress.step, progress.elapsed_s = step + 1, step_end - train_start
+        if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0 and progress.step < cfg.steps:
+            save_training_state(
+                cfg, progress, rank=rank, world_size=world_size, parallel=par,
+                per_rank_optimizer=owns_communication(optimizer), **state,
+            )
 
     if bar is not None:
         bar.close()
     if owns_communication(optimizer):
         optimizer.synchronize()  # 0/1 Adam: ranks that took local steps meet again
     final_val = evaluate(model, val, device)
-    model_state, optimizer_state = par.checkpoint_state(optimizer)
-    save_checkpoint(
-        cfg.out,
-        cfg.steps,
-        shared={
-            "step": cfg.steps,
-            "config": cfg.to_dict(),
-            "model": model_state,
-            "optimizer": optimizer_state,
-            "scheduler": scheduler.state_dict(),
-        },
-        per_rank={
-            "hook": par.state.state_dict(),
-            "data_generator": data_gen.get_state(),
-            "rank": rank,
-            # error-feedback buffers (and, for local steps, momenta) differ per rank
-            "optimizer": optimizer.state_dict() if owns_communication(optimizer) else None,
-        },
-        rank=rank,
+    save_training_state(
+        cfg, progress, rank=rank, world_size=world_size, parallel=par,
+        per_rank_optimizer=owns_communication(optimizer), **state,
     )
     if log is None:
         return None
@@ -206,13 +238,14 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
         batch_size=cfg.batch_size,
         seq_len=cfg.seq_len,
         seed=cfg.seed,
-        initial_val_loss=initial_val,
+        initial_val_loss=progress.initial_val_loss,
         final_val_loss=final_val,
         initial_train_loss=log.records[0]["loss"],
         final_train_loss=log.records[-1]["loss"],
         compute_s=compute_s,
     )
     summary["tokens_per_s"] = tokens_per_step / summary["step_s_median"] if summary["step_s_median"] else 0.0
+    summary["skipped_steps"] = progress.skipped_steps
     summary["monitor"] = monitor.summary()
     out = Path(cfg.out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -224,15 +257,15 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     return summary
 
 
-def _progress(cfg: TrainConfig, is_main: bool):
+def _progress(cfg: TrainConfig, is_main: bool, start_step: int = 0):
     if not (is_main and cfg.progress):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=cfg.steps, desc=f"train {cfg.compressor}", unit="step", dynamic_ncols=True)
+    return tqdm(total=cfg.steps, initial=start_step, desc=f"train {cfg.compressor}", unit="step", dynamic_ncols=True)
 
 
-def _update_progress(bar, record: dict[str, Any], tokens_per_step: int) -> None:
+def _update_progress(bar, record: dict[str, Any], tokens_per_step: int, skipped_steps: int = 0) -> None:
     if bar is None:
         return
     postfix = {
@@ -242,6 +275,8 @@ def _update_progress(bar, record: dict[str, Any], tokens_per_step: int) -> None:
     }
     if "val_loss" in record:
         postfix["val"] = f"{record['val_loss']:.3f}"
+    if skipped_steps:
+        postfix["skipped"] = f"{skipped_steps} (non-finite gradient)"
     if "norm_warning" in record:
         postfix["warn"] = record["norm_warning"]
     bar.set_postfix(postfix, refresh=False)

@@ -45,6 +45,16 @@ def parse_optimizer(spec: str) -> tuple[str, dict[str, Any]]:
     return name, params
 
 
+def names_optimizer(spec: str) -> bool:
+    """Whether ``spec`` names an optimizer (``onebit-adam:warmup_steps=20``) rather than a codec;
+    ``gradzip compare`` runs such an entry as ``--optimizer SPEC --compressor none``."""
+    try:
+        parts = parse_spec(spec)
+    except SpecError:
+        return False
+    return len(parts) == 1 and parts[0][0] in OPTIMIZERS
+
+
 def default_warmup_steps(steps: int) -> int:
     """Full-precision steps before 1-bit Adam freezes its variance: 20% of training (the
     paper's 15-25%), at least 1."""

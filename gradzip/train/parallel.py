@@ -67,8 +67,11 @@ def shard_gpt(model: nn.Module) -> nn.Module:
     return model
 
 
-def make_parallel(model: nn.Module, cfg: TrainConfig) -> Parallel:
+def make_parallel(model: nn.Module, cfg: TrainConfig, settle: Callable[[DDP], None] | None = None) -> Parallel:
     """Wrap ``model`` (on its device, process group initialised) for ``cfg``.
+
+    ``settle`` runs on the DDP model before the hook is registered (one synced step lets DDP
+    rebuild its buckets, so bucket-keyed compressor state meets its final layout).
 
     Raises:
         ValueError: for a bad compressor spec (``cfg.validate()`` refuses PyTorch's DDP hooks
@@ -76,6 +79,8 @@ def make_parallel(model: nn.Module, cfg: TrainConfig) -> Parallel:
     """
     if not cfg.fsdp:
         ddp = DDP(model, bucket_cap_mb=cfg.bucket_cap_mb)
+        if settle is not None:
+            settle(ddp)
         state, hook = make_hook(cfg.compressor, **hook_options(cfg))
         ddp.register_comm_hook(state, hook)
         return Parallel(ddp, state, "ddp", "torch" if is_torch_hook(state) else "gradzip", ddp.no_sync)

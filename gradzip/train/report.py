@@ -9,13 +9,22 @@ from typing import Any
 
 
 class RunLog:
-    """Appends one JSON line per step to ``OUT/metrics.jsonl`` (rank 0 only)."""
+    """Appends one JSON line per step to ``OUT/metrics.jsonl`` (rank 0 only).
 
-    def __init__(self, out: str | Path) -> None:
+    Args:
+        start_step: a resumed run's first step: the records of earlier steps already in the file
+            are kept (later ones, from the interrupted run, are dropped); 0 starts a new file.
+    """
+
+    def __init__(self, out: str | Path, *, start_step: int = 0) -> None:
         self.out = Path(out)
         self.out.mkdir(parents=True, exist_ok=True)
+        path = self.out / "metrics.jsonl"
+        kept = _read_records(path, before=start_step) if start_step else []
         self.records: list[dict[str, Any]] = []
-        self._file = open(self.out / "metrics.jsonl", "w", buffering=1)  # noqa: SIM115 - closed in close()
+        self._file = open(path, "w", buffering=1)  # noqa: SIM115 - closed in close()
+        for record in kept:
+            self.write(record)
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
@@ -23,6 +32,21 @@ class RunLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+def _read_records(path: Path, *, before: int) -> list[dict[str, Any]]:
+    """The records of steps before ``before`` in a metrics file (a torn last line is skipped)."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] < before:
+            records.append(record)
+    return records
 
 
 def median(values: list[float]) -> float:

@@ -1,0 +1,124 @@
+"""Faults in the main job: injected inf and NaN skipped by every rank together, leaving the state
+as it was; a worker killed mid-run stops the others in bounded time, with one line each."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tiny_run import load, same, tiny_config, without_plots, write_corpus
+
+from gradzip.testing import run_ranks
+from gradzip.train.checkpoint import find_checkpoint
+from gradzip.train.faults import ENV, parse_faults
+from gradzip.train.loop import train_worker
+
+ROOT = Path(__file__).resolve().parents[1]
+BAD_STEPS = {2: "inf", 4: "nan"}  # step -> value injected (rank 1 at step 2, rank 0 at step 4)
+
+
+def _nonfinite_worker(rank: int, world_size: int, base: str, data: str, specs: list[str]) -> dict:
+    without_plots()
+    os.environ[ENV] = "nonfinite:rank=1,step=2,value=inf+nonfinite:rank=0,step=4,value=nan"
+    results = {}
+    for spec in specs:
+        out = Path(base) / spec.replace(":", "_")
+        train_worker(tiny_config(data, str(out), compressor=spec, world_size=world_size, steps=6,
+                                 checkpoint_every=1, keep_checkpoints=0))
+        folders = {step: out / "checkpoints" / f"step-{step:06d}" for step in range(1, 7)}
+        entry = {}
+        for bad in BAD_STEPS:
+            # step-S holds the state right before step S ran, step-(S+1) the state right after.
+            before, after = folders[bad], folders[bad + 1]
+            mine_before, mine_after = load(before, f"rank-{rank}.pt"), load(after, f"rank-{rank}.pt")
+            entry[f"hook_unchanged_{bad}"] = same(mine_before["hook"]["reducer"], mine_after["hook"]["reducer"])
+            entry[f"data_advanced_{bad}"] = not same(mine_before["data_generator"], mine_after["data_generator"])
+            if rank == 0:
+                shared_before, shared_after = load(before, "shared.pt"), load(after, "shared.pt")
+                for part in ("model", "optimizer", "scheduler"):
+                    entry[f"{part}_unchanged_{bad}"] = same(shared_before[part], shared_after[part])
+        if rank == 0:
+            shared_1, shared_2 = load(folders[1], "shared.pt"), load(folders[2], "shared.pt")
+            entry["good_step_changed_model"] = not same(shared_1["model"], shared_2["model"])
+            entry["skipped"] = [json.loads(line)["skipped"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+            entry["summary_skipped"] = json.loads((out / "summary.json").read_text())["skipped_steps"]
+        results[spec] = entry
+    return results
+
+
+def test_nonfinite_steps_are_skipped_by_all_ranks_and_leave_no_trace(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path / "cache"))
+    data = write_corpus(tmp_path / "corpus.txt")
+    specs = ["topk:ratio=0.1", "powersgd:approx_rank=4"]
+    results = run_ranks(_nonfinite_worker, 2, str(tmp_path), data, specs, timeout_s=240)
+    for rank, per_spec in enumerate(results):
+        for spec, entry in per_spec.items():
+            for bad in BAD_STEPS:
+                assert entry[f"hook_unchanged_{bad}"], f"{spec}: rank {rank} error feedback changed by skipped step {bad}"
+                assert entry[f"data_advanced_{bad}"], f"{spec}: the skipped step {bad} did not consume its batch"
+                if rank == 0:
+                    for part in ("model", "optimizer", "scheduler"):
+                        assert entry[f"{part}_unchanged_{bad}"], f"{spec}: {part} changed by skipped step {bad}"
+            if rank == 0:
+                assert entry["good_step_changed_model"], f"{spec}: a finite step did not train"
+                assert entry["skipped"] == [step in BAD_STEPS for step in range(6)], entry["skipped"]
+                assert entry["summary_skipped"] == len(BAD_STEPS)
+
+
+def test_fault_specs_are_checked():
+    assert parse_faults(None) == []
+    (fault,) = parse_faults("exit:rank=1,step=4,code=3")
+    assert (fault.kind, fault.rank, fault.step, fault.code) == ("exit", 1, 4, 3)
+    for bad in ("explode:rank=1,step=2", "exit:rank=1", "nonfinite:rank=0,step=1,value=2.5", "exit:rank=-1,step=2"):
+        with pytest.raises(ValueError, match=ENV):
+            parse_faults(bad)
+
+
+def test_killed_worker_stops_the_others_in_bounded_time(tmp_path):
+    data = write_corpus(tmp_path / "corpus.txt")
+    out = tmp_path / "run"
+    timeout_s = 30
+    env = dict(os.environ, GRADZIP_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT), **{ENV: "exit:rank=1,step=4,code=3"})
+    cmd = [sys.executable, "-m", "gradzip", "train", "--data", data, "--vocab-size", "300", "--seq-len", "32",
+           "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "2", "--threads", "1",
+           "--compressor", "topk:ratio=0.1", "--world-size", "3", "--steps", "100000", "--checkpoint-every", "2",
+           "--timeout-s", str(timeout_s), "--eval-every", "100000", "--out", str(out), "--quiet"]
+    # A session of its own: every process the launcher spawns stays in its process group.
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    ended = time.time()
+    assert proc.returncode == 1, err
+    lines = [line for line in err.splitlines() if line.startswith("gradzip:")]
+    assert lines[-1].startswith("gradzip: worker rank 1 died (exit code 3); resume with --resume"), err
+    assert "(last complete checkpoint: step-000004)" in lines[-1]
+    for rank in (0, 2):
+        assert any(line.startswith(f"gradzip: rank {rank} stopped: rank 1 stopped responding") for line in lines), err
+    # Rank 1 left right after the step-4 checkpoint; the others stopped well within the timeout.
+    manifest = out / "checkpoints" / "step-000004" / "complete.json"
+    assert ended - manifest.stat().st_mtime < timeout_s, ended - manifest.stat().st_mtime
+    assert _group_empty(proc.pid, wait_s=10), "a process of the run is still running"
+    folder, notes = find_checkpoint(out)
+    assert folder.name == "step-000004" and notes == []
+    assert load(folder, "rank-1.pt")["rank"] == 1
+
+
+def _group_empty(pgid: int, wait_s: float) -> bool:
+    """Whether no process is left in the group within ``wait_s`` (Python's multiprocessing
+    resource tracker leaves a moment after the launcher, on its own)."""
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.2)
+    return False

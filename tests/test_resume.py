@@ -1,0 +1,143 @@
+"""``--resume``: a run continued from a checkpoint is bit-identical to one never interrupted, on
+2 and 3 real gloo ranks, and a damaged checkpoint is passed over or named in one line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from tiny_run import load, same, tiny_config, without_plots, write_corpus
+
+from gradzip.cli import main
+from gradzip.testing import run_ranks
+from gradzip.train.checkpoint import NoUsableCheckpoint, find_checkpoint, save_checkpoint
+from gradzip.train.loop import train_worker
+
+SPECS = ["powersgd:approx_rank=4", "topk:ratio=0.1"]  # the default codec; a sparse codec with error feedback
+STEPS = 6
+
+
+def _resume_worker(rank: int, world_size: int, base: str, data: str) -> dict:
+    without_plots()
+    results = {}
+    for spec in SPECS:
+        run = Path(base) / spec.replace(":", "_")
+        uninterrupted, resumed = run / "a", run / "b"
+        settings = dict(compressor=spec, world_size=world_size, steps=STEPS)
+        train_worker(tiny_config(data, str(uninterrupted), checkpoint_every=2, keep_checkpoints=0, **settings))
+        if rank == 0:
+            # The resumed run's folder: the same checkpoints, the newest cut short as by a kill
+            # during its write, so --resume must fall back to step 4.
+            shutil.copytree(uninterrupted, resumed)
+            cut = resumed / "checkpoints" / f"step-{STEPS:06d}" / f"rank-{world_size - 1}.pt"
+            cut.write_bytes(cut.read_bytes()[: cut.stat().st_size // 2])
+        dist.barrier()
+        found, notes = find_checkpoint(resumed)
+        train_worker(tiny_config(data, str(resumed), resume=str(resumed), **settings))
+
+        final_a = uninterrupted / "checkpoints" / f"step-{STEPS:06d}"
+        final_b = resumed / "checkpoints" / f"step-{STEPS:06d}"
+        mine_a, mine_b = load(final_a, f"rank-{rank}.pt"), load(final_b, f"rank-{rank}.pt")
+        entry = {
+            "fell_back_to": found.name,
+            "notes": notes,
+            "hook_state": same(mine_a["hook"], mine_b["hook"]),
+            "data_generator": same(mine_a["data_generator"], mine_b["data_generator"]),
+        }
+        if rank == 0:
+            shared_a, shared_b = load(final_a, "shared.pt"), load(final_b, "shared.pt")
+            for part in ("model", "optimizer", "scheduler"):
+                entry[part] = same(shared_a[part], shared_b[part])
+            losses = [[json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
+                      for folder in (uninterrupted, resumed)]
+            entry["losses"] = losses
+        results[spec] = entry
+    return results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_resumed_run_is_bit_identical(tmp_path, monkeypatch, world_size):
+    monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path / "cache"))
+    data = write_corpus(tmp_path / "corpus.txt")
+    results = run_ranks(_resume_worker, world_size, str(tmp_path), data, timeout_s=240)
+    for rank, per_spec in enumerate(results):
+        for spec, entry in per_spec.items():
+            assert entry["fell_back_to"] == "step-000004", (spec, entry["fell_back_to"])
+            assert entry["notes"] and "bytes" in entry["notes"][0], entry["notes"]
+            assert entry["hook_state"], f"{spec}: rank {rank} compressor state differs after resume"
+            assert entry["data_generator"], f"{spec}: rank {rank} data order differs after resume"
+            if rank == 0:
+                for part in ("model", "optimizer", "scheduler"):
+                    assert entry[part], f"{spec}: {part} differs after resume"
+                uninterrupted, resumed = entry["losses"]
+                assert len(uninterrupted) == len(resumed) == STEPS
+                assert uninterrupted == resumed, f"{spec}: losses differ after resume"
+
+
+def _fake_checkpoint(out: Path, step: int) -> Path:
+    return save_checkpoint(
+        out, step, shared={"step": step}, per_rank={"state": torch.arange(1000)}, rank=0, world_size=1, config={}
+    )
+
+
+def test_find_checkpoint_passes_over_cut_and_unfinished_writes(tmp_path):
+    _fake_checkpoint(tmp_path, 2)
+    newest = _fake_checkpoint(tmp_path, 4)
+    assert find_checkpoint(tmp_path) == (newest, [])
+    # A kill during the write of step 6: files there, no manifest, latest still names step 4.
+    unfinished = tmp_path / "checkpoints" / "step-000006"
+    unfinished.mkdir()
+    (unfinished / "rank-0.pt.tmp123").write_bytes(b"\x00" * 10)
+    assert find_checkpoint(tmp_path)[0] == newest
+    # The newest one cut short afterwards: fall back to step 2, saying why.
+    cut = newest / "rank-0.pt"
+    size = cut.stat().st_size
+    cut.write_bytes(cut.read_bytes()[:100])
+    folder, notes = find_checkpoint(tmp_path)
+    assert folder.name == "step-000002"
+    assert notes == [f"step-000004: rank-0.pt has 100 of its {size} bytes"]
+    # Naming a damaged checkpoint folder directly is an error, not a silent fallback.
+    with pytest.raises(NoUsableCheckpoint, match="rank-0.pt has 100 of"):
+        find_checkpoint(newest)
+    # Bytes flipped in place, the size unchanged: the checksum says so.
+    older = tmp_path / "checkpoints" / "step-000002" / "shared.pt"
+    data = bytearray(older.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    older.write_bytes(bytes(data))
+    with pytest.raises(NoUsableCheckpoint, match="step-000002: shared.pt does not match its checksum"):
+        find_checkpoint(tmp_path)
+
+
+def test_resume_with_nothing_usable_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path / "cache"))
+    data = write_corpus(tmp_path / "corpus.txt")
+    only = _fake_checkpoint(tmp_path / "run", 2)
+    (only / "complete.json").unlink()  # killed before the manifest
+    args = ["train", "--data", data, "--vocab-size", "300", "--seq-len", "32", "--steps", "4"]
+    errors = []
+    for resume in (tmp_path / "run", tmp_path / "empty"):
+        resume.mkdir(exist_ok=True)
+        assert main(args + ["--resume", str(resume)]) == 2
+        errors.append(capsys.readouterr().err)
+    for err in errors:
+        assert err.count("\n") == 1 and err.startswith("gradzip: error: --resume: no usable checkpoint"), err
+    assert "(step-000002: no complete.json (its write did not finish))" in errors[0]
+    assert "no checkpoints under" in errors[1]
+
+
+def test_resume_with_other_settings_names_them(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path / "cache"))
+    data = write_corpus(tmp_path / "corpus.txt")
+    config = tiny_config(data, str(tmp_path / "run"), compressor="topk:ratio=0.1").to_dict()
+    for rank in (1, 0):  # as two ranks would, rank 0 last (it writes the manifest)
+        save_checkpoint(tmp_path / "run", 2, shared={}, per_rank={}, rank=rank, world_size=2, config=config)
+    args = ["train", "--data", data, "--vocab-size", "300", "--seq-len", "32", "--n-layer", "1", "--n-embd", "32",
+            "--n-head", "2", "--batch-size", "2", "--steps", "4", "--resume", str(tmp_path / "run")]
+    assert main(args + ["--compressor", "fp16", "--world-size", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "--world-size (checkpoint 2, now 3)" in err and "--compressor (checkpoint 'topk:ratio=0.1', now 'fp16')" in err
