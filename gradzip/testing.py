@@ -50,7 +50,7 @@ def _worker(rank: int, world_size: int, port: int, out_dir: str, fn: Callable, a
         torch.save({"ok": False, "error": traceback.format_exc()}, result_path)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
 
     Args:

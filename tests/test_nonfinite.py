@@ -175,7 +175,7 @@ def _nonfinite_worker(rank: int, world_size: int, specs: list[tuple[str, dict]])
 @pytest.mark.parametrize("world_size", [3])
 def test_reducers_agree_on_nonfinite_and_keep_state(world_size):
     specs = reducer_specs()
-    reports = run_ranks(_nonfinite_worker, world_size, specs, timeout_s=120)
+    reports = run_ranks(_nonfinite_worker, world_size, specs, timeout_s=400)
     for name, first in reports[0].items():
         for rank, report in enumerate(reports):
             entry = report[name]

@@ -188,7 +188,12 @@ class TwoPhaseAllReduce:
                     template = self._mean_template(key, j, size, step, out) if shared_seed else own[j]
                     part = recv_means[offset : offset + plan.payload_nbytes[j]]
                     offset += plan.payload_nbytes[j]
-                    payload = Payload(wire.from_bytes(part, template.tensors), template.ctx)
+                    ctx = template.ctx
+                    if self.compressor.needs_shared_seed:
+                        # The owner compressed this mean under mean_key; a shared-seed codec's
+                        # ctx (Random-K's positions) follows the key, and every rank derives it.
+                        ctx = self.compressor.compress(out.new_zeros(size), step=step, key=mean_key(key, j)).ctx
+                    payload = Payload(wire.from_bytes(part, template.tensors), ctx)
                     if guard.received_marker(payload.tensors):
                         self.ledger.mark_nonfinite(step)
                         return guard.marker_like(grad)

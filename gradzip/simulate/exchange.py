@@ -141,6 +141,12 @@ class Method:
             self.sign_codec = next((build(n) for n in _SIGN_CODECS if n in REGISTRY), None)
         else:
             self.codec = build(self.spec)
+            if not self.codec.multi_round:
+                # As the reducers send it: a payload with no floating tensor carries a 2-byte
+                # slot for the non-finite marker (gradzip.comm.guard).
+                from gradzip.comm.guard import with_marker_slot
+
+                self.codec = with_marker_slot(self.codec)
             lowrank_api = ("matrix_payload_nbytes", "compresses", "effective_rank")
             if self.codec.multi_round and not all(hasattr(self.codec, a) for a in lowrank_api):
                 raise ValueError(
