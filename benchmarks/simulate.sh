@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=benchmarks/results/simulate
-METHODS=none,fp16,powersgd:approx_rank=4,onebit-adam
+METHODS=none,fp16,powersgd:approx_rank=4,onebit-adam,onebit-adam:fused=true
 
 python -m gradzip simulate --model llama-7b --gpus 1024 --cluster h100-100gbe \
     --compressors "$METHODS" --price-per-gpu-hour 3.5 --out "$OUT/llama-7b_h100-100gbe"

@@ -137,6 +137,10 @@ def test_onebit_adam_payload_and_warmup():
     assert method.ddp_candidates(SHAPES, torch.float32, 4)[0].rounds == ()
     with pytest.raises(ValueError, match="warmup"):
         Method("onebit-adam:warmup=2")
+    with pytest.raises(ValueError, match="fused"):
+        Method("onebit-adam:fused=3")
+    assert len(method.onebit_momentum_exchanges(SHAPES, 4)) == len(SHAPES)
+    assert len(Method("onebit-adam:fused=true").onebit_momentum_exchanges(SHAPES, 4)) == 1
     with pytest.raises(ValueError, match="fsdp|ddp"):
         method.fsdp_gradient_exchange(SHAPES, torch.float32, 4)
 

@@ -100,16 +100,24 @@ def test_ddp_fp16_step_hand_computed():
 
 
 def test_onebit_adam_step_hand_computed():
-    method = Method("onebit-adam:warmup=0.25")
-    result = simulate_step(method, toy_workload(), FABRIC, 2, SPEED, algorithm="ring")
+    fused = Method("onebit-adam:warmup=0.25,fused=true")
+    result = simulate_step(fused, toy_workload(), FABRIC, 2, SPEED, algorithm="ring")
     dense = simulate_step(Method("none"), toy_workload(), FABRIC, 2, SPEED, algorithm="ring")
-    # 112 elements, p = 2: chunks of 56, payload ceil(56 / 8) + 4 = 11 bytes (or a sign codec's)
-    c = method.sign_payload_nbytes(56)
-    comm = 2 * (0.01 + 0.5 * 2 * c / 1000)  # all_to_all then all_gather of 2 * c bytes
-    enc, dec = 3 * 56 * 4 / 1000, 2 * 2 * 56 * 4 / 1000
+    # 112 elements, p = 2: two chunks of 56, each a 1-bit payload c (efsignsgd's, or 7 + 4 bytes)
+    c = fused.sign_payload_nbytes(56)
+    comm = 2 * (0.01 + 0.5 * 2 * c / 1000)  # all_to_all then all_gather of 2 c bytes
+    enc, dec = (112 + 56) * 4 / 1000, (2 * 56 + 112) * 4 / 1000
     compressed = 0.9 + enc + comm + dec + 0.1
     assert result.detail["compressed_step_s"] == pytest.approx(compressed, rel=1e-12)
     assert result.step_s == pytest.approx(0.25 * dense.step_s + 0.75 * compressed, rel=1e-12)
+    # gradzip's OneBitAdam exchanges each parameter on its own: 4 tensors, 4 times the latency
+    per_tensor = simulate_step(Method("onebit-adam:warmup=0.25"), toy_workload(), FABRIC, 2, SPEED, algorithm="ring")
+    comm_each = 0.0
+    for numel in (40, 16, 16, 40):
+        half = numel // 2
+        comm_each += 2 * (0.01 + 0.5 * 2 * fused.sign_payload_nbytes(half) / 1000)
+    assert per_tensor.detail["compressed_comm_s"] == pytest.approx(comm_each, rel=1e-12)
+    assert per_tensor.collectives.endswith("x4")
 
 
 def test_fsdp_units_and_bytes():

@@ -13,8 +13,10 @@ follows the codec's declared properties, as the reducers do:
 - multi-round low-rank codecs (PowerSGD): one ``all_reduce`` per round of their factors.
 - a payload larger than the dense tensor falls back to a dense ``all_reduce``, as the reducer does.
 
-``onebit-adam`` is a name of this module, not a codec: 1-bit Adam's momentum exchange (signs, one
-bit per element, and one fp32 scale per chunk) after a warm-up fraction of dense steps.
+``onebit-adam`` is a name of this module, not a codec: 1-bit Adam's momentum exchange after a
+warm-up fraction of dense steps, as :class:`gradzip.optim.OneBitAdam` runs it (the two-phase
+exchange of the ``efsignsgd`` payload, one per parameter tensor), or with ``fused=true`` as one
+exchange of all momenta flattened into one buffer (DeepSpeed's ``compressed_allreduce``).
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ class Method:
     """A codec spec as the model sees it: one entry of ``--compressors``.
 
     Args:
-        spec: a codec spec (``powersgd:approx_rank=4``) or ``onebit-adam[:warmup=0.15]``.
+        spec: a codec spec (``powersgd:approx_rank=4``) or ``onebit-adam[:warmup=0.15,fused=false]``.
 
     Raises:
         ValueError: for an unknown codec or parameter, or a warm-up outside [0, 1].
@@ -120,14 +122,22 @@ class Method:
         self.codec: Compressor | None = None
         self.sign_codec: Compressor | None = None
         self.warmup_fraction = 0.0
+        self.fused = False
         if self.onebit_adam:
             params = dict(parts[0][1])
             warmup = params.pop("warmup", ONEBIT_WARMUP_FRACTION)
+            fused = params.pop("fused", False)
             if params:
-                raise ValueError(f"{ONEBIT_ADAM} takes only warmup (a fraction of steps in [0, 1]); got {sorted(params)}")
+                raise ValueError(
+                    f"{ONEBIT_ADAM} takes warmup (a fraction of steps in [0, 1]) and fused (true or false); "
+                    f"got {sorted(params)}"
+                )
             if isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or not 0 <= warmup <= 1:
                 raise ValueError(f"warmup must be a fraction of steps in [0, 1]; got {warmup!r}")
+            if not isinstance(fused, bool):
+                raise ValueError(f"fused must be true or false; got {fused!r}")
             self.warmup_fraction = float(warmup)
+            self.fused = fused
             self.sign_codec = next((build(n) for n in _SIGN_CODECS if n in REGISTRY), None)
         else:
             self.codec = build(self.spec)
@@ -197,9 +207,15 @@ class Method:
         return out
 
     def onebit_momentum_exchange(self, numel: int, p: int) -> Exchange:
-        """1-bit Adam's compressed phase: the two-phase exchange of the fp32 momentum (``numel``)."""
+        """1-bit Adam's two-phase exchange of one fp32 momentum tensor of ``numel`` elements."""
         assert self.onebit_adam
         return twophase_exchange(self.sign_payload_nbytes, numel, torch.float32, p)
+
+    def onebit_momentum_exchanges(self, shapes: Sequence[tuple[int, ...]], p: int) -> list[Exchange]:
+        """The exchanges of one compressed step: one per parameter, or one of all if ``fused``."""
+        if self.fused:
+            return [self.onebit_momentum_exchange(numel_of(shapes), p)]
+        return [self.onebit_momentum_exchange(math.prod(s), p) for s in shapes]
 
     def sign_payload_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         """1-bit payload of ``numel`` elements: a registered sign codec's, else packed signs + one fp32 scale."""
