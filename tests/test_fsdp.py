@@ -403,12 +403,10 @@ def test_training_steps_per_codec_and_exact_resume(ranks):
     for res in results:
         # Exact with the compressor state; not without it (the state matters).
         assert res["resume_topk:ratio=0.1"] == [True, False]
+    # At world size 3 the head's stacked matrix is 3 x 9, whose product CPU matmul rounds by
+    # the operands' alignment: a warm-start factor viewed into a received buffer would differ
+    # from the resumed run's own copy in the last bit.
     powersgd_resumes = [res["resume_powersgd:approx_rank=1"] for res in results]
-    if ranks[0] == 3 and any(r != [True, False] for r in powersgd_resumes):
-        pytest.xfail(
-            "known defect: PowerSGD under FSDP does not resume bit-identically at world size 3 "
-            "since residual updates are staged per step for non-finite skipping"
-        )
     assert all(r == [True, False] for r in powersgd_resumes), powersgd_resumes
 
 

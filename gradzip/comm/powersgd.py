@@ -267,7 +267,11 @@ class PowerSGDReducer:
                         quality.add(mat, local, difference=self.feedback.residuals.get((key, i)))
                     if self.compressor.warm_start:
                         self.q_replaced.setdefault((key, i), self.q_memory.get((key, i)))
-                        self.q_memory[(key, i)] = q_mean
+                        # A copy, not a view into round2: a view sits at an arbitrary offset, and
+                        # CPU matmul rounds differently for misaligned operands (M Q of a 3 x 9 M
+                        # does), so the next step would differ in the last bit from a run resumed
+                        # with the checkpointed (freshly allocated) copy.
+                        self.q_memory[(key, i)] = q_mean.clone()
             if quality is not None:
                 for piece in uncompressed:
                     quality.add_exact(piece)
