@@ -24,6 +24,8 @@ from gradzip.compressors.elementwise import offset_cast_into
 
 #: dither values per 64 random bits
 _PER_DRAW = 4
+#: added to the int16 dither to centre it in units of 2**-16 on [0, 1) (see :func:`dither_units`)
+DITHER_OFFSET = 2**15 + 0.5
 
 
 def dither_source(seed: int, step: int, key: Hashable) -> np.random.Generator:
@@ -37,6 +39,48 @@ def dither_int16(source: np.random.Generator, numel: int) -> Tensor:
     return torch.from_numpy(draws.view(np.int16)[:numel])
 
 
+def _int32(value: int) -> int:
+    """``value`` modulo 2**32 as a signed 32-bit integer."""
+    value &= 0xFFFFFFFF
+    return value - (1 << 32) if value >= 1 << 31 else value
+
+
+#: the hash's multipliers (Wellons' lowbias32 finaliser), as signed int32
+_MIX1, _MIX2 = _int32(0x7FEB352D), _int32(0x846CA68B)
+
+
+def hash_key(seed: int, step: int, key: Hashable) -> tuple[Tensor, Tensor]:
+    """The two 32-bit words of :func:`seed_hash` for ``(seed, step, key)``, 0-d int32 tensors."""
+    h = seed_hash(seed, step, key)
+    return torch.tensor(_int32(h), dtype=torch.int32), torch.tensor(_int32(h >> 32), dtype=torch.int32)
+
+
+def hashed_dither(positions: Tensor, key_low: Tensor, key_high: Tensor) -> Tensor:
+    """A uniform integer on ``[0, 2**16)`` per element position, from a counter-based hash.
+
+    A 32-bit integer hash (the two-multiply finaliser "lowbias32" of C. Wellons' hash
+    prospector) of ``position + key_low``, with ``key_high`` mixed in half way so that the
+    streams of two keys are not shifts of one another; the high 16 bits of the result. Integer
+    arithmetic only, wrapping modulo 2**32, so a compiled kernel that computes it inside its
+    loop (no dither buffer in memory) gives the same integers as eager torch, on every rank.
+
+    Args:
+        positions: int32 tensor of element positions (any shape).
+        key_low, key_high: 0-d int32 tensors from :func:`hash_key`.
+
+    Returns:
+        int32 tensor of ``positions``' shape.
+    """
+    h = positions + key_low
+    # Logical shifts: int32 ``>>`` copies the sign bit, the mask clears what it copied.
+    h = h ^ ((h >> 16) & 0xFFFF)
+    h = (h * _MIX1) ^ key_high
+    h = h ^ ((h >> 15) & 0x1FFFF)
+    h = h * _MIX2
+    h = h ^ ((h >> 16) & 0xFFFF)
+    return (h >> 16) & 0xFFFF
+
+
 def dither_units(source: np.random.Generator, numel: int, dtype: torch.dtype = torch.float32) -> Tensor:
     """A uniform dither in units of ``2**-16``: values ``j + 0.5``, ``j`` uniform on ``0 .. 2**16 - 1``.
 
@@ -48,4 +92,4 @@ def dither_units(source: np.random.Generator, numel: int, dtype: torch.dtype = t
         tensor of shape ``(numel,)`` and ``dtype`` (float32 or float64).
     """
     out = torch.empty(numel, dtype=dtype)
-    return offset_cast_into(dither_int16(source, numel), 2**15 + 0.5, out)
+    return offset_cast_into(dither_int16(source, numel), DITHER_OFFSET, out)

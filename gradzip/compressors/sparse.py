@@ -19,9 +19,9 @@ import torch
 from torch import Tensor
 
 from gradzip import wire
-from gradzip.compressors import register
+from gradzip.compressors import fused, register
 from gradzip.compressors.base import Compressor, Payload, check_int, check_ratio, kept_count, seeded_generator
-from gradzip.compressors.elementwise import flatnonzero, greater_equal, top_positions
+from gradzip.compressors.elementwise import flatnonzero, greater_equal, numpy_ok, top_positions
 
 #: elements handled per step of the candidate scan (1 MiB of fp32: stays in cache)
 SCAN_CHUNK = 1 << 18
@@ -46,6 +46,10 @@ def candidates_at_least(flat: Tensor, threshold: float) -> Tensor:
         threshold: a finite number >= 0.
     """
     numel = flat.numel()
+    if fused.enabled() and numel > SCAN_CHUNK and numpy_ok(flat) and flat.is_contiguous():
+        # One compiled pass writes a byte per element; NumPy's nonzero reads them back.
+        mask = _at_least(flat, torch.tensor(threshold, dtype=flat.dtype))
+        return flatnonzero(mask)
     chunk = min(SCAN_CHUNK, numel)
     magnitude = torch.empty(chunk, dtype=flat.dtype, device=flat.device)
     mask = torch.empty(chunk, dtype=torch.bool, device=flat.device)
@@ -61,6 +65,14 @@ def candidates_at_least(flat: Tensor, threshold: float) -> Tensor:
     if not found:
         return torch.empty(0, dtype=torch.int64, device=flat.device)
     return (torch.cat(found) if len(found) > 1 else found[0]).to(flat.device)
+
+
+def _at_least_mask(flat: Tensor, threshold: Tensor) -> Tensor:
+    # uint8 rather than bool: the compiled loop stores bytes in vectors, bools one by one.
+    return (flat.abs() >= threshold).to(torch.uint8)
+
+
+_at_least = fused.Kernel(_at_least_mask, "topk_candidates")
 
 
 def sampled_threshold(flat: Tensor, count: int, *, margin: float, generator: torch.Generator) -> float:
