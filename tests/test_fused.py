@@ -12,7 +12,7 @@ from gradzip.compressors.dither import hash_key, hashed_dither
 #: uniform group is not a multiple of 8
 CASES = [
     ("qsgd:bits=4,bucket=64", 64 * 5 + 13, ("abs_max_rows", "_qsgd_encoder", "_qsgd_decoder")),
-    ("uniform:bits=2,group=24,rounding=stochastic", 24 * 7 + 5, ("min_max_rows", "_uniform_encoder_loose", "_uniform_decoder_loose")),
+    ("uniform:bits=2,group=20,rounding=stochastic", 20 * 7 + 5, ("min_max_rows", "_uniform_encoder_loose", "_uniform_decoder_loose")),
     ("terngrad", 2 * fused.BLOCK + 5, ("_terngrad_encoder", "_terngrad_decoder")),
     ("natural", 2 * fused.BLOCK + 5, ("_natural_encoder", "_natural_decoder")),
     ("topk:ratio=0.01", 300_007, ("topk_candidates",)),
