@@ -1,11 +1,16 @@
 """Quantizers: a few bits per element plus a few scales.
 
-All of them pack their codes as :func:`gradzip.wire.pack_bits` lays them out, so a 2-bit code costs 2 bits
-on the wire. Arithmetic runs in fp32 (fp64 for fp64 input, and for fp32 input whose scales sit
-near the ends of the fp32 range), so no finite input turns into inf or NaN: zeros, denormals,
-values near the dtype's largest and a single huge outlier all decode to finite values.
-Stochastic rounding draws its dither from :mod:`gradzip.compressors.dither` (exact to
-2**-17 of a quantization step).
+A ``b``-bit code costs ``b`` bits on the wire: codes are packed eight bits to a byte, per row
+of ``group`` (``bucket``) elements, planar when the row length is a multiple of 8 (byte ``j`` of
+a row holds codes ``j, j + B, ...``, see :func:`gradzip.compressors.fused.fold`; TernGrad and
+natural compression use rows of :data:`gradzip.compressors.fused.BLOCK`), and as
+:func:`gradzip.wire.pack_bits` lays them out otherwise and in a short last row. Arithmetic runs
+in fp32 (fp64 for fp64 input, and for fp32 input whose scales sit near the ends of the fp32
+range), so no finite input turns into inf or NaN: zeros, denormals, values near the dtype's
+largest and a single huge outlier all decode to finite values. Stochastic rounding draws its
+dither from :func:`gradzip.compressors.dither.hashed_dither` (exact to 2**-17 of a
+quantization step). The elementwise loops are compiled (:mod:`gradzip.compressors.fused`);
+compiled and eager runs give the same bytes.
 """
 
 from __future__ import annotations
@@ -421,7 +426,7 @@ class Uniform(Compressor):
         # A group whose spread is below tiny (fp64 denormals) is sent as its minimum.
         inverse = torch.where(spread >= tiny, self.steps / spread.clamp(min=tiny), torch.zeros_like(spread))
         # code = floor((x - min) * L / (max - min) + shift), shift 1/2 (nearest) or the dither,
-        # everything in units of 2**-16 of a step for stochastic rounding (see dither_units).
+        # everything in units of 2**-16 of a step for stochastic rounding (see hashed_dither).
         unit = 1.0 if self.rounding == "nearest" else 2.0**16
         inverse = inverse * unit
         offset_term = -low_w * inverse
