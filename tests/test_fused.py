@@ -47,6 +47,21 @@ def test_compiled_equals_eager(spec, numel, kernels, monkeypatch):
     assert sum(t.numel() * t.element_size() for t in payload) == build(spec).payload_nbytes(numel)
 
 
+def test_warm_up_compiles_before_the_first_bucket(monkeypatch):
+    """After :func:`fused.warm_up` a bucket of another size compiles nothing more."""
+    monkeypatch.setenv(fused.ENV, "1")
+    spec = "uniform:bits=4,group=48"
+    assert fused.warm_up(build(spec)) > 0.0
+    compiled = dict(fused.compile_seconds)
+    assert {"min_max_rows", "_uniform_encoder", "_uniform_decoder"} <= {name.split("[")[0] for name in compiled}
+    codec = build(spec)
+    x = torch.randn(48 * 2000 + 7, generator=torch.Generator().manual_seed(1))
+    codec.decompress(codec.compress(x, step=0, key="bucket"), like=x)
+    assert fused.compile_seconds == compiled
+    monkeypatch.setenv(fused.ENV, "0")
+    assert fused.warm_up(build(spec)) == 0.0
+
+
 def test_compile_failure_falls_back_to_eager(monkeypatch):
     def broken(*_args, **_kwargs):
         raise RuntimeError("no compiler here")

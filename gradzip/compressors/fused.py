@@ -15,6 +15,7 @@ the kernels hold no sum whose order could differ: reductions are maxima and mini
 
 from __future__ import annotations
 
+import copy
 import os
 import threading
 import time
@@ -96,6 +97,23 @@ class Kernel:
 
 #: elements per row for the kernels of codecs without per-group parameters
 BLOCK = 1 << 13
+
+
+def warm_up(codec, dtype: torch.dtype = torch.float32) -> float:
+    """Run a copy of ``codec`` once on a ``dtype`` tensor of 2**19 + 37 elements (2 MB in fp32:
+    above the sizes below which codecs skip their kernels, several rows and a short tail), so
+    that the kernels it uses compile now rather than on its first real bucket.
+
+    Returns:
+        the seconds it took (compilation included); 0.0 when compilation is off.
+    """
+    if not enabled():
+        return 0.0
+    start = time.perf_counter()
+    x = torch.randn((1 << 19) + 37, generator=torch.Generator().manual_seed(0)).to(dtype)
+    probe = copy.deepcopy(codec)
+    probe.decompress(probe.compress(x, step=0, key="warm-up"), like=x)
+    return time.perf_counter() - start
 
 
 def fold(codes: Tensor, bits: int) -> Tensor:
