@@ -29,7 +29,9 @@ def _write_compare_dir(root, *, limit=True, title="4 workers, 100mbit links"):
     for row in rows:
         run = root / "runs" / row["compressor"].replace(":", "_").replace("=", "_")
         run.mkdir(parents=True)
-        (run / "summary.json").write_text(json.dumps({"world_size": 4, "compressor": row["compressor"]}))
+        summary = {"world_size": 4, "compressor": row["compressor"], "communicate_s_median": 1.25,
+                   "hook": "torch" if row["compressor"].startswith("torch:") else "gradzip"}
+        (run / "summary.json").write_text(json.dumps(summary))
         lines = [{"compress_s": c, "decompress_s": d} for c, d in metrics.get(run.name, [(0.0, 0.0)])]
         (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     return root
@@ -138,3 +140,28 @@ def test_measured_codec_speed_is_a_finite_rate(spec):
     assert speed.source.startswith("measured")
     with pytest.raises(ValueError, match="numel"):
         measure_codec_speed(Method(spec), numel=10)
+
+
+def test_calibrate_two_hosts_and_unrecorded_routes(tmp_path):
+    """World size 2 (ring all_reduce sends n, all_gather (p - 1) n), a per-step bucket log without
+    its route (the codec's route is used), and the measured comm beside the model's."""
+    cmp = _write_compare_dir(tmp_path / "cmp2", title="2 workers, 20mbit links")
+    for run in (cmp / "runs").iterdir():
+        summary = json.loads((run / "summary.json").read_text())
+        summary["world_size"] = 2
+        (run / "summary.json").write_text(json.dumps(summary))
+    topk_metrics = cmp / "runs" / "topk_ratio_0.01" / "metrics.jsonl"
+    bucket = {"0": {"codec": "topk", "payload_bytes": 1_000_000, "compress_s": 0.1, "communicate_s": 1.0}}
+    topk_metrics.write_text(json.dumps({"compress_s": 0.2, "decompress_s": 0.05, "buckets": bucket}) + "\n")
+    rows = {r.compressor: r for r in calibrate(cmp, latency_us=50)}
+    rate = 20e6 / 8 * TCP_GOODPUT
+    assert rows["none"].world_size == 2
+    assert rows["none"].comm_s == pytest.approx(2 * 50e-6 + 16e6 / rate, rel=1e-12)
+    assert rows["none"].predicted_sent_bytes == pytest.approx(16e6)
+    topk = rows["topk:ratio=0.01"]
+    assert topk.collective == "allgather"
+    assert topk.comm_s == pytest.approx(50e-6 + 1e6 / rate, rel=1e-12)
+    assert topk.predicted_sent_bytes == pytest.approx(1e6)
+    assert rows["none"].measured_comm_s == 1.25 and topk.measured_comm_s == 1.25
+    # PyTorch's hooks do not time their collectives; an unfinished run has no measurement
+    assert rows["torch:powersgd"].measured_comm_s is None and rows["torch:fp16"].measured_comm_s is None

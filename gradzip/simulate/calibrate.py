@@ -17,7 +17,8 @@ Expected layout (what ``gradzip compare`` writes; other fields are ignored)::
         wire_bytes_exchange | wire_bytes   interface bytes per host over the run, optional
     DIR/runs/<label>/summary.json   per run (label with characters other than letters, digits,
                                 ".", "_", "-" replaced by "_"): world_size, payload_bytes_per_step,
-                                compress_s_median, step_s_median
+                                compress_s_median, step_s_median, communicate_s_median (optional:
+                                the wall seconds per step with a collective of rank 0 in flight)
     DIR/runs/<label>/metrics.jsonl  per step: compress_s, decompress_s (used when the row and
                                 the summary have no codec seconds)
     DIR/report.md               its title names the link: "... 4 workers, 100mbit links"
@@ -87,7 +88,9 @@ class CalibrationRow:
 
     ``predicted_step_s`` is None for a run whose payload bytes were not recorded;
     ``link_efficiency`` is the payload fraction of the link rate the prediction used;
-    ``measured_sent_bytes`` counts Ethernet frames (headers and acknowledgements included).
+    ``measured_sent_bytes`` counts Ethernet frames (headers and acknowledgements included);
+    ``measured_comm_s`` is rank 0's median seconds per step with a collective in flight (None when
+    not recorded), set beside ``comm_s`` to tell the collectives' error from the compute's.
     """
 
     directory: str
@@ -104,6 +107,7 @@ class CalibrationRow:
     predicted_sent_bytes: float
     measured_sent_bytes: float | None
     link_efficiency: float = TCP_GOODPUT
+    measured_comm_s: float | None = None
 
     @property
     def error(self) -> float | None:
@@ -172,16 +176,24 @@ def _codec_seconds(row: dict, summary: dict, metrics_path: Path | None) -> tuple
 
 
 def _rounds_for(compressor: str, payload_bytes: float, buckets: dict) -> list[tuple[str, float]]:
-    """The collectives one rank issued per step: ``(collective, its bytes per rank)``."""
+    """The collectives one rank issued per step: ``(collective, its bytes per rank)``.
+
+    A bucket's recorded route wins; a bucket without one (the per-step log keeps only its codec,
+    bytes and seconds) takes the route the reducer gives the run's codec.
+    """
+    route = _codec_route(compressor)
     if buckets:
-        return [(b.get("collective", "allreduce"), float(b["payload_bytes"])) for b in buckets.values()]
+        return [(b.get("collective") or route, float(b["payload_bytes"])) for b in buckets.values()]
+    return [(route, payload_bytes)]
+
+
+def _codec_route(compressor: str) -> str:
+    """``allreduce`` for aggregatable and multi-round codecs and PyTorch's hooks, else ``allgather``."""
     name = compressor.split(":", 1)[0]
     if name.startswith("torch") or name == ONEBIT_ADAM or name not in REGISTRY:
-        return [("allreduce", payload_bytes)]
+        return "allreduce"
     codec = build(compressor)
-    if codec.multi_round or codec.aggregatable:
-        return [("allreduce", payload_bytes)]
-    return [("allgather", payload_bytes)]
+    return "allreduce" if codec.multi_round or codec.aggregatable else "allgather"
 
 
 def calibrate(
@@ -248,10 +260,14 @@ def calibrate(
         steps = row.get("steps") or summary.get("steps")
         wire = row.get("wire_bytes_exchange") or row.get("wire_bytes")
         measured_sent = wire / steps if wire and steps else None
+        # PyTorch's hooks do not time their collectives (their summary says hook "torch").
+        measured_comm = summary.get("communicate_s_median") if summary.get("hook", "gradzip") == "gradzip" else None
+        measured_comm = float(measured_comm) if measured_comm is not None and measured is not None else None
         if payload is None:
             # The hook did not count its bytes (PyTorch's PowerSGD): nothing to predict from.
             out.append(CalibrationRow(str(root), compressor, world_size, rate_bits / 1e6, measured, None,
-                                      compute_s, 0.0, 0.0, 0.0, "unknown", 0.0, measured_sent, link_efficiency))
+                                      compute_s, 0.0, 0.0, 0.0, "unknown", 0.0, measured_sent, link_efficiency,
+                                      measured_comm))
             continue
         payload = float(payload)
         codec_s, buckets = _codec_seconds(row, summary, run_dir / "metrics.jsonl" if run_dir is not None else None)
@@ -268,7 +284,7 @@ def calibrate(
             CalibrationRow(
                 str(root), compressor, world_size, rate_bits / 1e6, measured,
                 compute_s + codec_s + comm_s, compute_s, codec_s, comm_s, payload,
-                "+".join(sorted({c for c, _ in rounds})), sent, measured_sent, link_efficiency,
+                "+".join(sorted({c for c, _ in rounds})), sent, measured_sent, link_efficiency, measured_comm,
             )
         )
     out.sort(key=lambda r: r.compressor != "limit")

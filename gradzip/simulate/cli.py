@@ -199,7 +199,7 @@ def format_calibration(rows: list[CalibrationRow], *, fitted: bool = False) -> s
     """A Markdown table of predicted vs measured step times (``fitted``: the ``none`` rows fixed the link)."""
     lines = [
         "| run | world_size | link Mbit/s | compressor | collective | measured s | predicted s | error "
-        "| compute s | codec s | comm s | sent MB/rank/step (model / interface) |",
+        "| compute s | codec s | comm s (model / measured) | sent MB/rank/step (model / interface) |",
         "|" + "---|" * 12,
     ]
     for r in rows:
@@ -209,10 +209,11 @@ def format_calibration(rows: list[CalibrationRow], *, fitted: bool = False) -> s
         measured = "-" if r.measured_step_s is None else f"{r.measured_step_s:.3f}"
         iface = "-" if r.measured_sent_bytes is None else f"{r.measured_sent_bytes / 1e6:.2f}"
         predicted = "-" if r.predicted_step_s is None else f"{r.predicted_step_s:.3f}"
+        comm = "-" if r.measured_comm_s is None else f"{r.measured_comm_s:.3f}"
         lines.append(
             f"| {Path(r.directory).name} | {r.world_size} | {r.bandwidth_mbit:g} | {r.compressor} | {r.collective} "
             f"| {measured} | {predicted} | {err} | {r.compute_s:.3f} | {r.codec_s:.3f} "
-            f"| {r.comm_s:.3f} | {r.predicted_sent_bytes / 1e6:.2f} / {iface} |"
+            f"| {r.comm_s:.3f} / {comm} | {r.predicted_sent_bytes / 1e6:.2f} / {iface} |"
         )
     return "\n".join(lines)
 
