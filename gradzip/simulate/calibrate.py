@@ -315,3 +315,31 @@ def fit_link_efficiency(
     if not (bandwidth_s > 0 and measured_s > 0):
         raise ValueError(f"the 'none' run in {directory} is not slower than compute alone: nothing to fit")
     return min(1.0, bandwidth_s / measured_s)
+
+
+def fit_link_efficiency_on_comm(
+    directories: list[str | Path], *, bandwidth: str | float | None = None, latency_us: float = DEFAULT_LATENCY_US
+) -> float:
+    """One payload fraction of the link rate for all ``directories``, fitted on the collectives alone.
+
+    For every finished ``none`` run with a recorded ``communicate_s_median`` (rank 0's seconds per
+    step with a collective in flight), the model's bandwidth term at the full rate ``B`` and the
+    measured collective seconds less the latency terms ``M``; the fit is ``sum(B) / sum(M)``, so
+    the slowest links weigh most. Compute alone does not enter: a step slowed by other load on the
+    hosts does not move the fit.
+
+    Raises:
+        ValueError: if no directory has such a ``none`` run.
+    """
+    bandwidth_s = measured_s = 0.0
+    for directory in directories:
+        rows = {r.compressor: r for r in calibrate(directory, bandwidth=bandwidth, latency_us=latency_us, link_efficiency=1.0)}
+        none = rows.get("none")
+        if none is None or none.measured_comm_s is None or none.collective != "allreduce":
+            continue
+        latency_s = 2 * (none.world_size - 1) * latency_us * 1e-6
+        bandwidth_s += none.comm_s - latency_s
+        measured_s += none.measured_comm_s - latency_s
+    if not (bandwidth_s > 0 and measured_s > 0):
+        raise ValueError("link efficiency 'fit-comm' needs a finished 'none' run with its collective seconds recorded")
+    return min(1.0, bandwidth_s / measured_s)
