@@ -69,4 +69,4 @@ def test_compare_runs_an_optimizer_entry_behind_the_uncompressed_hook(tmp_path):
 
 def test_compressed_optimizer_refuses_fsdp(capsys, tmp_path):
     assert main(["train", "--fsdp", "--compressor", "none", "--optimizer", "onebit-adam", "--out", str(tmp_path / "x")]) == 2
-    assert "cannot run with --fsdp" in capsys.readouterr().err
+    assert "with --fsdp use adamw" in capsys.readouterr().err
