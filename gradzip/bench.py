@@ -23,7 +23,10 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from gradzip.compressors import Compressor, build, list_compressors
+from gradzip.bench_input import bench_input, heavy_tailed_gradient
+from gradzip.compressors import Compressor, build, fused, list_compressors
+
+__all__ = ["heavy_tailed_gradient", "measure", "run", "split_specs"]
 
 FIELDS = ("codec", "gbps", "payload_bytes", "formula_bytes", "compression_ratio", "rel_error", "ratio_to_elementwise")
 
@@ -69,19 +72,6 @@ def split_specs(text: str) -> list[str]:
     return specs
 
 
-def heavy_tailed_gradient(numel: int, *, seed: int = 0, dof: int = 3, scale: float = 1e-3) -> Tensor:
-    """A synthetic gradient: Student-t with ``dof`` degrees of freedom times ``scale``, fp32.
-
-    Built from normals only (``z / sqrt(chi2_dof / dof)``, the chi-squared as a sum of squared
-    normals) with a seeded generator, so it is the same on every run.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    chi2 = torch.zeros(numel)
-    for _ in range(dof):
-        chi2.addcmul_(z := torch.randn(numel, generator=gen), z)
-    return torch.randn(numel, generator=gen).div_(chi2.div_(dof).sqrt_()).mul_(scale)
-
-
 def _median_s(timings: list[float]) -> float:
     return statistics.median(timings)
 
@@ -92,8 +82,12 @@ CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 def measure(codec: Compressor, x: Tensor, *, repeats: int, clock: str = "cpu") -> dict:
     """Time ``codec`` against ``x.abs()``, interleaved, and return one result row."""
     dense_bytes = x.numel() * x.element_size()
+    compiled_before = sum(fused.compile_seconds.values())
+    first_start = time.perf_counter()
     payload = codec.compress(x, step=0, key=0)
     decoded = codec.decompress(payload, like=x)
+    first_call_s = time.perf_counter() - first_start
+    compile_s = sum(fused.compile_seconds.values()) - compiled_before
     rel_error = float((x.double() - decoded.double()).norm() / x.double().norm().clamp(min=1e-300))
     payload_bytes = payload.nbytes
     del payload, decoded
@@ -118,6 +112,8 @@ def measure(codec: Compressor, x: Tensor, *, repeats: int, clock: str = "cpu") -
         "rel_error": rel_error,
         "ratio_to_elementwise": gbps / base_gbps,
         "elementwise_gbps": base_gbps,
+        "first_call_s": first_call_s,
+        "compile_s": compile_s,
     }
 
 
@@ -143,13 +139,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{codec.name} is a multi-round reducer; bench times single-round codecs")
     torch.set_num_threads(args.threads)
     numel = int(args.size_mb * (1 << 20)) // 4
-    x = heavy_tailed_gradient(numel)
-    source = "synthetic heavy-tailed gradient (Student-t, 3 degrees of freedom)"
+    x, source = bench_input(numel, source=args.input, checkpoint=args.checkpoint)
     rows = [measure(codec, x, repeats=args.repeats, clock=args.clock) for codec in codecs]
     note = (
         f"{source}, {numel:,} fp32 elements ({numel * 4 / 1e6:.1f} MB), {args.threads} thread(s), "
         f"{args.clock} clock; medians of {args.repeats} interleaved repeats; baseline x.abs(); codec "
-        "and baseline both allocate their outputs each repeat"
+        "and baseline both allocate their outputs each repeat; kernels "
+        + ("compiled (first call of each codec, compilation included, untimed: see 'first s')" if fused.enabled() else "eager (GRADZIP_COMPILE=0)")
     )
     if args.json:
         print(json.dumps([{k: row[k] for k in FIELDS} for row in rows], indent=2))
@@ -158,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     print(note)
     header = (
         f"{'codec':<34} {'GB/s':>6} {'abs GB/s':>8} {'vs abs':>7} {'payload B':>11} {'formula B':>11} "
-        f"{'ratio':>7} {'rel err':>8}"
+        f"{'ratio':>7} {'rel err':>8} {'first s':>8}"
     )
     print(header)
     print("-" * len(header))
@@ -166,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{r['codec']:<34} {r['gbps']:>6.2f} {r['elementwise_gbps']:>8.2f} {r['ratio_to_elementwise']:>7.2f} "
             f"{r['payload_bytes']:>11,} "
-            f"{r['formula_bytes']:>11,} {r['compression_ratio']:>6.1f}x {r['rel_error']:>8.4f}"
+            f"{r['formula_bytes']:>11,} {r['compression_ratio']:>6.1f}x {r['rel_error']:>8.4f} {r['first_call_s']:>8.1f}"
         )
     return 0
 
@@ -186,6 +182,18 @@ def add_parser(sub) -> None:
         choices=sorted(CLOCKS),
         default="cpu",
         help="cpu: this process's CPU time, robust to other jobs on the machine (default); wall: elapsed time",
+    )
+    p.add_argument(
+        "--input",
+        choices=("auto", "model", "synthetic"),
+        default="auto",
+        help="model: a gradient of the main job's model on its corpus (needs the tokenizer cache that gradzip train "
+        "fills); synthetic: heavy-tailed; auto (default): model when available, else synthetic",
+    )
+    p.add_argument(
+        "--checkpoint",
+        default=None,
+        help="a main-job run or checkpoint folder: take the gradient of its trained model (with --input model/auto)",
     )
     p.add_argument("--json", action="store_true", help="print a JSON list with the fields " + ", ".join(FIELDS))
     p.set_defaults(func=run)

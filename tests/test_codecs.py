@@ -285,7 +285,8 @@ def test_bench_json_has_exactly_the_fields(capsys):
     ]
     with pytest.raises(ValueError, match="codec name"):
         split_specs("bits=4,topk")
-    assert cli.main(["bench", "--size-mb", "0.05", "--repeats", "1", "--codecs", "topk,qsgd:bits=2,bucket=64", "--json"]) == 0
+    argv = ["bench", "--size-mb", "0.05", "--repeats", "1", "--codecs", "topk,qsgd:bits=2,bucket=64", "--json"]
+    assert cli.main([*argv, "--input", "synthetic"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [row["codec"] for row in rows] == ["topk", "qsgd:bits=2,bucket=64"]
     for row in rows:

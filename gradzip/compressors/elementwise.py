@@ -60,8 +60,8 @@ def cast_into(src: Tensor, out: Tensor) -> Tensor:
 
 
 def flatnonzero(mask: Tensor) -> Tensor:
-    """Positions (int64, ascending) of the true elements of a 1-D bool tensor (NumPy's counting
-    nonzero on CPU, about 4x faster than torch's)."""
+    """Positions (int64, ascending) of the true (nonzero) elements of a 1-D bool or uint8
+    tensor (NumPy's counting nonzero on CPU, about 4x faster than torch's)."""
     if numpy_ok(mask) and mask.is_contiguous():
         return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
     return mask.nonzero().view(-1)

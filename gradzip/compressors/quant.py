@@ -1,16 +1,23 @@
 """Quantizers: a few bits per element plus a few scales.
 
-All of them pack their codes as :func:`gradzip.wire.pack_bits` lays them out, so a 2-bit code costs 2 bits
-on the wire. Arithmetic runs in fp32 (fp64 for fp64 input, and for fp32 input whose scales sit
-near the ends of the fp32 range), so no finite input turns into inf or NaN: zeros, denormals,
-values near the dtype's largest and a single huge outlier all decode to finite values.
-Stochastic rounding draws its dither from :mod:`gradzip.compressors.dither` (exact to
-2**-17 of a quantization step).
+A ``b``-bit code costs ``b`` bits on the wire: codes are packed eight bits to a byte, per row
+of ``group`` (``bucket``) elements, planar when the row length is a multiple of 8 (byte ``j`` of
+a row holds codes ``j, j + B, ...``, see :func:`gradzip.compressors.fused.fold`; TernGrad and
+natural compression use rows of :data:`gradzip.compressors.fused.BLOCK`), and as
+:func:`gradzip.wire.pack_bits` lays them out otherwise and in a short last row. Arithmetic runs
+in fp32 (fp64 for fp64 input, and for fp32 input whose scales sit near the ends of the fp32
+range), so no finite input turns into inf or NaN: zeros, denormals, values near the dtype's
+largest and a single huge outlier all decode to finite values. Stochastic rounding draws its
+dither from :func:`gradzip.compressors.dither.hashed_dither` (exact to 2**-17 of a
+quantization step). The elementwise loops are compiled (:mod:`gradzip.compressors.fused`);
+compiled and eager runs give the same bytes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import math
+from collections.abc import Callable, Hashable
+from functools import cache
 
 import torch
 from torch import Tensor
@@ -18,8 +25,15 @@ from torch import Tensor
 from gradzip import wire
 from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload, check_int
-from gradzip.compressors.dither import dither_int16, dither_source, dither_units
-from gradzip.compressors.elementwise import cast_into, less, pack_codes, pack_flags, scaled_cast_into, unpack_codes
+from gradzip.compressors.dither import hash_key, hashed_dither
+from gradzip.compressors.fused import (
+    BLOCK,
+    abs_max_rows,
+    decode_rows,
+    encode_rows,
+    min_max_rows,
+    reduce_rows,
+)
 
 #: rows of groups handled per step of the encoding loops (about 1 MiB of fp32: stays in cache)
 CHUNK = 1 << 18
@@ -80,6 +94,22 @@ def _fits_fp32(scales: Tensor, low: float) -> bool:
     return top <= torch.finfo(torch.float32).max / 4 and bottom >= low
 
 
+def _std(flat: Tensor) -> float:
+    """The population standard deviation of ``flat`` from its sum and sum of squares (two
+    vectorised reductions; ``torch.std`` runs several times slower on CPU). Where the mean
+    dwarfs the spread, so that the difference of moments loses its digits, ``torch.std``.
+    Returns inf where the squares overflow."""
+    numel = flat.numel()
+    mean = float(flat.sum()) / numel
+    mean_square = float(torch.dot(flat, flat)) / numel if flat.is_floating_point() else float("nan")
+    variance = mean_square - mean * mean
+    if not math.isfinite(mean_square):
+        return float("inf")
+    if variance <= 1e-3 * mean * mean:
+        return float(torch.std(flat, correction=0))
+    return math.sqrt(variance)
+
+
 @register
 class QSGD(Compressor):
     """QSGD: stochastic quantization to ``s = 2**bits - 1`` levels per bucket (``qsgd:bits=,bucket=``).
@@ -137,16 +167,10 @@ class QSGD(Compressor):
         )
 
     def _scales(self, flat: Tensor) -> Tensor:
-        parts = []
-        for _offset, view in grouped(flat, self.bucket):
-            if self.norm == "max":
-                # amax and amin separately: torch.aminmax along a dim runs several times slower.
-                parts.append(torch.maximum(view.amax(1), view.amin(1).neg_()))
-            else:
-                parts.append(torch.linalg.vector_norm(view, dim=1, dtype=torch.float64))
-        scales = torch.cat(parts)
         if self.norm == "max":
-            return scales
+            return reduce_rows(abs_max_rows, flat, group=self.bucket)[0]
+        parts = [torch.linalg.vector_norm(view, dim=1, dtype=torch.float64) for _offset, view in grouped(flat, self.bucket)]
+        scales = torch.cat(parts)
         wire_dtype = self.scale_dtype(flat.dtype)
         limit = torch.finfo(wire_dtype).max
         rounded = scales.clamp(max=limit).to(wire_dtype)
@@ -171,25 +195,13 @@ class QSGD(Compressor):
         # would otherwise need a reciprocal beyond the dtype's range.
         inverse = torch.where(wide >= tiny, self.levels / wide.clamp(min=tiny), torch.zeros_like(wide))
         # In units of 2**-16 of a level: the dither, plus 2**16 * |v| * s / scale below.
-        dither = dither_units(dither_source(self.seed, step, key), numel, work).to(flat.device)
         inverse *= 1 << 16
-        levels = torch.empty(numel, dtype=torch.uint8, device=flat.device)
-        scratch = torch.empty(min(numel, CHUNK + self.bucket), dtype=work, device=flat.device)
-        row = 0
-        for offset, view in grouped(flat, self.bucket):
-            size = view.shape[1]
-            for first, start, block in row_chunks(offset, view):
-                count = block.numel()
-                magnitude = scratch[:count].view(block.shape)
-                magnitude.copy_(block).abs_()
-                part = dither[start : start + count].view(block.shape)
-                # level = floor(|v| * s / scale + u): rounds up with probability frac(|v| * s / scale).
-                part.addcmul_(magnitude, inverse[row + first : row + first + block.shape[0], None])
-                scaled_cast_into(part.view(-1), 2.0**-16, levels[start : start + count])
-            row += view.numel() // size
-        levels.clamp_(max=self.levels)
-        signs = pack_flags(less(flat, 0))
-        return Payload((signs, pack_codes(levels, self.bits), scales))
+        encode = _qsgd_encoder(self.levels, work)
+        params = (inverse, *hash_key(self.seed, step, key))
+        signs, levels = encode_rows(
+            encode, (flat,), params, group=self.bucket, out_bits=(1, self.bits), with_positions=True
+        )
+        return Payload((signs, levels, scales))
 
     def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
         """Returns: ``scale * sign * level / s`` shaped and typed as ``like``."""
@@ -200,20 +212,40 @@ class QSGD(Compressor):
         work = compute_dtype(like.dtype)
         if work == torch.float32 and not _fits_fp32(scales, low=self.levels * 2.0**-100):
             work = torch.float64
+        decode = _qsgd_decoder(self.levels, work, like.dtype, self.norm == "l2")
+        codes = ((signs, 1), (packed, self.bits))
+        values = decode_rows(decode, codes, (scales.to(work),), group=self.bucket, numel=numel)
+        return values.view(like.shape)
+
+
+@cache
+def _qsgd_encoder(levels: int, work: torch.dtype) -> Callable[..., tuple[Tensor, Tensor]]:
+    """QSGD's encoding loop: ``(x, dither int16, 2**16 s / scale per row) -> (signs, levels)``."""
+
+    def encode(x: Tensor, inverse: Tensor, key_low: Tensor, key_high: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        # level = floor(|v| * s / scale + u): rounds up with probability frac(|v| * s / scale).
+        dither = hashed_dither(pos, key_low, key_high).to(work) + 0.5
+        units = x.to(work).abs() * inverse + dither
+        level = (units * 2.0**-16).clamp(max=levels).to(torch.int32)
+        return (x < 0).to(torch.int32), level
+
+    return encode
+
+
+@cache
+def _qsgd_decoder(levels: int, work: torch.dtype, out: torch.dtype, clamp: bool) -> Callable[..., Tensor]:
+    """QSGD's decoding loop: ``(signs, levels, scale per row) -> values`` in ``out``."""
+    limit = torch.finfo(out).max
+
+    def decode(negative: Tensor, level: Tensor, scales: Tensor) -> Tensor:
         # level * (1 / s) rounds to at most 1, so the product with the scale never exceeds it.
-        values = torch.empty(numel, dtype=work, device=like.device)
-        scaled_cast_into(unpack_codes(packed, self.bits, numel), 1.0 / self.levels, values)
-        negative = cast_into(unpack_codes(signs, 1, numel), torch.empty_like(values))
-        values.addcmul_(values, negative, value=-2.0)  # v * (1 - 2 * negative)
-        wide = scales.to(work)
-        row = 0
-        for _offset, view in grouped(values, self.bucket):
-            view.mul_(wide[row : row + view.shape[0], None])
-            row += view.shape[0]
-        if self.norm == "l2":
-            limit = torch.finfo(like.dtype).max
-            values.clamp_(-limit, limit)
-        return values.to(like.dtype).view(like.shape)
+        magnitude = level.to(work) * (1.0 / levels)
+        values = torch.where(negative != 0, -magnitude, magnitude) * scales
+        if clamp:
+            values = values.clamp(-limit, limit)
+        return values.to(out)
+
+    return decode
 
 
 @register
@@ -257,32 +289,69 @@ class TernGrad(Compressor):
     def compress(self, x: Tensor, *, step: int = 0, key: Hashable = 0) -> Payload:
         """Args: x of any shape and floating dtype. Returns: ``Payload((codes, scaler (1,)))``."""
         flat = x.reshape(-1)
+        numel = flat.numel()
         work = compute_dtype(flat.dtype)
-        magnitude = flat.to(work).abs() if flat.dtype != work else flat.abs()
-        if self.clip > 0 and flat.numel() > 1:
-            sigma = float(torch.std(flat if flat.dtype == work else flat.to(work), correction=0))
+        bound = float("inf")
+        if self.clip > 0 and numel > 1:
+            sigma = _std(flat if flat.dtype == work else flat.to(work))
             if not sigma < float("inf"):
                 # Squares of values near the top of fp32 overflow; fp64 holds them.
                 sigma = float(torch.std(flat.to(torch.float64), correction=0))
-            bound = self.clip * sigma
-            if 0 < bound < torch.finfo(work).max:
-                magnitude.clamp_(max=bound)
-        scaler = magnitude.max().reshape(1) if flat.numel() else torch.zeros(1, dtype=work)
-        dither = dither_units(dither_source(self.seed, step, key), flat.numel(), work).to(flat.device)
+            if 0 < self.clip * sigma < torch.finfo(work).max:
+                bound = self.clip * sigma
+        bound = torch.tensor(bound, dtype=work)
+        if numel == 0:
+            return Payload((torch.empty(0, dtype=torch.uint8, device=flat.device), torch.zeros(1, dtype=work)))
+        # max of the clipped magnitudes = the clipping bound or max |g|, whichever is smaller
+        scaler = torch.minimum(reduce_rows(abs_max_rows, flat, group=numel)[0].to(work), bound).reshape(1)
         # b_i = [u_i < |g_i| / s], compared as 2**16 u_i < |g_i| * (2**16 / s); a scaler so small
         # that 2**16 / s overflows leaves inf * 0 = nan for zeros, which compares false.
-        factor = (2.0**16 / scaler.double()).clamp(max=torch.finfo(work).max).to(work)
-        keep = less(dither, magnitude.mul_(factor)).view(torch.uint8)
-        # code = b_i << [g_i < 0]: 0 for zero, 1 for plus, 2 for minus.
-        codes = keep << less(flat, 0).view(torch.uint8)
-        return Payload((pack_codes(codes, 2), scaler))
+        factor = (2.0**16 / scaler.double()).clamp(max=torch.finfo(work).max).to(work).reshape(())
+        (codes,) = encode_rows(
+            _terngrad_encoder(work),
+            (flat,),
+            (factor, bound, *hash_key(self.seed, step, key)),
+            group=BLOCK,
+            out_bits=(2,),
+            with_positions=True,
+        )
+        return Payload((codes, scaler))
 
     def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
         """Returns: ``scaler * {0, +1, -1}[code]`` shaped and typed as ``like``."""
         packed, scaler = payload.tensors
-        ternary = wire.unpack_bits(packed, 2, like.numel(), lut=torch.tensor([0, 1, -1, 0], dtype=torch.int8))
-        values = scaled_cast_into(ternary, float(scaler), torch.empty(like.numel(), dtype=scaler.dtype))
-        return values.to(like.dtype).view(like.shape)
+        numel = like.numel()
+        if numel == 0:
+            return torch.empty_like(like, memory_format=torch.contiguous_format)
+        decode = _terngrad_decoder(scaler.dtype, like.dtype)
+        values = decode_rows(decode, ((packed, 2),), (scaler.reshape(()),), group=BLOCK, numel=numel)
+        return values.view(like.shape)
+
+
+@cache
+def _terngrad_encoder(work: torch.dtype) -> Callable[..., tuple[Tensor]]:
+    """TernGrad's encoding loop: ``(g, dither int16, 2**16 / s, bound) -> 2-bit codes``."""
+
+    def encode(x: Tensor, factor: Tensor, bound: Tensor, key_low: Tensor, key_high: Tensor, pos: Tensor) -> tuple[Tensor]:
+        magnitude = torch.minimum(x.to(work).abs(), bound)
+        dither = hashed_dither(pos, key_low, key_high).to(work) + 0.5
+        keep = (dither < magnitude * factor).to(torch.int32)
+        # code = b_i << [g_i < 0]: 0 for zero, 1 for plus, 2 for minus.
+        return (keep << (x < 0).to(torch.int32),)
+
+    return encode
+
+
+@cache
+def _terngrad_decoder(work: torch.dtype, out: torch.dtype) -> Callable[..., Tensor]:
+    """TernGrad's decoding loop: ``(2-bit codes, s) -> s * {0, +1, -1}[code]`` in ``out``."""
+
+    def decode(code: Tensor, scaler: Tensor) -> Tensor:
+        zero = torch.zeros((), dtype=work)
+        values = torch.where(code == 1, scaler, torch.where(code == 2, -scaler, zero))
+        return values.to(out)
+
+    return decode
 
 
 @register
@@ -349,13 +418,7 @@ class Uniform(Compressor):
         numel = flat.numel()
         if numel == 0:
             return Payload((torch.empty(0, dtype=torch.uint8, device=flat.device), flat.new_empty(0), flat.new_empty(0)))
-        lows, highs = [], []
-        for _offset, view in grouped(flat, self.group):
-            # amin and amax separately: torch.aminmax along a dim runs several times slower.
-            lows.append(view.amin(1))
-            highs.append(view.amax(1))
-        low = torch.cat(lows) if lows else flat.new_empty(0)
-        high = torch.cat(highs) if highs else flat.new_empty(0)
+        low, high = reduce_rows(min_max_rows, flat, group=self.group)
         work, prescale = self._frame(low, high, flat.dtype)
         low_w, high_w = low.to(work) * prescale, high.to(work) * prescale
         spread = high_w - low_w
@@ -363,32 +426,19 @@ class Uniform(Compressor):
         # A group whose spread is below tiny (fp64 denormals) is sent as its minimum.
         inverse = torch.where(spread >= tiny, self.steps / spread.clamp(min=tiny), torch.zeros_like(spread))
         # code = floor((x - min) * L / (max - min) + shift), shift 1/2 (nearest) or the dither,
-        # everything in units of 2**-16 of a step for stochastic rounding (see dither_units).
+        # everything in units of 2**-16 of a step for stochastic rounding (see hashed_dither).
         unit = 1.0 if self.rounding == "nearest" else 2.0**16
         inverse = inverse * unit
         offset_term = -low_w * inverse
         if self.rounding == "nearest":
             offset_term += 0.5
-        dither = None
-        if self.rounding == "stochastic":
-            dither = dither_units(dither_source(self.seed, step, key), numel, work).to(flat.device)
-        codes = torch.empty(numel, dtype=torch.uint8, device=flat.device)
-        scratch = torch.empty(min(numel, CHUNK + self.group), dtype=work, device=flat.device)
-        row = 0
-        for offset, view in grouped(flat, self.group):
-            for first, start, block in row_chunks(offset, view):
-                count = block.numel()
-                rows = slice(row + first, row + first + block.shape[0])
-                part = scratch[:count].view(block.shape)
-                if prescale != 1.0:
-                    block = block * prescale
-                torch.addcmul(offset_term[rows, None], block, inverse[rows, None], out=part)
-                if dither is not None:
-                    part.add_(dither[start : start + count].view(block.shape))
-                part.clamp_(0, (self.steps + 1) * unit - 1)
-                scaled_cast_into(part.view(-1), 1.0 / unit, codes[start : start + count])
-            row += view.shape[0]
-        return Payload((pack_codes(codes, self.bits), low, high))
+        params = (torch.tensor(prescale, dtype=work), offset_term, inverse, *hash_key(self.seed, step, key))
+        encode = _uniform_encoder(self.steps, work, self.rounding)
+        stochastic = self.rounding == "stochastic"
+        (codes,) = encode_rows(
+            encode, (flat,), params, group=self.group, out_bits=(self.bits,), with_positions=stochastic
+        )
+        return Payload((codes, low, high))
 
     def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
         """Returns: ``min + code * (max - min) / L`` shaped and typed as ``like``."""
@@ -399,19 +449,41 @@ class Uniform(Compressor):
         work, prescale = self._frame(low, high, like.dtype)
         low_w, high_w = low.to(work) * prescale, high.to(work) * prescale
         step_size = (high_w - low_w) / self.steps
-        values = cast_into(unpack_codes(packed, self.bits, numel), torch.empty(numel, dtype=work, device=like.device))
-        row = 0
-        for _offset, view in grouped(values, self.group):
-            rows = view.shape[0]
-            lo, hi = low_w[row : row + rows, None], high_w[row : row + rows, None]
-            torch.addcmul(lo, view, step_size[row : row + rows, None], out=view)
-            if prescale != 1.0:
-                # Rounding could step one ulp past max; the clamp keeps it finite after unscaling.
-                torch.minimum(torch.maximum(view, lo), hi, out=view)
-            row += rows
-        if prescale != 1.0:
-            values /= prescale
-        return values.to(like.dtype).view(like.shape)
+        decode = _uniform_decoder(work, like.dtype)
+        params = (low_w, step_size, high_w, torch.tensor(1 / prescale, dtype=work))
+        return decode_rows(decode, ((packed, self.bits),), params, group=self.group, numel=numel).view(like.shape)
+
+
+@cache
+def _uniform_encoder(steps: int, work: torch.dtype, rounding: str) -> Callable[..., tuple[Tensor]]:
+    """The uniform quantizer's encoding loop: ``(x[, dither int16], prescale, offset, L / spread
+    per row) -> codes``."""
+    unit = 1.0 if rounding == "nearest" else 2.0**16
+    top = (steps + 1) * unit - 1
+
+    def encode(x: Tensor, prescale: Tensor, offset_term: Tensor, inverse: Tensor, *dither_args: Tensor) -> tuple[Tensor]:
+        units = (x.to(work) * prescale) * inverse + offset_term
+        if rounding == "stochastic":
+            key_low, key_high, pos = dither_args
+            units = units + (hashed_dither(pos, key_low, key_high).to(work) + 0.5)
+        return ((units.clamp(0, top) * (1.0 / unit)).to(torch.int32),)
+
+    return encode
+
+
+@cache
+def _uniform_decoder(work: torch.dtype, out: torch.dtype) -> Callable[..., Tensor]:
+    """The uniform quantizer's decoding loop: ``(codes, min, step, max per row, prescale) -> values``."""
+
+    def decode(code: Tensor, low: Tensor, step_size: Tensor, high: Tensor, unscale: Tensor) -> Tensor:
+        values = code.to(work) * step_size + low
+        # Rounding can step one ulp past max; the clamp keeps it in the group's range (and
+        # finite after unscaling a prescaled group).
+        # unscale = 1 / prescale, a power of two: the product is exact.
+        values = torch.minimum(torch.maximum(values, low), high) * unscale
+        return values.to(out)
+
+    return decode
 
 
 #: per float dtype: the integer view, mantissa bits, exponent bits
@@ -466,28 +538,55 @@ class Natural(Compressor):
     def compress(self, x: Tensor, *, step: int = 0, key: Hashable = 0) -> Payload:
         """Args: x of any shape and floating dtype. Returns: ``Payload((signs, exponents))``."""
         flat = x.reshape(-1).contiguous()
-        int_dtype, mantissa_bits, exponent_bits = _FLOAT_LAYOUT[flat.dtype]
-        bits = flat.view(int_dtype)
-        magnitude = bits & ((1 << (mantissa_bits + exponent_bits)) - 1)
-        # Adding a uniform integer in [0, 2**M) to the magnitude bits carries into the exponent
-        # with probability mantissa / 2**M: exactly the rounding-up probability.
-        dither = dither_int16(dither_source(self.seed, step, key), flat.numel())
-        if mantissa_bits >= 16:
-            # 16 random high bits, centred in the 2**(M - 16) they stand for.
-            dither = ((dither.to(int_dtype) + (1 << 15)) << (mantissa_bits - 16)) + (1 << (mantissa_bits - 17))
-        else:
-            dither = ((dither.to(torch.int32) + (1 << 15)) >> (16 - mantissa_bits)).to(int_dtype)
-        magnitude += dither
-        exponent = (magnitude >> mantissa_bits).clamp_(max=(1 << exponent_bits) - 2)
-        signs = pack_flags(less(bits, 0))
-        packed = torch.empty(flat.numel(), dtype=self.exponent_dtype(flat.dtype), device=flat.device)
-        return Payload((signs, cast_into(exponent, packed)))
+        numel = flat.numel()
+        if numel == 0:
+            return Payload((torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=self.exponent_dtype(flat.dtype))))
+        int_dtype = _FLOAT_LAYOUT[flat.dtype][0]
+        encode = _natural_encoder(flat.dtype)
+        signs, exponent = encode_rows(
+            encode, (flat.view(int_dtype),), hash_key(self.seed, step, key), group=BLOCK, out_bits=(1, None), with_positions=True
+        )
+        return Payload((signs, exponent))
 
     def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
         """Returns: ``sign * 2**exponent`` shaped and typed as ``like``."""
         signs, exponent = payload.tensors
-        int_dtype, mantissa_bits, exponent_bits = _FLOAT_LAYOUT[like.dtype]
-        bits = exponent.to(int_dtype) << mantissa_bits
-        negative = unpack_codes(signs, 1, like.numel()).to(int_dtype) << (mantissa_bits + exponent_bits)
-        bits |= negative
+        numel = like.numel()
+        if numel == 0:
+            return torch.empty_like(like, memory_format=torch.contiguous_format)
+        codes = ((signs, 1), (exponent, None))
+        bits = decode_rows(_natural_decoder(like.dtype), codes, (), group=BLOCK, numel=numel)
         return bits.view(like.dtype).view(like.shape)
+
+
+@cache
+def _natural_encoder(dtype: torch.dtype) -> Callable[..., tuple[Tensor, Tensor]]:
+    """Natural compression's encoding loop: ``(bits of x, dither int16) -> (signs, exponents)``."""
+    int_dtype, mantissa_bits, exponent_bits = _FLOAT_LAYOUT[dtype]
+    exponent_dtype = Natural.exponent_dtype(dtype)
+
+    def encode(bits: Tensor, key_low: Tensor, key_high: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        magnitude = bits & ((1 << (mantissa_bits + exponent_bits)) - 1)
+        # Adding a uniform integer in [0, 2**M) to the magnitude bits carries into the exponent
+        # with probability mantissa / 2**M: exactly the rounding-up probability.
+        dither = hashed_dither(pos, key_low, key_high)
+        if mantissa_bits >= 16:
+            # 16 random high bits, centred in the 2**(M - 16) they stand for.
+            offset = (dither.to(int_dtype) << (mantissa_bits - 16)) + (1 << (mantissa_bits - 17))
+        else:
+            offset = (dither >> (16 - mantissa_bits)).to(int_dtype)
+        exponent = ((magnitude + offset) >> mantissa_bits).clamp(max=(1 << exponent_bits) - 2)
+        return (bits < 0).to(torch.int32), exponent.to(exponent_dtype)
+
+    return encode
+
+
+@cache
+def _natural_decoder(dtype: torch.dtype) -> Callable[..., Tensor]:
+    """Natural compression's decoding loop: ``(signs, exponents) -> bits of sign * 2**exponent``."""
+    int_dtype, mantissa_bits, exponent_bits = _FLOAT_LAYOUT[dtype]
+
+    def decode(negative: Tensor, exponent: Tensor) -> Tensor:
+        return (exponent.to(int_dtype) << mantissa_bits) | (negative.to(int_dtype) << (mantissa_bits + exponent_bits))
+
+    return decode

@@ -12,6 +12,7 @@ with a second codec; :meth:`Sparsifier.values_numel` tells it how many there are
 from __future__ import annotations
 
 import math
+import threading
 from abc import abstractmethod
 from collections.abc import Hashable
 
@@ -19,7 +20,7 @@ import torch
 from torch import Tensor
 
 from gradzip import wire
-from gradzip.compressors import register
+from gradzip.compressors import fused, register
 from gradzip.compressors.base import Compressor, Payload, check_int, check_ratio, kept_count, seeded_generator
 from gradzip.compressors.elementwise import flatnonzero, greater_equal, top_positions
 
@@ -46,6 +47,13 @@ def candidates_at_least(flat: Tensor, threshold: float) -> Tensor:
         threshold: a finite number >= 0.
     """
     numel = flat.numel()
+    if fused.enabled() and numel > SCAN_CHUNK and flat.dtype == torch.float32 and flat.device.type == "cpu":
+        # One compiled pass writes a byte per element; NumPy's nonzero reads them back (bytes
+        # of 0 and 1 are valid bools, which it counts far faster than bytes).
+        limit = torch.tensor(threshold, dtype=torch.float32).view(torch.int32)
+        mask = _mask_scratch(numel)
+        _at_least(flat.contiguous().view(torch.int32), limit, mask)
+        return flatnonzero(mask.view(torch.bool))
     chunk = min(SCAN_CHUNK, numel)
     magnitude = torch.empty(chunk, dtype=flat.dtype, device=flat.device)
     mask = torch.empty(chunk, dtype=torch.bool, device=flat.device)
@@ -61,6 +69,32 @@ def candidates_at_least(flat: Tensor, threshold: float) -> Tensor:
     if not found:
         return torch.empty(0, dtype=torch.int64, device=flat.device)
     return (torch.cat(found) if len(found) > 1 else found[0]).to(flat.device)
+
+
+_scratch = threading.local()
+
+
+def _mask_scratch(numel: int) -> Tensor:
+    """A uint8 buffer of ``numel`` bytes, kept per thread: a fresh one each scan would cost
+    the kernel's time again in page faults."""
+    buffer = getattr(_scratch, "mask", None)
+    if buffer is None or buffer.numel() < numel:
+        buffer = _scratch.mask = torch.empty(numel, dtype=torch.uint8)
+    return buffer[:numel]
+
+
+def _at_least_mask(bits: Tensor, limit: Tensor, out: Tensor) -> None:
+    """``|x| >= t`` as uint8 from the int32 bits of fp32 ``x`` and of ``t >= 0``: the bits of
+    non-negative floats order as the floats do. NaN (magnitude bits above inf's) is excluded,
+    as the comparison excludes it. Integer subtractions and sign shifts only: compiled, they
+    run in vectors, where comparisons into bool run element by element."""
+    magnitude = bits & 0x7FFFFFFF
+    at_least = (limit - 1 - magnitude) >> 31
+    not_nan = (magnitude - 0x7F800001) >> 31
+    out.copy_((at_least & not_nan & 1).to(torch.uint8))
+
+
+_at_least = fused.Kernel(_at_least_mask, "topk_candidates")
 
 
 def sampled_threshold(flat: Tensor, count: int, *, margin: float, generator: torch.Generator) -> float:

@@ -10,7 +10,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
 from gradzip.comm.traffic import allreduce_bytes
-from gradzip.compressors import SpecError, parse_spec
+from gradzip.compressors import SpecError, build, fused, parse_spec
 from gradzip.ddp import CompressionState, compression_hook
 from gradzip.metrics import StepMetrics
 from gradzip.optim.dgc import WarmupState, split_training_options
@@ -104,6 +104,22 @@ def make_hook(spec: str, **options: Any):
     if warmup:
         return WarmupState(codec_spec, **warmup, **options), compression_hook
     return CompressionState(spec, **options), compression_hook
+
+
+def warm_up_kernels(spec: str) -> float:
+    """Compile the fused kernels of ``spec``'s codec (:mod:`gradzip.compressors.fused`) before
+    the first step, on a small tensor: compiling takes seconds, and inside a step it would count
+    in step times and time to target while the other ranks wait in a collective.
+
+    Returns:
+        the seconds it took; 0.0 for PyTorch's hooks, ``auto`` (its codecs compile when first
+        chosen), multi-round codecs, and with compilation off (``GRADZIP_COMPILE=0``).
+    """
+    name = spec.strip().lower()
+    if name.startswith("torch:") or name == "auto":
+        return 0.0
+    codec = build(split_training_options(spec)[0])
+    return 0.0 if codec.multi_round else fused.warm_up(codec)
 
 
 def is_torch_hook(state: Any) -> bool:

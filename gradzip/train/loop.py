@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -27,6 +28,7 @@ from gradzip.train import faults, report
 from gradzip.train.checkpoint import Progress, resume, save_training_state
 from gradzip.train.config import TrainConfig
 from gradzip.train.data import Corpus, batch_generator, sample_batch, val_batches
+from gradzip.train.hooks import warm_up_kernels
 from gradzip.train.model import build_model, count_parameters
 from gradzip.train.optimizers import build_optimizer, owns_communication
 from gradzip.train.parallel import Parallel, make_parallel
@@ -135,6 +137,9 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     corpus.check_fits(cfg.seq_len)
     model = build_model(cfg, corpus.vocab_size).to(device)
     par = make_parallel(model, cfg, settle=lambda ddp: settle_buckets(ddp, corpus, cfg, device))
+    kernels_s = warm_up_kernels(cfg.compressor) if device.type == "cpu" else 0.0
+    if is_main and kernels_s > 1.0:
+        print(f"compiled the codec's kernels in {kernels_s:.1f} s", file=sys.stderr)
     optimizer = build_optimizer(cfg, model, metrics=par.state.metrics)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     data_gen = batch_generator(cfg.seed, rank)

@@ -1,0 +1,381 @@
+"""Fused kernels: a codec's elementwise passes compiled into one loop by ``torch.compile``.
+
+A quantizer written as torch operations makes five to ten passes over its tensor (scale,
+dither, round, clamp, cast, pack, and back), each about as costly as ``x.abs()``. Compiled by
+inductor (CPU C++ code generation) the same function runs as one loop per output. A
+:class:`Kernel` wraps such a function: on the first call for a combination of input dtypes it
+compiles it (dynamic shapes, so bucket sizes do not recompile) and records the time in
+:data:`compile_seconds`; where compilation is unavailable or fails, or ``GRADZIP_COMPILE=0``, it
+runs the same function eagerly.
+
+Both paths compute the same operations in the same order (inductor keeps IEEE semantics: no
+fast-math, no FMA contraction), so their results are bit-identical (the tests compare them);
+the kernels hold no sum whose order could differ: reductions are maxima and minima only.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import threading
+import time
+import types
+import warnings
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+#: environment variable: ``0`` runs every kernel eagerly (the default compiles)
+ENV = "GRADZIP_COMPILE"
+
+#: seconds spent on each kernel's first call per input dtypes (compilation included)
+compile_seconds: dict[str, float] = {}
+
+_lock = threading.Lock()
+
+
+def enabled() -> bool:
+    """Whether kernels compile: unless ``GRADZIP_COMPILE=0``."""
+    return os.environ.get(ENV, "1") != "0"
+
+
+class Kernel:
+    """A torch function of tensors that runs compiled when it can and eagerly otherwise.
+
+    Args:
+        fn: takes tensors only (scalars as 0-d or ``(rows, 1)`` tensors, so that a new value
+            never recompiles) and returns a tensor or a tuple of tensors.
+        name: shown in :data:`compile_seconds` and in the warning when compilation fails.
+    """
+
+    def __init__(self, fn: Callable[..., object], name: str) -> None:
+        self.fn = fn
+        # Its own code object: the compiler caches per code object and would otherwise see
+        # kernels sharing one (closures with other constants) as one function whose constants
+        # change, and turn those constants into symbols.
+        self._unique = types.FunctionType(
+            fn.__code__.replace(co_name=f"{name}_{id(self):x}"), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+        )
+        self.name = name
+        self.compiled: Callable[..., object] | None = None
+        self.failed = False
+        self.ready: set[tuple] = set()
+
+    def __call__(self, *args: Tensor):
+        if self.failed or not enabled() or any(a.device.type != "cpu" for a in args):
+            return self.fn(*args)
+        key = tuple(a.dtype for a in args)
+        for a in args:
+            # The row count varies with the bucket; columns (the group) and constants do not.
+            if a.dim() >= 1 and a.shape[0] > 1:
+                torch._dynamo.mark_dynamic(a, 0)
+        if key in self.ready:
+            try:
+                return self.compiled(*args)
+            except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to eager
+                return self._fall_back(exc, args)
+        with _lock:
+            try:
+                if self.compiled is None:
+                    self.compiled = torch.compile(self._unique, fullgraph=True)
+                start = time.perf_counter()
+                out = self.compiled(*args)
+            except Exception as exc:  # noqa: BLE001
+                return self._fall_back(exc, args)
+            compile_seconds[f"{self.name}[{','.join(str(d).removeprefix('torch.') for d in key)}]"] = (
+                time.perf_counter() - start
+            )
+            self.ready.add(key)
+            return out
+
+    def _fall_back(self, exc: Exception, args: tuple[Tensor, ...]):
+        self.failed = True
+        warnings.warn(f"gradzip: compiling {self.name} failed ({type(exc).__name__}: {exc}); running it eagerly", stacklevel=3)
+        return self.fn(*args)
+
+
+#: elements per row for the kernels of codecs without per-group parameters
+BLOCK = 1 << 13
+
+
+def warm_up(codec, dtype: torch.dtype = torch.float32) -> float:
+    """Run a copy of ``codec`` once on a ``dtype`` tensor of 2**19 + 37 elements (2 MB in fp32:
+    above the sizes below which codecs skip their kernels, several rows and a short tail), so
+    that the kernels it uses compile now rather than on its first real bucket.
+
+    Returns:
+        the seconds it took (compilation included); 0.0 when compilation is off.
+    """
+    if not enabled():
+        return 0.0
+    start = time.perf_counter()
+    x = torch.randn((1 << 19) + 37, generator=torch.Generator().manual_seed(0)).to(dtype)
+    probe = copy.deepcopy(codec)
+    probe.decompress(probe.compress(x, step=0, key="warm-up"), like=x)
+    return time.perf_counter() - start
+
+
+def fold(codes: Tensor, bits: int) -> Tensor:
+    """Pack ``(rows, cols)`` integer codes below ``2**bits`` into ``(rows, cols * bits / 8)``
+    uint8, planar within each row: byte ``j`` holds codes ``j, j + B, j + 2B, ...`` (``B =
+    cols * bits / 8``), the first in the lowest bits. ``cols`` must be a multiple of 8.
+
+    Planar rather than interleaved (:func:`gradzip.wire.pack_bits`) so that every lane is a
+    contiguous slice: compiled, the loop runs on vectors.
+    """
+    per = 8 // bits
+    # Shifts in int32: CPU vector units shift 32-bit lanes, not 8-bit ones.
+    lanes = codes.to(torch.int32).view(codes.shape[0], per, -1)
+    out = lanes[:, 0]
+    for lane in range(1, per):
+        out = out | (lanes[:, lane] << (lane * bits))
+    return out.to(torch.uint8)
+
+
+def unfold(packed: Tensor, bits: int) -> Tensor:
+    """Inverse of :func:`fold`: ``(rows, bytes)`` uint8 to ``(rows, bytes * 8 / bits)`` int32 codes."""
+    per = 8 // bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device).view(1, per, 1)
+    return ((packed.to(torch.int32).unsqueeze(1) >> shifts) & ((1 << bits) - 1)).view(packed.shape[0], -1)
+
+
+def padded(flat: Tensor, size: int) -> Tensor:
+    """``flat`` followed by zeros up to ``size`` elements (a copy; for short tails only)."""
+    out = flat.new_zeros(size)
+    out[: flat.numel()] = flat
+    return out
+
+
+def positions(rows: Tensor, first: Tensor) -> Tensor:
+    """Flat positions (int32, wrapping past 2**31) of the elements of a ``(rows, cols)`` block
+    whose first element sits at ``first`` (a 0-d int32 tensor)."""
+    count, cols = rows.shape
+    row_starts = torch.arange(count, dtype=torch.int32, device=rows.device).view(-1, 1) * cols
+    return first + row_starts + torch.arange(cols, dtype=torch.int32, device=rows.device)
+
+
+def _first(position: int) -> Tensor:
+    """``position`` modulo 2**32 as a 0-d signed int32 tensor."""
+    position &= 0xFFFFFFFF
+    return torch.tensor(position - (1 << 32) if position >= 1 << 31 else position, dtype=torch.int32)
+
+
+def _row_params(params: tuple[Tensor, ...], first: int, rows: int) -> list[Tensor]:
+    """Per-row parameters (1-D, one per row) as ``(rows, 1)`` columns; 0-d ones as they are."""
+    return [p[first : first + rows].view(rows, 1) if p.dim() else p for p in params]
+
+
+_wrapped: dict[tuple, Kernel] = {}
+
+
+def _lanes(
+    fn: Callable[..., tuple[Tensor, ...]], views: list[Tensor], params: list[Tensor], pos: Tensor | None, out_bits, packed: bool
+) -> tuple[Tensor, ...]:
+    """``fn``'s outputs, each folded as :func:`fold` does when ``packed``.
+
+    Folding evaluates ``fn`` once per lane on that lane's column slice (``fn`` is elementwise,
+    so the codes are the same): the compiler then fuses the codes into the loop over output
+    bytes instead of writing them to memory and reading them back per lane.
+    """
+    extra = [] if pos is None else [pos]
+    if not packed:
+        return tuple(fn(*views, *params, *extra))
+    whole = None
+    outs = []
+    for index, bits in enumerate(out_bits):
+        if bits is None:
+            whole = whole if whole is not None else fn(*views, *params, *extra)
+            outs.append(whole[index])
+            continue
+        per = 8 // bits
+        width = views[0].shape[1] // per
+        folded = None
+        for lane in range(per):
+            cols = slice(lane * width, (lane + 1) * width)
+            lane_extra = [] if pos is None else [pos[:, cols]]
+            code = fn(*[v[:, cols] for v in views], *params, *lane_extra)[index].to(torch.int32)
+            # Shifts in int32: CPU vector units shift 32-bit lanes, not 8-bit ones.
+            code = code << (lane * bits) if lane else code
+            folded = code if folded is None else folded | code
+        outs.append(folded.to(torch.uint8))
+    return tuple(outs)
+
+
+def _encoder(
+    fn: Callable[..., tuple[Tensor, ...]], count: int, out_bits: tuple[int | None, ...], packed: bool, with_positions: bool
+) -> Kernel:
+    """The compiled form of an encoding function over ``count`` elementwise inputs."""
+    key = ("encode", fn, count, out_bits, packed, with_positions)
+    if key not in _wrapped:
+
+        def encode(*args: Tensor) -> tuple[Tensor, ...]:
+            views = list(args[:count])
+            params = list(args[count : len(args) - 1] if with_positions else args[count:])
+            pos = positions(views[0], args[-1]) if with_positions else None
+            return _lanes(fn, views, params, pos, out_bits, packed)
+
+        _wrapped[key] = Kernel(encode, f"{fn.__qualname__.split('.')[0]}{'' if packed else '_loose'}")
+    return _wrapped[key]
+
+
+def _decoder(fn: Callable[..., Tensor], in_bits: tuple[int | None, ...], packed: bool) -> Kernel:
+    """The compiled form of a decoding function, its code inputs unfolded first (``packed``)."""
+    key = ("decode", fn, in_bits, packed)
+    if key not in _wrapped:
+        count = len(in_bits)
+
+        def decode(*args: Tensor) -> Tensor:
+            codes = args[:count]
+            if packed:
+                codes = tuple(c if bits is None else unfold(c, bits) for c, bits in zip(codes, in_bits, strict=True))
+            return fn(*codes, *args[count:])
+
+        _wrapped[key] = Kernel(decode, f"{fn.__qualname__.split('.')[0]}{'' if packed else '_loose'}")
+    return _wrapped[key]
+
+
+def encode_rows(
+    fn: Callable[..., tuple[Tensor, ...]],
+    elementwise: tuple[Tensor, ...],
+    params: tuple[Tensor, ...],
+    *,
+    group: int,
+    out_bits: tuple[int | None, ...],
+    with_positions: bool = False,
+) -> tuple[Tensor, ...]:
+    """Encode rows of ``group`` elements with ``fn``, compiled, and pack its codes.
+
+    Args:
+        fn: takes the ``(rows, cols)`` views of ``elementwise``, then ``params`` as
+            ``(rows, 1)`` columns (0-d ones unchanged), and returns one ``(rows, cols)``
+            tensor per output: int32 codes (32-bit lanes shift fast), or for ``bits=None``
+            the values to send in their wire dtype.
+        elementwise: 1-D tensors of one length ``n`` (the input, its dither).
+        params: 1-D tensors of ``ceil(n / group)`` entries, one per row, or 0-d tensors.
+        group: elements per row.
+        out_bits: bits of each output's codes, ``None`` for an output sent as it is.
+        with_positions: pass ``fn`` one more argument, the flat positions of its elements
+            (int32, the views' shape; see :func:`positions`).
+
+    Returns:
+        1-D outputs of ``ceil(n * bits / 8)`` bytes (``n`` elements for ``bits=None``). With
+        ``group`` a multiple of 8, whole rows are packed by :func:`fold` (planar) and the last
+        partial row as :func:`gradzip.wire.pack_bits` does; otherwise everything as
+        ``pack_bits`` does.
+    """
+    from gradzip.compressors.elementwise import pack_codes
+
+    numel = elementwise[0].numel()
+    rows, tail = divmod(numel, group)
+    whole = rows * group
+    aligned = group % 8 == 0
+    main = None
+    if rows:
+        views = [e[:whole].view(rows, group) for e in elementwise]
+        extra = [_first(0)] if with_positions else []
+        kernel = _encoder(fn, len(elementwise), out_bits, aligned, with_positions)
+        main = [o.reshape(-1) for o in kernel(*views, *_row_params(params, 0, rows), *extra)]
+    rest = None
+    if tail:
+        # A short row: eager (the same function, so the same codes), packed as pack_bits does.
+        views = [e[whole:].view(1, tail) for e in elementwise]
+        extra = [positions(views[0], _first(whole))] if with_positions else []
+        rest = [o.reshape(-1) for o in fn(*views, *_row_params(params, rows, 1), *extra)]
+    outs = []
+    for i, bits in enumerate(out_bits):
+        if bits is not None and not aligned:
+            parts = [p[i] for p in (main, rest) if p is not None]
+            outs.append(pack_codes((torch.cat(parts) if len(parts) > 1 else parts[0]).to(torch.uint8), bits))
+            continue
+        parts = []
+        if main is not None:
+            parts.append(main[i])
+        if rest is not None:
+            parts.append(rest[i] if bits is None else pack_codes(rest[i].to(torch.uint8), bits))
+        outs.append(torch.cat(parts) if len(parts) > 1 else parts[0])
+    return tuple(outs)
+
+
+def decode_rows(
+    fn: Callable[..., Tensor],
+    codes: tuple[tuple[Tensor, int | None], ...],
+    params: tuple[Tensor, ...],
+    *,
+    group: int,
+    numel: int,
+) -> Tensor:
+    """Decode what :func:`encode_rows` packed: ``fn`` over ``ceil(numel / group)`` rows, compiled.
+
+    Args:
+        fn: takes each code tensor as ``(rows, group)`` codes, then ``params`` as ``(rows, 1)``
+            columns (0-d ones unchanged), and returns ``(rows, group)`` values.
+        codes: ``(tensor, bits)`` pairs as :func:`encode_rows` returned them.
+        params: 1-D tensors of one entry per row, or 0-d tensors.
+        group: elements per row.
+        numel: elements to decode.
+
+    Returns:
+        ``(numel,)`` values (contiguous). A short last row is padded in its codes (a copy of
+        the codes, not of the output).
+    """
+    from gradzip.compressors.elementwise import unpack_codes
+
+    rows, tail = divmod(numel, group)
+    aligned = group % 8 == 0
+    total = rows + (1 if tail else 0)
+    views = []
+    for tensor, bits in codes:
+        flat = tensor.reshape(-1)
+        if bits is None or not aligned:
+            if bits is not None:
+                flat = unpack_codes(flat, bits, numel)
+            if tail:
+                flat = padded(flat[:numel], total * group)
+            views.append(flat[: total * group].view(total, group))
+            continue
+        width = group * bits // 8
+        if tail:
+            # Repack the short row the way whole rows are packed, padded to a whole row.
+            last = padded(unpack_codes(flat[rows * width :], bits, tail), group).view(1, group)
+            flat = torch.cat([flat[: rows * width], fold(last, bits).view(-1)])
+        views.append(flat[: total * width].view(total, width))
+    kernel = _decoder(fn, tuple(bits for _t, bits in codes), aligned)
+    return kernel(*views, *_row_params(params, 0, total)).view(-1)[:numel]
+
+
+def reduce_rows(kernel: Callable[..., object], flat: Tensor, *, group: int) -> tuple[Tensor, ...]:
+    """Per-row reductions over rows of ``group`` elements and the tail row.
+
+    Args:
+        kernel: takes a ``(rows, cols)`` view and returns a tuple of ``(rows,)`` tensors.
+        flat: 1-D tensor.
+        group: elements per row.
+
+    Returns:
+        ``ceil(n / group)`` entries per output.
+    """
+    numel = flat.numel()
+    rows, tail = divmod(numel, group)
+    parts = []
+    if rows:
+        parts.append(kernel(flat[: rows * group].view(rows, group)))
+    if tail:
+        parts.append(kernel(flat[rows * group :].view(1, tail)))
+    if len(parts) == 1:
+        return tuple(parts[0])
+    return tuple(torch.cat(outs) for outs in zip(*parts, strict=True))
+
+
+def _abs_max(rows: Tensor) -> tuple[Tensor]:
+    return (rows.abs().amax(1),)
+
+
+def _min_max(rows: Tensor) -> tuple[Tensor, Tensor]:
+    return rows.amin(1), rows.amax(1)
+
+
+#: per-row ``max |x|`` (exact in any order, so compiled and eager agree)
+abs_max_rows = Kernel(_abs_max, "abs_max_rows")
+#: per-row minimum and maximum, in one pass when compiled
+min_max_rows = Kernel(_min_max, "min_max_rows")

@@ -1,0 +1,107 @@
+"""Compiled codec kernels (``gradzip.compressors.fused``) against their eager runs, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradzip.compressors import build, fused
+from gradzip.compressors.dither import hash_key, hashed_dither
+
+#: (spec, numel, kernels that must have run compiled): whole rows plus a short last row; the
+#: uniform group is not a multiple of 8
+CASES = [
+    ("qsgd:bits=4,bucket=64", 64 * 5 + 13, ("abs_max_rows", "_qsgd_encoder", "_qsgd_decoder")),
+    ("uniform:bits=2,group=20,rounding=stochastic", 20 * 7 + 5, ("min_max_rows", "_uniform_encoder_loose", "_uniform_decoder_loose")),
+    ("terngrad", 2 * fused.BLOCK + 5, ("_terngrad_encoder", "_terngrad_decoder")),
+    ("natural", 2 * fused.BLOCK + 5, ("_natural_encoder", "_natural_decoder")),
+    ("topk:ratio=0.01", 300_007, ("topk_candidates",)),
+]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _run(spec: str, x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    codec = build(spec)
+    payload = codec.compress(x, step=3, key="layer")
+    return payload.tensors, codec.decompress(payload, like=x)
+
+
+@pytest.mark.parametrize(("spec", "numel", "kernels"), CASES)
+def test_compiled_equals_eager(spec, numel, kernels, monkeypatch):
+    gen = torch.Generator().manual_seed(numel)
+    x = torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen) * 1e-2
+    monkeypatch.setenv(fused.ENV, "0")
+    eager_payload, eager_out = _run(spec, x)
+    monkeypatch.setenv(fused.ENV, "1")
+    payload, out = _run(spec, x)
+    compiled = {name.split("[")[0] for name in fused.compile_seconds}
+    assert set(kernels) <= compiled, f"not compiled: {set(kernels) - compiled}"
+    assert len(payload) == len(eager_payload)
+    for got, want in zip(payload, eager_payload, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(_bits(out), _bits(eager_out))
+    assert sum(t.numel() * t.element_size() for t in payload) == build(spec).payload_nbytes(numel)
+
+
+def test_warm_up_compiles_before_the_first_bucket(monkeypatch):
+    """After :func:`fused.warm_up` a bucket of another size compiles nothing more."""
+    monkeypatch.setenv(fused.ENV, "1")
+    spec = "uniform:bits=4,group=48"
+    assert fused.warm_up(build(spec)) > 0.0
+    compiled = dict(fused.compile_seconds)
+    assert {"min_max_rows", "_uniform_encoder", "_uniform_decoder"} <= {name.split("[")[0] for name in compiled}
+    codec = build(spec)
+    x = torch.randn(48 * 2000 + 7, generator=torch.Generator().manual_seed(1))
+    codec.decompress(codec.compress(x, step=0, key="bucket"), like=x)
+    assert fused.compile_seconds == compiled
+    monkeypatch.setenv(fused.ENV, "0")
+    assert fused.warm_up(build(spec)) == 0.0
+
+
+def test_compile_failure_falls_back_to_eager(monkeypatch):
+    def broken(*_args, **_kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(torch, "compile", broken)
+    monkeypatch.setenv(fused.ENV, "1")
+    kernel = fused.Kernel(lambda a, b: (a * b + 1,), "test_kernel")
+    a, b = torch.arange(6.0), torch.full((6,), 2.0)
+    with pytest.warns(UserWarning, match="running it eagerly"):
+        (out,) = kernel(a, b)
+    assert torch.equal(out, a * 2 + 1)
+    assert kernel.failed
+    (again,) = kernel(a, b)
+    assert torch.equal(again, out)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_fold_is_planar_and_unfold_inverts_it(bits):
+    gen = torch.Generator().manual_seed(bits)
+    codes = torch.randint(0, 1 << bits, (3, 32), generator=gen)
+    packed = fused.fold(codes, bits)
+    per = 8 // bits
+    width = 32 // per
+    assert packed.shape == (3, 32 * bits // 8) and packed.dtype == torch.uint8
+    # byte j of a row holds codes j, j + width, ... (lowest lane in the lowest bits)
+    expected = sum(codes[:, lane * width : (lane + 1) * width] << (lane * bits) for lane in range(per))
+    assert torch.equal(packed.long(), expected)
+    assert torch.equal(fused.unfold(packed, bits).long(), codes)
+
+
+def test_hashed_dither_is_uniform_and_keyed():
+    positions = torch.arange(1 << 18, dtype=torch.int32)
+    u = hashed_dither(positions, *hash_key(0, 1, "a"))
+    assert int(u.min()) >= 0 and int(u.max()) < 1 << 16
+    # 16 equal bins: counts within 5 standard deviations of the binomial mean
+    counts = torch.bincount(u >> 12, minlength=16).double()
+    expected = positions.numel() / 16
+    assert float((counts - expected).abs().max()) < 5 * (expected * 15 / 16) ** 0.5
+    # neighbours uncorrelated, other keys give other streams
+    centred = u.double() - u.double().mean()
+    assert abs(float((centred[1:] * centred[:-1]).mean() / centred.var())) < 0.01
+    other = hashed_dither(positions, *hash_key(0, 2, "a"))
+    assert float((u == other).double().mean()) < 0.001
