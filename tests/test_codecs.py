@@ -293,3 +293,32 @@ def test_bench_json_has_exactly_the_fields(capsys):
         assert tuple(row) == FIELDS
         assert row["payload_bytes"] == row["formula_bytes"] and row["gbps"] > 0
     assert cli.main(["bench", "--size-mb", "0", "--codecs", "topk"]) == 2
+
+
+@pytest.mark.parametrize("spec,wire_dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
+def test_casts_saturate_past_the_wire_range_and_match_a_plain_cast_within_it(spec, wire_dtype):
+    wire_max = torch.finfo(wire_dtype).max
+    big = 1e5 if wire_dtype == torch.float16 else 3.4e38  # finite in fp32, rounds to inf in the wire dtype
+    inside = _sample(64, torch.float32, 3) * 100
+    x = torch.cat([inside, torch.tensor([big, -big, float(torch.finfo(torch.float32).max)])])
+    assert torch.isinf(x.to(wire_dtype)[64:]).all()  # what a plain cast (PyTorch's hooks) sends
+    (sent,) = build(spec).compress(x).tensors
+    assert sent.dtype == wire_dtype
+    assert torch.equal(sent[:64], inside.to(wire_dtype))  # bit for bit the plain cast in range
+    assert sent[64:].tolist() == [wire_max, -wire_max, wire_max]
+
+
+def test_dgc_lowers_an_overestimated_threshold_until_0_8_k_pass(monkeypatch):
+    from gradzip.compressors import sparse
+
+    x = _sample(200_000, torch.float32, 11)
+    codec = build("dgc:ratio=0.01")
+    k = codec.values_numel(x.numel())
+    kth = float(torch.topk(x.abs(), k).values.min())
+    # A sample far off: the estimate is 4x the true k-th magnitude, so only a few pass at first.
+    monkeypatch.setattr(sparse, "sampled_threshold", lambda *args, **kwargs: 4 * kth)
+    y = codec.decompress(codec.compress(x, step=1), like=x)
+    kept = int((y != 0).sum())
+    assert 0.8 * k <= kept <= k
+    # What passed is the largest magnitudes: the kept set is exactly the top `kept`.
+    assert torch.equal((y != 0).nonzero().view(-1), torch.topk(x.abs(), kept).indices.sort().values)

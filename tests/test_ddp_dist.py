@@ -53,6 +53,24 @@ def hooks_against_pytorch(rank, world_size):
     return results
 
 
+def casts_past_range_against_pytorch(rank, world_size):
+    """gradzip's fp16/bf16 reducers and PyTorch's hooks on one bucket holding in-range values and
+    fp32 values past the wire dtype's range (the same on every rank)."""
+    gen = torch.Generator().manual_seed(200 + rank)
+    out = {}
+    for spec, torch_hook, wire_dtype in [
+        ("fp16", default_hooks.fp16_compress_hook, torch.float16),
+        ("bf16", default_hooks.bf16_compress_hook, torch.bfloat16),
+    ]:
+        big = 1e5 if wire_dtype == torch.float16 else 3.4e38  # finite in fp32, past the wire's max
+        bucket = torch.cat([torch.randn(40, generator=gen) * 10, torch.tensor([big, -big, 7.0])])
+        ours = make_reducer(spec).reduce(0, bucket.clone(), step=0).wait()
+        # PyTorch's hooks take a (tensor,) tuple in place of a GradBucket and decode in place.
+        theirs = torch_hook(None, (bucket.clone(),)).wait()
+        out[spec] = (ours, theirs, torch.finfo(wire_dtype).max)
+    return out
+
+
 def train_replicas(rank, world_size, specs):
     """For each spec, several DDP steps with several buckets and uneven compute per rank."""
     return {spec: _train_replica(rank, world_size, spec) for spec in specs}
@@ -82,6 +100,21 @@ def _train_replica(rank, world_size, spec):
 def test_identity_fp16_bf16_equal_pytorch_hooks_bit_for_bit(world_size):
     for rank_result in run_ranks(hooks_against_pytorch, world_size):
         assert rank_result == {"none": True, "fp16": True, "bf16": True}
+
+
+def test_fp16_bf16_saturate_past_range_and_equal_pytorch_within_it():
+    # 3 ranks: the pre-divided out-of-range terms (max / 3) round, and their sum overflows again.
+    for result in run_ranks(casts_past_range_against_pytorch, 3):
+        for spec, (ours, theirs, wire_max) in result.items():
+            past = torch.zeros(ours.numel(), dtype=torch.bool)
+            past[40:42] = True
+            # In range: bit for bit PyTorch's hook (cast, divide by world_size, all_reduce).
+            assert torch.equal(ours[~past], theirs[~past]), spec
+            # Past the range PyTorch's hook overflows to inf; gradzip saturates at the wire's max.
+            assert torch.isinf(theirs[past]).all(), spec
+            assert torch.isfinite(ours).all(), spec
+            assert ours[40] > 0 > ours[41], spec
+            assert torch.all(ours[past].abs() <= wire_max) and torch.all(ours[past].abs() >= 0.99 * wire_max), (spec, ours[past])
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

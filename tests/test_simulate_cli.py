@@ -5,7 +5,13 @@ import json
 import pytest
 
 from gradzip.cli import main
-from gradzip.simulate.calibrate import TCP_GOODPUT, calibrate, fit_link_efficiency, parse_rate_bits
+from gradzip.simulate.calibrate import (
+    TCP_GOODPUT,
+    calibrate,
+    fit_link_efficiency,
+    fit_link_efficiency_on_comm,
+    parse_rate_bits,
+)
 from gradzip.simulate.cli import codec_speeds, split_specs
 from gradzip.simulate.exchange import Method
 
@@ -29,7 +35,9 @@ def _write_compare_dir(root, *, limit=True, title="4 workers, 100mbit links"):
     for row in rows:
         run = root / "runs" / row["compressor"].replace(":", "_").replace("=", "_")
         run.mkdir(parents=True)
-        (run / "summary.json").write_text(json.dumps({"world_size": 4, "compressor": row["compressor"]}))
+        summary = {"world_size": 4, "compressor": row["compressor"], "communicate_s_median": 1.25,
+                   "hook": "torch" if row["compressor"].startswith("torch:") else "gradzip"}
+        (run / "summary.json").write_text(json.dumps(summary))
         lines = [{"compress_s": c, "decompress_s": d} for c, d in metrics.get(run.name, [(0.0, 0.0)])]
         (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     return root
@@ -138,3 +146,56 @@ def test_measured_codec_speed_is_a_finite_rate(spec):
     assert speed.source.startswith("measured")
     with pytest.raises(ValueError, match="numel"):
         measure_codec_speed(Method(spec), numel=10)
+
+
+def test_calibrate_two_hosts_and_unrecorded_routes(tmp_path):
+    """World size 2 (ring all_reduce sends n, all_gather (p - 1) n), a per-step bucket log without
+    its route (the codec's route is used), and the measured comm beside the model's."""
+    cmp = _write_compare_dir(tmp_path / "cmp2", title="2 workers, 20mbit links")
+    for run in (cmp / "runs").iterdir():
+        summary = json.loads((run / "summary.json").read_text())
+        summary["world_size"] = 2
+        (run / "summary.json").write_text(json.dumps(summary))
+    topk_metrics = cmp / "runs" / "topk_ratio_0.01" / "metrics.jsonl"
+    bucket = {"0": {"codec": "topk", "payload_bytes": 1_000_000, "compress_s": 0.1, "communicate_s": 1.0}}
+    topk_metrics.write_text(json.dumps({"compress_s": 0.2, "decompress_s": 0.05, "buckets": bucket}) + "\n")
+    rows = {r.compressor: r for r in calibrate(cmp, latency_us=50)}
+    rate = 20e6 / 8 * TCP_GOODPUT
+    assert rows["none"].world_size == 2
+    assert rows["none"].comm_s == pytest.approx(2 * 50e-6 + 16e6 / rate, rel=1e-12)
+    assert rows["none"].predicted_sent_bytes == pytest.approx(16e6)
+    topk = rows["topk:ratio=0.01"]
+    assert topk.collective == "allgather"
+    assert topk.comm_s == pytest.approx(50e-6 + 1e6 / rate, rel=1e-12)
+    assert topk.predicted_sent_bytes == pytest.approx(1e6)
+    assert rows["none"].measured_comm_s == 1.25 and topk.measured_comm_s == 1.25
+    # PyTorch's hooks do not time their collectives; an unfinished run has no measurement
+    assert rows["torch:powersgd"].measured_comm_s is None and rows["torch:fp16"].measured_comm_s is None
+
+
+def _set_summary(run_dir, **fields):
+    summary = json.loads((run_dir / "summary.json").read_text())
+    summary.update(fields)
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+
+
+def test_link_fitted_on_collective_seconds_of_all_directories(tmp_path, capsys):
+    """One fraction for 4 hosts at 100 Mbit/s and 2 hosts at 20 Mbit/s: sum of bandwidth terms over
+    sum of measured collective seconds (latency terms removed), whatever compute alone was."""
+    four = _write_compare_dir(tmp_path / "four")
+    _set_summary(four / "runs" / "none", communicate_s_median=3.0)
+    two = _write_compare_dir(tmp_path / "two", title="2 workers, 20mbit links")
+    for run in (two / "runs").iterdir():
+        _set_summary(run, world_size=2)
+    _set_summary(two / "runs" / "none", communicate_s_median=8.0)
+    # bandwidth terms at the full rate: 4 ranks 2*3/4*16 MB at 12.5 MB/s, 2 ranks 16 MB at 2.5 MB/s
+    b4, b2 = 2 * 3 / 4 * 16e6 / 12.5e6, 16e6 / 2.5e6
+    lat4, lat2 = 2 * 3 * 50e-6, 2 * 1 * 50e-6
+    expected = (b4 + b2) / (3.0 - lat4 + 8.0 - lat2)
+    assert fit_link_efficiency_on_comm([four, two], latency_us=50) == pytest.approx(expected, rel=1e-12)
+    assert main(["simulate", "--calibrate", str(four), str(two), "--link-efficiency", "fit-comm"]) == 0
+    out = capsys.readouterr().out
+    assert f"{expected:.3f} (fitted on the 'none' runs' collective seconds)" in out
+    _set_summary(four / "runs" / "none", communicate_s_median=None)
+    with pytest.raises(ValueError, match="fit-comm"):
+        fit_link_efficiency_on_comm([four], latency_us=50)

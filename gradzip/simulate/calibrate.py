@@ -17,7 +17,8 @@ Expected layout (what ``gradzip compare`` writes; other fields are ignored)::
         wire_bytes_exchange | wire_bytes   interface bytes per host over the run, optional
     DIR/runs/<label>/summary.json   per run (label with characters other than letters, digits,
                                 ".", "_", "-" replaced by "_"): world_size, payload_bytes_per_step,
-                                compress_s_median, step_s_median
+                                compress_s_median, step_s_median, communicate_s_median (optional:
+                                the wall seconds per step with a collective of rank 0 in flight)
     DIR/runs/<label>/metrics.jsonl  per step: compress_s, decompress_s (used when the row and
                                 the summary have no codec seconds)
     DIR/report.md               its title names the link: "... 4 workers, 100mbit links"
@@ -87,7 +88,9 @@ class CalibrationRow:
 
     ``predicted_step_s`` is None for a run whose payload bytes were not recorded;
     ``link_efficiency`` is the payload fraction of the link rate the prediction used;
-    ``measured_sent_bytes`` counts Ethernet frames (headers and acknowledgements included).
+    ``measured_sent_bytes`` counts Ethernet frames (headers and acknowledgements included);
+    ``measured_comm_s`` is rank 0's median seconds per step with a collective in flight (None when
+    not recorded), set beside ``comm_s`` to tell the collectives' error from the compute's.
     """
 
     directory: str
@@ -104,6 +107,7 @@ class CalibrationRow:
     predicted_sent_bytes: float
     measured_sent_bytes: float | None
     link_efficiency: float = TCP_GOODPUT
+    measured_comm_s: float | None = None
 
     @property
     def error(self) -> float | None:
@@ -172,16 +176,24 @@ def _codec_seconds(row: dict, summary: dict, metrics_path: Path | None) -> tuple
 
 
 def _rounds_for(compressor: str, payload_bytes: float, buckets: dict) -> list[tuple[str, float]]:
-    """The collectives one rank issued per step: ``(collective, its bytes per rank)``."""
+    """The collectives one rank issued per step: ``(collective, its bytes per rank)``.
+
+    A bucket's recorded route wins; a bucket without one (the per-step log keeps only its codec,
+    bytes and seconds) takes the route the reducer gives the run's codec.
+    """
+    route = _codec_route(compressor)
     if buckets:
-        return [(b.get("collective", "allreduce"), float(b["payload_bytes"])) for b in buckets.values()]
+        return [(b.get("collective") or route, float(b["payload_bytes"])) for b in buckets.values()]
+    return [(route, payload_bytes)]
+
+
+def _codec_route(compressor: str) -> str:
+    """``allreduce`` for aggregatable and multi-round codecs and PyTorch's hooks, else ``allgather``."""
     name = compressor.split(":", 1)[0]
     if name.startswith("torch") or name == ONEBIT_ADAM or name not in REGISTRY:
-        return [("allreduce", payload_bytes)]
+        return "allreduce"
     codec = build(compressor)
-    if codec.multi_round or codec.aggregatable:
-        return [("allreduce", payload_bytes)]
-    return [("allgather", payload_bytes)]
+    return "allreduce" if codec.multi_round or codec.aggregatable else "allgather"
 
 
 def calibrate(
@@ -248,10 +260,14 @@ def calibrate(
         steps = row.get("steps") or summary.get("steps")
         wire = row.get("wire_bytes_exchange") or row.get("wire_bytes")
         measured_sent = wire / steps if wire and steps else None
+        # PyTorch's hooks do not time their collectives (their summary says hook "torch").
+        measured_comm = summary.get("communicate_s_median") if summary.get("hook", "gradzip") == "gradzip" else None
+        measured_comm = float(measured_comm) if measured_comm is not None and measured is not None else None
         if payload is None:
             # The hook did not count its bytes (PyTorch's PowerSGD): nothing to predict from.
             out.append(CalibrationRow(str(root), compressor, world_size, rate_bits / 1e6, measured, None,
-                                      compute_s, 0.0, 0.0, 0.0, "unknown", 0.0, measured_sent, link_efficiency))
+                                      compute_s, 0.0, 0.0, 0.0, "unknown", 0.0, measured_sent, link_efficiency,
+                                      measured_comm))
             continue
         payload = float(payload)
         codec_s, buckets = _codec_seconds(row, summary, run_dir / "metrics.jsonl" if run_dir is not None else None)
@@ -268,7 +284,7 @@ def calibrate(
             CalibrationRow(
                 str(root), compressor, world_size, rate_bits / 1e6, measured,
                 compute_s + codec_s + comm_s, compute_s, codec_s, comm_s, payload,
-                "+".join(sorted({c for c, _ in rounds})), sent, measured_sent, link_efficiency,
+                "+".join(sorted({c for c, _ in rounds})), sent, measured_sent, link_efficiency, measured_comm,
             )
         )
     out.sort(key=lambda r: r.compressor != "limit")
@@ -298,4 +314,32 @@ def fit_link_efficiency(
     measured_s = none.measured_step_s - none.compute_s - none.codec_s - latency_s
     if not (bandwidth_s > 0 and measured_s > 0):
         raise ValueError(f"the 'none' run in {directory} is not slower than compute alone: nothing to fit")
+    return min(1.0, bandwidth_s / measured_s)
+
+
+def fit_link_efficiency_on_comm(
+    directories: list[str | Path], *, bandwidth: str | float | None = None, latency_us: float = DEFAULT_LATENCY_US
+) -> float:
+    """One payload fraction of the link rate for all ``directories``, fitted on the collectives alone.
+
+    For every finished ``none`` run with a recorded ``communicate_s_median`` (rank 0's seconds per
+    step with a collective in flight), the model's bandwidth term at the full rate ``B`` and the
+    measured collective seconds less the latency terms ``M``; the fit is ``sum(B) / sum(M)``, so
+    the slowest links weigh most. Compute alone does not enter: a step slowed by other load on the
+    hosts does not move the fit.
+
+    Raises:
+        ValueError: if no directory has such a ``none`` run.
+    """
+    bandwidth_s = measured_s = 0.0
+    for directory in directories:
+        rows = {r.compressor: r for r in calibrate(directory, bandwidth=bandwidth, latency_us=latency_us, link_efficiency=1.0)}
+        none = rows.get("none")
+        if none is None or none.measured_comm_s is None or none.collective != "allreduce":
+            continue
+        latency_s = 2 * (none.world_size - 1) * latency_us * 1e-6
+        bandwidth_s += none.comm_s - latency_s
+        measured_s += none.measured_comm_s - latency_s
+    if not (bandwidth_s > 0 and measured_s > 0):
+        raise ValueError("link efficiency 'fit-comm' needs a finished 'none' run with its collective seconds recorded")
     return min(1.0, bandwidth_s / measured_s)

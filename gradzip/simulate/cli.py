@@ -8,7 +8,14 @@ from pathlib import Path
 
 import torch
 
-from gradzip.simulate.calibrate import DEFAULT_LATENCY_US, TCP_GOODPUT, CalibrationRow, calibrate, fit_link_efficiency
+from gradzip.simulate.calibrate import (
+    DEFAULT_LATENCY_US,
+    TCP_GOODPUT,
+    CalibrationRow,
+    calibrate,
+    fit_link_efficiency,
+    fit_link_efficiency_on_comm,
+)
 from gradzip.simulate.collectives import ALGORITHMS
 from gradzip.simulate.exchange import COLLECTIVE_CHOICES, Method
 from gradzip.simulate.presets import CLUSTERS, GBYTE, MODELS, get_cluster, model_shapes
@@ -199,7 +206,7 @@ def format_calibration(rows: list[CalibrationRow], *, fitted: bool = False) -> s
     """A Markdown table of predicted vs measured step times (``fitted``: the ``none`` rows fixed the link)."""
     lines = [
         "| run | world_size | link Mbit/s | compressor | collective | measured s | predicted s | error "
-        "| compute s | codec s | comm s | sent MB/rank/step (model / interface) |",
+        "| compute s | codec s | comm s (model / measured) | sent MB/rank/step (model / interface) |",
         "|" + "---|" * 12,
     ]
     for r in rows:
@@ -209,22 +216,28 @@ def format_calibration(rows: list[CalibrationRow], *, fitted: bool = False) -> s
         measured = "-" if r.measured_step_s is None else f"{r.measured_step_s:.3f}"
         iface = "-" if r.measured_sent_bytes is None else f"{r.measured_sent_bytes / 1e6:.2f}"
         predicted = "-" if r.predicted_step_s is None else f"{r.predicted_step_s:.3f}"
+        comm = "-" if r.measured_comm_s is None else f"{r.measured_comm_s:.3f}"
         lines.append(
             f"| {Path(r.directory).name} | {r.world_size} | {r.bandwidth_mbit:g} | {r.compressor} | {r.collective} "
             f"| {measured} | {predicted} | {err} | {r.compute_s:.3f} | {r.codec_s:.3f} "
-            f"| {r.comm_s:.3f} | {r.predicted_sent_bytes / 1e6:.2f} / {iface} |"
+            f"| {r.comm_s:.3f} / {comm} | {r.predicted_sent_bytes / 1e6:.2f} / {iface} |"
         )
     return "\n".join(lines)
 
 
 def run_calibration(args: argparse.Namespace) -> int:
-    fit = str(args.link_efficiency).strip() == "fit"
+    choice = str(args.link_efficiency).strip()
+    fit = choice == "fit"
     efficiency = TCP_GOODPUT
-    if not fit and args.link_efficiency is not None:
+    if choice == "fit-comm":
+        efficiency = fit_link_efficiency_on_comm(args.calibrate, bandwidth=args.bandwidth, latency_us=args.latency_us)
+    elif not fit and args.link_efficiency is not None:
         try:
             efficiency = float(args.link_efficiency)
         except ValueError:
-            raise ValueError(f"link-efficiency must be a fraction in (0, 1] or 'fit'; got {args.link_efficiency!r}") from None
+            raise ValueError(
+                f"link-efficiency must be a fraction in (0, 1], 'fit' or 'fit-comm'; got {args.link_efficiency!r}"
+            ) from None
     rows: list[CalibrationRow] = []
     for directory in args.calibrate:
         if fit:
@@ -236,7 +249,11 @@ def run_calibration(args: argparse.Namespace) -> int:
         print(json.dumps([r.as_dict() for r in rows], indent=2))
         return 0
     print(format_calibration(rows, fitted=fit))
-    how = "fitted on each directory's 'none' run" if fit else "given" if args.link_efficiency else "TCP payload per Ethernet frame"
+    how = (
+        "fitted on each directory's 'none' run" if fit
+        else "fitted on the 'none' runs' collective seconds" if choice == "fit-comm"
+        else "given" if args.link_efficiency else "TCP payload per Ethernet frame"
+    )
     efficiencies = ", ".join(sorted({f"{r.link_efficiency:.3f}" for r in rows}))
     print(
         f"\nlink: tbf rate x {efficiencies} ({how}), {args.latency_us:g} us per collective step; "
@@ -325,7 +342,8 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--link-efficiency", default=None,
-        help=f"with --calibrate: payload fraction of the link rate, or 'fit' to fit it on each directory's "
-        f"'none' run (default {TCP_GOODPUT:.4f}, TCP over Ethernet)",
+        help=f"with --calibrate: payload fraction of the link rate; 'fit' fits it on each directory's "
+        f"'none' step, 'fit-comm' one fraction for all directories on the 'none' runs' collective seconds "
+        f"(default {TCP_GOODPUT:.4f}, TCP over Ethernet)",
     )
     p.set_defaults(func=run)
