@@ -5,7 +5,10 @@ Markdown table over all of them and checks the bars:
 
 - at 100 Mbit/s the best gradzip codec reaches the target loss sooner than every PyTorch hook
   that completes, with a step-time speedup of at least 90 % of the measured limit;
-- at 20 Mbit/s it reaches the target at least 4x sooner than ``none``.
+- at 20 Mbit/s it reaches the target at least 4x sooner than ``none``;
+- ``auto`` (where run): its step at most 3% slower than ``none``'s and at most 5% slower than
+  the fastest fixed gradzip codec's of the same run, its final validation loss within 1% of
+  ``none``'s (same steps).
 
     PYTHONPATH=$PWD python benchmarks/compare.py --out runs/bench-compare
     PYTHONPATH=$PWD python benchmarks/compare.py --out runs/bench-compare --table-only   # re-print
@@ -21,12 +24,31 @@ import subprocess
 import sys
 from pathlib import Path
 
-COMPRESSORS = "none,fp16,torch:fp16,torch:powersgd,powersgd:approx_rank=4,topk:ratio=0.01"
+COMPRESSORS = "none,fp16,torch:fp16,torch:powersgd,powersgd:approx_rank=4,topk:ratio=0.01,auto"
 BANDWIDTHS = "100mbit,20mbit,1gbit"
 
 
 def is_gradzip_codec(label: str) -> bool:
     return label not in ("limit", "none") and not label.startswith("torch:")
+
+
+def auto_bar(link: str, rows: list[dict]) -> str | None:
+    """Issue 9's bar for one setting: ``auto`` against ``none`` and the fastest fixed codec."""
+    by_label = {r["compressor"]: r for r in rows if r["status"] == "ok" and r["step_s"] is not None}
+    auto, dense = by_label.get("auto"), by_label.get("none")
+    fixed = [r for label, r in by_label.items() if is_gradzip_codec(label) and label != "auto"]
+    if auto is None or dense is None:
+        return None
+    vs_dense = auto["step_s"] / dense["step_s"] - 1
+    loss = auto["final_val_loss"] / dense["final_val_loss"] - 1
+    best = min(fixed, key=lambda r: r["step_s"]) if fixed else dense
+    vs_best = auto["step_s"] / min(best["step_s"], dense["step_s"]) - 1
+    ok = vs_dense <= 0.03 and vs_best <= 0.05 and abs(loss) <= 0.01
+    return (
+        f"{link}: auto step {auto['step_s']:.2f} s, {vs_dense:+.1%} against none, {vs_best:+.1%} against the fastest "
+        f"({best['compressor']} {best['step_s']:.2f} s); final val loss {loss:+.2%} against none: "
+        f"bar {'met' if ok else 'NOT met'}"
+    )
 
 
 def best_codec(rows: list[dict]) -> dict | None:
@@ -68,6 +90,10 @@ def check_bars(results: dict[str, list[dict]]) -> list[str]:
                 f"20mbit: best gradzip codec {best['compressor']} reached the target {ratio:.2f}x sooner than none: "
                 f"bar {'met' if ratio >= 4 else 'NOT met'}"
             )
+    for link, rows in results.items():
+        line = auto_bar(link, rows)
+        if line:
+            lines.append(line)
     return lines
 
 
@@ -102,6 +128,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--eval-every", type=int, default=5)
     p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--adapt-every", type=int, default=10, help="auto's window in steps (train's default 50 is past a short run)")
+    p.add_argument("--network", default="emulated", help="emulated (root) or loopback")
     p.add_argument("--table-only", action="store_true", help="print the table from earlier results")
     args = p.parse_args()
     out = Path(args.out)
@@ -110,9 +138,10 @@ def main() -> int:
         folder = out / bandwidth
         if not args.table_only:
             cmd = [sys.executable, "-m", "gradzip", "compare", "--compressors", args.compressors,
-                   "--world-size", str(args.world_size), "--bandwidth", bandwidth, "--network", "emulated",
+                   "--world-size", str(args.world_size), "--bandwidth", bandwidth, "--network", args.network,
                    "--steps", str(args.steps), "--eval-every", str(args.eval_every),
-                   "--eval-batches", str(args.eval_batches), "--out", str(folder)]  # fmt: skip
+                   "--eval-batches", str(args.eval_batches), "--adapt-every", str(args.adapt_every),
+                   "--out", str(folder)]  # fmt: skip
             print("$ " + " ".join(cmd[1:]), flush=True)
             subprocess.run(cmd, check=False)
         if (folder / "results.json").exists():

@@ -87,6 +87,16 @@ class ErrorFeedback:
         else:
             self.residuals[key] = compensated - decoded.to(compensated.dtype)
 
+    def store(self, key: Hashable, residual: Tensor, *, step: int) -> None:
+        """Keep ``residual`` itself (not a copy) as the residual of ``key``: for a caller that
+        computed ``compensated - decoded`` in place. Nothing is kept before ``start_step``; in
+        ``deferred`` mode the replaced residual is kept for :meth:`discard`."""
+        if step < self.start_step:
+            return
+        if self.deferred and key not in self.replaced:
+            self.replaced[key] = self.residuals.get(key)
+        self.residuals[key] = residual if self.dtype is None else residual.to(self.dtype)
+
     def commit(self) -> None:
         """Keep the updates since the last commit (``deferred`` mode): forget the old residuals."""
         self.replaced = {}

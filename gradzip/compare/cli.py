@@ -27,6 +27,7 @@ examples:
 TRAIN_OPTIONS = {
     "batch_size": int, "seq_len": int, "eval_every": int, "eval_batches": int, "bucket_cap_mb": float,
     "lr": float, "warmup_steps": int, "n_layer": int, "n_embd": int, "n_head": int, "vocab_size": int, "data": str,
+    "adapt_every": int, "monitor_every": int,
 }  # fmt: skip
 
 

@@ -93,13 +93,15 @@ def _sign_fns(x: torch.Tensor):
 
 
 def _lowrank_fns(matrix: torch.Tensor, approx_rank: int, gen: torch.Generator):
+    from gradzip.comm.powersgd import product  # the reducer's own products (layout matters on CPU)
+
     q = torch.randn(matrix.shape[1], approx_rank, generator=gen)
-    p_hat = torch.linalg.qr(matrix @ q).Q
-    q_new = matrix.T @ p_hat
+    p_hat = torch.linalg.qr(product(matrix, q)).Q
+    q_new = product(matrix.T, p_hat)
 
     def encode():
-        p = torch.linalg.qr(matrix @ q).Q
-        return matrix.T @ p
+        p = torch.linalg.qr(product(matrix, q)).Q
+        return product(matrix.T, p)
 
     def decode():
         return p_hat @ q_new.T

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from gradzip.comm import guard
+
 ENV = "GRADZIP_FAULTS"
 KINDS = ("exit", "hang", "error", "nonfinite")
 ROLL_CALL_WAIT_S = 5.0
@@ -44,7 +46,7 @@ _LOST_PEER_WORDS = ("connection closed", "connection reset", "broken pipe", "tim
 
 def gradients_finite(model: torch.nn.Module) -> bool:
     """Whether every parameter's gradient is finite on this rank (one pass; no collective)."""
-    return all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+    return all(guard.is_finite(p.grad) for p in model.parameters() if p.grad is not None)
 
 
 def step_finite(model: torch.nn.Module, *, own_gradients: bool) -> bool:
