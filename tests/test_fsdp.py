@@ -403,9 +403,8 @@ def test_training_steps_per_codec_and_exact_resume(ranks):
     for res in results:
         # Exact with the compressor state; not without it (the state matters).
         assert res["resume_topk:ratio=0.1"] == [True, False]
-    # At world size 3 the head's stacked matrix is 3 x 9, whose product CPU matmul rounds by
-    # the operands' alignment: a warm-start factor viewed into a received buffer would differ
-    # from the resumed run's own copy in the last bit.
+    # World size 3 included: uneven shards give odd matrix shapes, where CPU matmul can round
+    # by an operand's alignment (a resumed run holds fresh copies of the warm-start factors).
     powersgd_resumes = [res["resume_powersgd:approx_rank=1"] for res in results]
     assert all(r == [True, False] for r in powersgd_resumes), powersgd_resumes
 

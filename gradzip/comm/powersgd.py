@@ -278,10 +278,9 @@ class PowerSGDReducer:
                         self.feedback.store((key, i), mat.addmm_(p, q_local.T, alpha=-1), step=step)
                     if self.compressor.warm_start:
                         self.q_replaced.setdefault((key, i), self.q_memory.get((key, i)))
-                        # A copy, not a view into round2: a view sits at an arbitrary offset, and
-                        # CPU matmul rounds differently for misaligned operands (M Q of a 3 x 9 M
-                        # does), so the next step would differ in the last bit from a run resumed
-                        # with the checkpointed (freshly allocated) copy.
+                        # A copy, not a view into round2: a resumed run starts from a freshly
+                        # allocated copy, and CPU matmul can round differently for an operand at
+                        # an arbitrary offset, so the live run keeps the same kind of tensor.
                         self.q_memory[(key, i)] = q_mean.clone()
             if quality is not None:
                 for piece in uncompressed:
