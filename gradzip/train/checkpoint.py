@@ -23,16 +23,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from gradzip.train.atomic import atomic_save, atomic_write_text
 
 MANIFEST = "complete.json"
 _FOLDER = re.compile(r"^step-(\d+)$")
@@ -60,36 +60,6 @@ class Progress:
     """Training wall time so far."""
     initial_val_loss: float | None = None
     """Validation loss before the first step."""
-
-
-def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to ``path`` via a temporary file, fsync and rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 def _barrier() -> None:

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from gradzip.train.atomic import atomic_write_bytes
 
 VAL_FRACTION = 0.1
 
@@ -55,20 +56,6 @@ def load_text(path: str | None) -> tuple[str, str]:
     return text, os.path.basename(path)
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def tokenize(text: str, vocab_size: int) -> Tensor:
     """Token ids (int64, shape ``(n_tokens,)``) of ``text`` under a BPE trained on it; cached."""
     from tokenizers import Tokenizer
@@ -96,13 +83,13 @@ def tokenize(text: str, vocab_size: int) -> Tensor:
             vocab_size=vocab_size, initial_alphabet=ByteLevel.alphabet(), show_progress=False, special_tokens=[]
         )
         tokenizer.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
-        _atomic_write_bytes(tok_path, tokenizer.to_str().encode("utf-8"))
+        atomic_write_bytes(tok_path, tokenizer.to_str().encode("utf-8"))
     lines = text.splitlines(keepends=True)
     ids = [i for enc in tokenizer.encode_batch(lines) for i in enc.ids]
     tensor = torch.tensor(ids, dtype=torch.int64)
     buf_path = ids_path.with_suffix(".tmp-save")
     torch.save(tensor, buf_path)
-    _atomic_write_bytes(ids_path, buf_path.read_bytes())
+    atomic_write_bytes(ids_path, buf_path.read_bytes())
     buf_path.unlink(missing_ok=True)
     return tensor
 
