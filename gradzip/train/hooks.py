@@ -112,8 +112,8 @@ def warm_up_kernels(spec: str) -> float:
     in step times and time to target while the other ranks wait in a collective.
 
     Returns:
-        the seconds it took; 0.0 for PyTorch's hooks, ``auto`` (its codecs compile when first
-        chosen), multi-round codecs, and with compilation off (``GRADZIP_COMPILE=0``).
+        the seconds it took; 0.0 for PyTorch's hooks, ``auto`` (pass its candidates one by
+        one), multi-round codecs, and with compilation off (``GRADZIP_COMPILE=0``).
     """
     name = spec.strip().lower()
     if name.startswith("torch:") or name == "auto":

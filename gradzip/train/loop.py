@@ -137,7 +137,9 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     corpus.check_fits(cfg.seq_len)
     model = build_model(cfg, corpus.vocab_size).to(device)
     par = make_parallel(model, cfg, settle=lambda ddp: settle_buckets(ddp, corpus, cfg, device))
-    kernels_s = warm_up_kernels(cfg.compressor) if device.type == "cpu" else 0.0
+    # auto probes its candidates on a later step: theirs compile now as well
+    specs = cfg.auto_config().candidate_specs() if cfg.compressor.strip().lower() == "auto" else [cfg.compressor]
+    kernels_s = sum(warm_up_kernels(spec) for spec in specs) if device.type == "cpu" else 0.0
     if is_main and kernels_s > 1.0:
         print(f"compiled the codec's kernels in {kernels_s:.1f} s", file=sys.stderr)
     optimizer = build_optimizer(cfg, model, metrics=par.state.metrics)
