@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from gradzip.train.atomic import atomic_write_bytes
+from gradzip.train.atomic import atomic_save, atomic_write_bytes
 
 VAL_FRACTION = 0.1
 
@@ -87,10 +87,8 @@ def tokenize(text: str, vocab_size: int) -> Tensor:
     lines = text.splitlines(keepends=True)
     ids = [i for enc in tokenizer.encode_batch(lines) for i in enc.ids]
     tensor = torch.tensor(ids, dtype=torch.int64)
-    buf_path = ids_path.with_suffix(".tmp-save")
-    torch.save(tensor, buf_path)
-    atomic_write_bytes(ids_path, buf_path.read_bytes())
-    buf_path.unlink(missing_ok=True)
+    # Ranks may tokenize at once; each writes its own temporary file, and the rename is atomic.
+    atomic_save(tensor, ids_path)
     return tensor
 
 
