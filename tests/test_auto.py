@@ -18,6 +18,7 @@ from gradzip.control.auto import (
     EntropyController,
     LegacyController,
     fit_link,
+    link_rows,
     parse_candidates,
 )
 from gradzip.metrics import BucketFigures, CandidateFigures, StepMetrics, WindowFigures
@@ -48,11 +49,21 @@ def _window(buckets, period_s=1.0, start=1, end=50) -> WindowFigures:
 def test_fit_link_recovers_latency_and_bandwidth():
     # ring all_reduce on 2 ranks puts each payload byte on the wire once
     buckets = [_bucket(0, numel=250_000, comm_s=0.001 + 1e6 / 1e8), _bucket(1, numel=1_000_000, comm_s=0.001 + 4e6 / 1e8)]
-    link = fit_link(_window(buckets))
+    link = fit_link(link_rows(_window(buckets)))
     assert link.latency_s == pytest.approx(0.001, rel=1e-6)
     assert link.bytes_per_s == pytest.approx(1e8, rel=1e-6)
-    one = fit_link(_window([_bucket(0, numel=1_000_000, comm_s=0.04)]))
+    one = fit_link(link_rows(_window([_bucket(0, numel=1_000_000, comm_s=0.04)])))
     assert one.latency_s == 0.0 and one.bytes_per_s == pytest.approx(1e8)
+
+
+def test_cost_controller_fits_the_link_across_a_switch():
+    # 1 Gbit/s (125 MB/s), 10 ms per collective: dense 4 MB in one collective, then PowerSGD's
+    # 100 kB in two. The PowerSGD window alone reads as a 100 kB / 20.8 ms = 38 Mbit/s link.
+    ctl = CostController(AutoConfig(adapt_every=40, trial_steps=8), SPECS)
+    ctl.decide(_window([_bucket(comm_s=0.010 + 4e6 / 125e6)], period_s=1.0))
+    ctl.decide(_window([_bucket(current=3, comm_s=2 * 0.010 + 100_000 / 125e6, probes=False)], period_s=0.8))
+    assert ctl.link.latency_s == pytest.approx(0.010, rel=1e-6)
+    assert ctl.link.bytes_per_s == pytest.approx(125e6, rel=1e-6)
 
 
 def test_cost_controller_slow_link_trial_kept_then_steady():

@@ -8,7 +8,8 @@ rank reaches the same decisions. :class:`~gradzip.comm.adaptive.AdaptiveReducer`
 Schedules (``--auto-schedule``):
 
 - ``cost`` (default): bandwidth-aware. Fits the link (``seconds = latency * collectives +
-  sent_bytes / bandwidth``) to the bytes and seconds of the window's collectives, prices every
+  sent_bytes / bandwidth``) to the bytes and seconds of the collectives of the last
+  ``LINK_WINDOWS`` windows, prices every
   candidate on every bucket from a local probe (encode and decode seconds, payload bytes), keeps
   the candidates whose one-step relative error ``||g - D(C(g))|| / ||g||`` is within
   ``max_error`` (a quality budget per bucket, in the spirit of L-GreCo, Markov et al., arXiv
@@ -165,17 +166,23 @@ class Link:
         return self.latency_s * collectives + sent_bytes / self.bytes_per_s
 
 
-def fit_link(window: WindowFigures, previous: Link | None = None) -> Link | None:
-    """Least-squares fit of latency and bandwidth to the buckets' (collectives, sent bytes, seconds).
+LINK_WINDOWS = 4
+"""Windows whose collectives the ``cost`` schedule fits the link to: after a switch the window
+before it (other payload sizes) stays in the fit, so latency and bandwidth both come out."""
 
-    With one bucket size (or a negative latency) the latency is 0 and the bandwidth is the
-    ratio of sums. Returns ``previous`` when the window moved no bytes.
+
+def link_rows(window: WindowFigures) -> list[tuple[float, float, float]]:
+    """``(collectives, sent_bytes, seconds)`` per step of each bucket that moved bytes in ``window``."""
+    return [(b.collectives, b.sent_bytes, b.communicate_s) for b in window.buckets
+            if b.sent_bytes > 0 and b.communicate_s > 0]
+
+
+def fit_link(rows: Sequence[tuple[float, float, float]], previous: Link | None = None) -> Link | None:
+    """Least-squares fit of latency and bandwidth to ``(collectives, sent bytes, seconds)`` rows.
+
+    With one payload size (or a negative latency) the latency is 0 and the bandwidth is the
+    ratio of sums. Returns ``previous`` when no row moved bytes.
     """
-    rows = []
-    for b in window.buckets:
-        wire = b.sent_bytes
-        if wire > 0 and b.communicate_s > 0:
-            rows.append((b.collectives, wire, b.communicate_s))
     if not rows:
         return previous
     s11 = sum(n * n for n, _, _ in rows)
@@ -226,6 +233,7 @@ class CostController(_Base):
         super().__init__(cfg, specs)
         self.trial_steps = cfg.trial_steps or max(4, cfg.adapt_every // 4)
         self.link: Link | None = None
+        self.link_history: list[list[tuple[float, float, float]]] = []
         self.probes: dict[Hashable, list[CandidateFigures]] = {}
         self.windows_since_probe = 0
         self.running_period_s: float | None = None
@@ -248,7 +256,8 @@ class CostController(_Base):
                 self.probes[b.key] = b.candidates
         probed = any(b.candidates is not None for b in window.buckets)
         self.windows_since_probe = 0 if probed else self.windows_since_probe + 1
-        self.link = fit_link(window, self.link)
+        self.link_history = (self.link_history + [link_rows(window)])[-LINK_WINDOWS:]
+        self.link = fit_link([row for rows in self.link_history for row in rows], self.link)
         current = {b.key: b.current for b in window.buckets}
         probe_next = self.windows_since_probe + 1 >= self.cfg.reprobe_every
 
@@ -333,7 +342,8 @@ class CostController(_Base):
     def state_dict(self) -> dict[str, Any]:
         return {"running": self.running, "running_period_s": self.running_period_s, "trial": self.trial,
                 "trial_bytes_per_s": self.trial_bytes_per_s, "rejected": list(self.rejected), "windows_since_probe": self.windows_since_probe,
-                "link": None if self.link is None else (self.link.latency_s, self.link.bytes_per_s)}
+                "link": None if self.link is None else (self.link.latency_s, self.link.bytes_per_s),
+                "link_history": [list(rows) for rows in self.link_history]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.running, self.running_period_s = state["running"], state["running_period_s"]
@@ -341,6 +351,7 @@ class CostController(_Base):
         self.trial_bytes_per_s = state["trial_bytes_per_s"]
         self.windows_since_probe = state["windows_since_probe"]
         self.link = None if state["link"] is None else Link(*state["link"])
+        self.link_history = [[tuple(row) for row in rows] for rows in state.get("link_history", [])]
 
 
 def _bucket(window: WindowFigures, key: Hashable) -> BucketFigures:
