@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from gradzip.control.auto import FIRST_WINDOW_STEPS
 from gradzip.train.config import TrainConfig
 
 HELP = """\
@@ -88,7 +89,8 @@ def add_parser(sub) -> None:
     g.add_argument("--norm-warn-checks", type=int, default=d.norm_warn_checks, metavar="K",
                    help=f"... for K consecutive checks (default {d.norm_warn_checks})")
     g.add_argument("--adapt-every", type=int, default=d.adapt_every, metavar="N",
-                   help=f"--compressor auto: re-decide every N steps (default {d.adapt_every})")
+                   help="--compressor auto: re-decide every N steps; the first decision comes after a "
+                        f"measuring window of min(N, {FIRST_WINDOW_STEPS}) steps after step 0 (default {d.adapt_every})")
     g.add_argument("--auto-schedule", default=d.auto_schedule, choices=["cost", "accordion", "legacy", "edgc"],
                    help="--compressor auto: bandwidth-aware cost (default), accordion, legacy or edgc")
     g.add_argument("--auto-candidates", default=None, metavar="SPECS",
