@@ -37,7 +37,9 @@ def add_parser(sub) -> None:
     )
     d = TrainConfig()
     p.add_argument("--compressor", default=d.compressor, metavar="SPEC",
-                   help=f"codec spec, e.g. topk:ratio=0.01 (see 'gradzip list'); torch:fp16 etc. for PyTorch's hooks (default {d.compressor})")
+                   help=f"codec spec, e.g. topk:ratio=0.01 (see 'gradzip list'); add start_step=N to exchange the first N "
+                   "steps dense (topk:ratio=0.01,start_step=20); torch:fp16 etc. for PyTorch's hooks "
+                   f"(default {d.compressor})")
     p.add_argument("--optimizer", default=d.optimizer, metavar="SPEC",
                    help="adamw, onebit-adam[:warmup_steps=N,bucket_cap_mb=M] or zeroone-adam[:var_freeze_step=N,"
                    "var_update_scaler=K,local_step_scaler=S,local_step_clipper=H,bucket_cap_mb=M]; the last two send "
