@@ -146,3 +146,17 @@ def test_grouped_sign_over_twophase_matches_the_reference(ranks):
                         # Dense: the exact mean, up to the rounding of the wire dtype's sum.
                         exact = torch.stack([g.double() for g in grads]).mean(0)
                         torch.testing.assert_close(got.double(), exact, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_group_scale_near_the_dtype_max_is_the_true_mean(dtype):
+    top = torch.finfo(dtype).max
+    x = torch.tensor([top, -top, 0.0, -1.0, 3.0], dtype=dtype)
+    codec = build("signsgd:group=3")
+    payload = codec.compress(x)
+    assert payload.nbytes == codec.payload_nbytes(5, dtype)
+    # Group one: (|top| + |-top| + 0) / 3, rounded once to the dtype; group two: (1 + 3) / 2.
+    want = torch.tensor([2 * (top / 3), 2.0], dtype=torch.float64).to(dtype)
+    assert torch.equal(payload.tensors[1], want)
+    decoded = codec.decompress(payload, like=x)
+    assert torch.equal(decoded, torch.stack([want[0], -want[0], want[0], -want[1], want[1]]))
