@@ -160,3 +160,12 @@ def test_group_scale_near_the_dtype_max_is_the_true_mean(dtype):
     assert torch.equal(payload.tensors[1], want)
     decoded = codec.decompress(payload, like=x)
     assert torch.equal(decoded, torch.stack([want[0], -want[0], want[0], -want[1], want[1]]))
+
+
+@pytest.mark.parametrize("spec", ["topk:ratio=0.1,start_step=2+natural", "natural:start_step=3", "natural"])
+def test_marker_slot_keeps_the_codec_spec_and_start_step(spec):
+    codec = build(spec)
+    slotted = with_marker_slot(codec)
+    assert slotted is not codec  # natural's payload has no floating tensor for the marker
+    assert slotted.spec == codec.spec and build(slotted.spec).spec == codec.spec
+    assert slotted.start_step == codec.start_step
