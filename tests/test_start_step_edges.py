@@ -3,6 +3,7 @@
 - spec lists (``gradzip compare`` / ``simulate`` / ``bench``) keep a ``key=value`` that is
   followed by ``+`` with the spec before it (``topk:ratio=0.01,start_step=3+uniform:bits=8``);
 - ``auto``'s probe prices a candidate before its ``start_step`` as the dense exchange it takes;
+- DGC's sparsity warm-up (``warmup_steps``) starts at ``start_step``, where compression does;
 - FSDP's compressed reduce-scatter with an inf on one rank: all NaN on every rank, residuals
   untouched (they never turn inf or NaN), for ``efsignsgd:group=G``, ``topk`` and ``natural``
   (whose payload needs the marker slot); payload bytes as the formula says on every step;
@@ -24,6 +25,7 @@ from gradzip.compressors import build
 from gradzip.feedback import ErrorFeedback
 from gradzip.fsdp import CompressedReduceScatter
 from gradzip.metrics import StepMetrics
+from gradzip.optim.dgc import WarmupReducer, split_training_options
 from gradzip.simulate.cli import split_specs as simulate_split
 from gradzip.testing import run_ranks
 
@@ -169,3 +171,13 @@ def test_marker_slot_keeps_the_codec_spec_and_start_step(spec):
     assert slotted is not codec  # natural's payload has no floating tensor for the marker
     assert slotted.spec == codec.spec and build(slotted.spec).spec == codec.spec
     assert slotted.start_step == codec.start_step
+
+
+def test_dgc_warmup_starts_where_compression_does():
+    spec, options = split_training_options("dgc:ratio=0.01,warmup_steps=8,warmup_stages=4,start_step=3")
+    assert build(spec).start_step == 3 and options == {"warmup_steps": 8, "warmup_stages": 4}
+    reducer = WarmupReducer(spec, **options)
+    # Stage s keeps 0.01 ** ((s + 1) / 5) for two steps each, from step 3 on; dense before it.
+    stages = [0.01 ** ((s + 1) / 5) for s in range(4)]
+    want = [stages[0]] * 3 + [stages[s // 2] for s in range(8)] + [0.01] * 2
+    assert [reducer.ratio_at(step) for step in range(13)] == pytest.approx(want, rel=1e-12)
