@@ -147,12 +147,24 @@ def padded(flat: Tensor, size: int) -> Tensor:
     return out
 
 
-def positions(rows: Tensor, first: Tensor) -> Tensor:
+def positions(rows: Tensor, first: Tensor, columns: Tensor | None = None) -> Tensor:
     """Flat positions (int32, wrapping past 2**31) of the elements of a ``(rows, cols)`` block
-    whose first element sits at ``first`` (a 0-d int32 tensor)."""
+    whose first element sits at ``first`` (a 0-d int32 tensor).
+
+    ``columns``, when given, is ``arange(cols)`` as a ``(1, cols)`` int32 tensor: a compiled
+    loop loads it as a vector, where an ``arange`` in the loop would assemble each vector of
+    column numbers lane by lane (which took most of a dithering encoder's time).
+    """
     count, cols = rows.shape
+    if columns is None:
+        columns = torch.arange(cols, dtype=torch.int32, device=rows.device)
     row_starts = torch.arange(count, dtype=torch.int32, device=rows.device).view(-1, 1) * cols
-    return first + row_starts + torch.arange(cols, dtype=torch.int32, device=rows.device)
+    return first + row_starts + columns
+
+
+def column_numbers(cols: int, device: torch.device | str = "cpu") -> Tensor:
+    """``arange(cols)`` as a ``(1, cols)`` int32 tensor: the ``columns`` of :func:`positions`."""
+    return torch.arange(cols, dtype=torch.int32, device=device).view(1, cols)
 
 
 def _first(position: int) -> Tensor:
@@ -211,8 +223,8 @@ def _encoder(
 
         def encode(*args: Tensor) -> tuple[Tensor, ...]:
             views = list(args[:count])
-            params = list(args[count : len(args) - 1] if with_positions else args[count:])
-            pos = positions(views[0], args[-1]) if with_positions else None
+            params = list(args[count : len(args) - 2] if with_positions else args[count:])
+            pos = positions(views[0], args[-2], args[-1]) if with_positions else None
             return _lanes(fn, views, params, pos, out_bits, packed)
 
         _wrapped[key] = Kernel(encode, f"{fn.__qualname__.split('.')[0]}{'' if packed else '_loose'}")
@@ -273,7 +285,7 @@ def encode_rows(
     main = None
     if rows:
         views = [e[:whole].view(rows, group) for e in elementwise]
-        extra = [_first(0)] if with_positions else []
+        extra = [_first(0), column_numbers(group, elementwise[0].device)] if with_positions else []
         kernel = _encoder(fn, len(elementwise), out_bits, aligned, with_positions)
         main = [o.reshape(-1) for o in kernel(*views, *_row_params(params, 0, rows), *extra)]
     rest = None

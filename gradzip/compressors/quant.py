@@ -83,14 +83,22 @@ def check_choice(value: str, *, name: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
+def _magnitude_range(values: Tensor) -> tuple[float, float]:
+    """``max |v|`` and the smallest nonzero ``|v|`` (1.0 if there is none) of a float tensor,
+    NaN for the maximum if any value is NaN. Reductions only: a boolean-mask selection of the
+    nonzero values would cost a ``nonzero`` and a gather, several times the reductions."""
+    if values.numel() == 0:
+        return 0.0, 1.0
+    magnitude = values.abs()
+    top = float(magnitude.amax())
+    bottom = float(torch.where(magnitude > 0, magnitude, torch.inf).amin())
+    return top, bottom if bottom < float("inf") else 1.0
+
+
 def _fits_fp32(scales: Tensor, low: float) -> bool:
     """Whether per-group scales (any float dtype) are safe for fp32 arithmetic: none above a
     quarter of fp32's range, and no nonzero one so small that its reciprocal overflows."""
-    if scales.numel() == 0:
-        return True
-    top = float(scales.abs().max())
-    nonzero = scales.abs()[scales != 0]
-    bottom = float(nonzero.min()) if nonzero.numel() else 1.0
+    top, bottom = _magnitude_range(scales)
     return top <= torch.finfo(torch.float32).max / 4 and bottom >= low
 
 
@@ -401,14 +409,19 @@ class Uniform(Compressor):
         """Arithmetic dtype and a power-of-two prescale keeping ``high - low`` and its
         reciprocal finite."""
         work = compute_dtype(dtype)
-        ends = torch.cat([low, high])
-        spread = high.to(torch.float64) - low.to(torch.float64)
-        if work == torch.float32 and not (
-            _fits_fp32(ends, low=0.0) and _fits_fp32(spread, low=self.steps * 2.0**-100)
-        ):
-            work = torch.float64
+        # NaN-propagating, as the comparisons below need (Python's max() is not).
+        top = float(torch.maximum(low.abs().amax(), high.abs().amax())) if low.numel() else 0.0
+        if work == torch.float32:
+            # high >= low, so a spread is the same in fp32 or fp64 unless fp32 is too narrow.
+            spread_top, spread_bottom = _magnitude_range(high.to(torch.float64) - low.to(torch.float64))
+            if not (
+                top <= torch.finfo(torch.float32).max / 4
+                and spread_top <= torch.finfo(torch.float32).max / 4
+                and spread_bottom >= self.steps * 2.0**-100
+            ):
+                work = torch.float64
         prescale = 1.0
-        if ends.numel() and float(ends.abs().max()) > torch.finfo(work).max / 4:
+        if top > torch.finfo(work).max / 4:
             prescale = 2.0**-4
         return work, prescale
 
