@@ -186,32 +186,58 @@ def _lanes(
 ) -> tuple[Tensor, ...]:
     """``fn``'s outputs, each folded as :func:`fold` does when ``packed``.
 
-    Folding evaluates ``fn`` once per lane on that lane's column slice (``fn`` is elementwise,
-    so the codes are the same): the compiler then fuses the codes into the loop over output
-    bytes instead of writing them to memory and reading them back per lane.
+    Folding evaluates ``fn`` on column slices (``fn`` is elementwise, so the codes are the
+    same) and ORs the slices' codes, so that the compiler fuses the codes into the loop over
+    output bytes instead of writing them to memory and reading them back per lane. With one
+    output, the slices are its lanes. With several, the row is cut into ``P`` slices of ``W =
+    cols / P`` columns, ``P`` the most lanes any output has, and ``fn`` runs once per slice for
+    all outputs: byte ``c W + j`` of an output of ``per`` lanes holds the codes of slices ``c,
+    c + P / per, ...`` at column ``j``, so every output is built from ``(rows, W)`` pieces and
+    the whole encoding is one loop over ``(rows, W)`` that reads the input once (the pieces of
+    an output are then concatenated, a copy of the packed bytes only).
     """
     extra = [] if pos is None else [pos]
     if not packed:
         return tuple(fn(*views, *params, *extra))
-    whole = None
+    if len(out_bits) == 1:
+        (bits,) = out_bits
+        if bits is None:
+            return tuple(fn(*views, *params, *extra))
+        per = 8 // bits
+        width = views[0].shape[1] // per
+        return (_fold_slices([_slice_codes(fn, views, params, pos, lane, width)[0] for lane in range(per)], bits),)
+    slices = max(8 // bits for bits in out_bits if bits is not None)
+    width = views[0].shape[1] // slices
+    codes = [_slice_codes(fn, views, params, pos, s, width) for s in range(slices)]
     outs = []
     for index, bits in enumerate(out_bits):
         if bits is None:
-            whole = whole if whole is not None else fn(*views, *params, *extra)
-            outs.append(whole[index])
-            continue
-        per = 8 // bits
-        width = views[0].shape[1] // per
-        folded = None
-        for lane in range(per):
-            cols = slice(lane * width, (lane + 1) * width)
-            lane_extra = [] if pos is None else [pos[:, cols]]
-            code = fn(*[v[:, cols] for v in views], *params, *lane_extra)[index].to(torch.int32)
-            # Shifts in int32: CPU vector units shift 32-bit lanes, not 8-bit ones.
-            code = code << (lane * bits) if lane else code
-            folded = code if folded is None else folded | code
-        outs.append(folded.to(torch.uint8))
+            pieces = [c[index] for c in codes]
+        else:
+            span = slices // (8 // bits)
+            pieces = [_fold_slices([c[index] for c in codes[first::span]], bits) for first in range(span)]
+        outs.append(torch.cat(pieces, 1) if len(pieces) > 1 else pieces[0])
     return tuple(outs)
+
+
+def _slice_codes(
+    fn: Callable[..., tuple[Tensor, ...]], views: list[Tensor], params: list[Tensor], pos: Tensor | None, index: int, width: int
+) -> tuple[Tensor, ...]:
+    """``fn`` on columns ``index * width`` to ``(index + 1) * width`` of every view."""
+    cols = slice(index * width, (index + 1) * width)
+    extra = [] if pos is None else [pos[:, cols]]
+    return fn(*[v[:, cols] for v in views], *params, *extra)
+
+
+def _fold_slices(codes: list[Tensor], bits: int) -> Tensor:
+    """ORs the codes of lane ``i`` shifted by ``i * bits`` into uint8."""
+    folded = None
+    for lane, code in enumerate(codes):
+        # Shifts in int32: CPU vector units shift 32-bit lanes, not 8-bit ones.
+        code = code.to(torch.int32)
+        code = code << (lane * bits) if lane else code
+        folded = code if folded is None else folded | code
+    return folded.to(torch.uint8)
 
 
 def _encoder(
