@@ -240,20 +240,49 @@ def _fold_slices(codes: list[Tensor], bits: int) -> Tensor:
     return folded.to(torch.uint8)
 
 
+#: per-row statistics computed in the encoding loop: ``(reduce, params)``, see :func:`encode_rows`
+RowStats = tuple[Callable[[Tensor], tuple[Tensor, ...]], Callable[..., tuple[Tensor, ...]]]
+
+
+def _encode_body(
+    fn: Callable[..., tuple[Tensor, ...]],
+    views: list[Tensor],
+    params: list[Tensor],
+    pos: Tensor | None,
+    out_bits: tuple[int | None, ...],
+    packed: bool,
+    row_stats: RowStats | None,
+) -> tuple[Tensor, ...]:
+    """The codes of ``fn`` (see :func:`_lanes`), then the row statistics when there are any."""
+    stats: tuple[Tensor, ...] = ()
+    if row_stats is not None:
+        reduce, make_params = row_stats
+        stats = reduce(views[0])
+        params = list(make_params(*stats, *params))
+    codes = _lanes(fn, views, params, pos, out_bits, packed)
+    return (*codes, *(s.reshape(-1) for s in stats))
+
+
 def _encoder(
-    fn: Callable[..., tuple[Tensor, ...]], count: int, out_bits: tuple[int | None, ...], packed: bool, with_positions: bool
+    fn: Callable[..., tuple[Tensor, ...]],
+    count: int,
+    out_bits: tuple[int | None, ...],
+    packed: bool,
+    with_positions: bool,
+    row_stats: RowStats | None = None,
 ) -> Kernel:
     """The compiled form of an encoding function over ``count`` elementwise inputs."""
-    key = ("encode", fn, count, out_bits, packed, with_positions)
+    key = ("encode", fn, count, out_bits, packed, with_positions, row_stats)
     if key not in _wrapped:
 
         def encode(*args: Tensor) -> tuple[Tensor, ...]:
             views = list(args[:count])
             params = list(args[count : len(args) - 2] if with_positions else args[count:])
             pos = positions(views[0], args[-2], args[-1]) if with_positions else None
-            return _lanes(fn, views, params, pos, out_bits, packed)
+            return _encode_body(fn, views, params, pos, out_bits, packed, row_stats)
 
-        _wrapped[key] = Kernel(encode, f"{fn.__qualname__.split('.')[0]}{'' if packed else '_loose'}")
+        name = f"{fn.__qualname__.split('.')[0]}{'' if packed else '_loose'}{'' if row_stats is None else '_with_stats'}"
+        _wrapped[key] = Kernel(encode, name)
     return _wrapped[key]
 
 
@@ -281,6 +310,7 @@ def encode_rows(
     group: int,
     out_bits: tuple[int | None, ...],
     with_positions: bool = False,
+    row_stats: RowStats | None = None,
 ) -> tuple[Tensor, ...]:
     """Encode rows of ``group`` elements with ``fn``, compiled, and pack its codes.
 
@@ -295,9 +325,15 @@ def encode_rows(
         out_bits: bits of each output's codes, ``None`` for an output sent as it is.
         with_positions: pass ``fn`` one more argument, the flat positions of its elements
             (int32, the views' shape; see :func:`positions`).
+        row_stats: ``(reduce, make_params)`` to compute per-row parameters in the same loop
+            (the input is then read once): ``reduce`` takes the ``(rows, cols)`` view of the
+            first input and returns ``(rows, 1)`` statistics (maxima, minima: exact in any
+            order), ``make_params(*statistics, *params)`` returns the parameters ``fn`` takes.
+            ``params`` are then 0-d only.
 
     Returns:
-        1-D outputs of ``ceil(n * bits / 8)`` bytes (``n`` elements for ``bits=None``). With
+        1-D outputs of ``ceil(n * bits / 8)`` bytes (``n`` elements for ``bits=None``), then
+        with ``row_stats`` each statistic, ``ceil(n / group)`` entries. With
         ``group`` a multiple of 8, whole rows are packed by :func:`fold` (planar) and the last
         partial row as :func:`gradzip.wire.pack_bits` does; otherwise everything as
         ``pack_bits`` does.
@@ -312,14 +348,19 @@ def encode_rows(
     if rows:
         views = [e[:whole].view(rows, group) for e in elementwise]
         extra = [_first(0), column_numbers(group, elementwise[0].device)] if with_positions else []
-        kernel = _encoder(fn, len(elementwise), out_bits, aligned, with_positions)
+        kernel = _encoder(fn, len(elementwise), out_bits, aligned, with_positions, row_stats)
         main = [o.reshape(-1) for o in kernel(*views, *_row_params(params, 0, rows), *extra)]
     rest = None
     if tail:
         # A short row: eager (the same function, so the same codes), packed as pack_bits does.
         views = [e[whole:].view(1, tail) for e in elementwise]
-        extra = [positions(views[0], _first(whole))] if with_positions else []
-        rest = [o.reshape(-1) for o in fn(*views, *_row_params(params, rows, 1), *extra)]
+        pos = positions(views[0], _first(whole)) if with_positions else None
+        rest = [o.reshape(-1) for o in _encode_body(fn, views, _row_params(params, rows, 1), pos, out_bits, False, row_stats)]
+    stats = []
+    if row_stats is not None:
+        for i in range(len(out_bits), len(main if main is not None else rest)):
+            parts = [p[i] for p in (main, rest) if p is not None]
+            stats.append(torch.cat(parts) if len(parts) > 1 else parts[0])
     outs = []
     for i, bits in enumerate(out_bits):
         if bits is not None and not aligned:
@@ -332,7 +373,7 @@ def encode_rows(
         if rest is not None:
             parts.append(rest[i] if bits is None else pack_codes(rest[i].to(torch.uint8), bits))
         outs.append(torch.cat(parts) if len(parts) > 1 else parts[0])
-    return tuple(outs)
+    return (*outs, *stats)
 
 
 def decode_rows(

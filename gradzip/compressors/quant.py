@@ -193,21 +193,28 @@ class QSGD(Compressor):
         if numel == 0:
             empty = torch.empty(0, dtype=torch.uint8, device=flat.device)
             return Payload((empty, empty, torch.empty(0, dtype=self.scale_dtype(flat.dtype), device=flat.device)))
+        keys = hash_key(self.seed, step, key)
+        if flat.dtype == torch.float32 and self.norm == "max":
+            # fp32 arithmetic assumed: scales, parameters and codes in one loop over the
+            # tensor; kept unless the scales need fp64.
+            signs, levels, scales = encode_rows(
+                _qsgd_encoder(self.levels, torch.float32),
+                (flat,),
+                keys,
+                group=self.bucket,
+                out_bits=(1, self.bits),
+                with_positions=True,
+                row_stats=(_abs_max_column, _qsgd_params(self.levels, torch.float32)),
+            )
+            if _fits_fp32(scales, low=self.levels * 2.0**-100):
+                return Payload((signs, levels, scales))
         scales = self._scales(flat)
         work = compute_dtype(flat.dtype)
         if work == torch.float32 and not _fits_fp32(scales, low=self.levels * 2.0**-100):
             work = torch.float64
-        wide = scales.to(work)
-        tiny = torch.finfo(work).tiny * (1 << 10)
-        # Buckets with a scale below tiny (only fp64 denormals) send level 0: an exact zero
-        # would otherwise need a reciprocal beyond the dtype's range.
-        inverse = torch.where(wide >= tiny, self.levels / wide.clamp(min=tiny), torch.zeros_like(wide))
-        # In units of 2**-16 of a level: the dither, plus 2**16 * |v| * s / scale below.
-        inverse *= 1 << 16
-        encode = _qsgd_encoder(self.levels, work)
-        params = (inverse, *hash_key(self.seed, step, key))
+        params = _qsgd_params(self.levels, work)(scales, *keys)
         signs, levels = encode_rows(
-            encode, (flat,), params, group=self.bucket, out_bits=(1, self.bits), with_positions=True
+            _qsgd_encoder(self.levels, work), (flat,), params, group=self.bucket, out_bits=(1, self.bits), with_positions=True
         )
         return Payload((signs, levels, scales))
 
@@ -224,6 +231,28 @@ class QSGD(Compressor):
         codes = ((signs, 1), (packed, self.bits))
         values = decode_rows(decode, codes, (scales.to(work),), group=self.bucket, numel=numel)
         return values.view(like.shape)
+
+
+def _abs_max_column(rows: Tensor) -> tuple[Tensor]:
+    """Per-row ``max |x|`` of a ``(rows, cols)`` view, as a ``(rows, 1)`` column."""
+    return (rows.abs().amax(1, keepdim=True),)
+
+
+@cache
+def _qsgd_params(levels: int, work: torch.dtype) -> Callable[..., tuple[Tensor, ...]]:
+    """QSGD's parameters from the bucket scales (any shape): ``(scales, *keys) -> (2**16 s /
+    scale, *keys)`` in ``work``."""
+    tiny = torch.finfo(work).tiny * (1 << 10)
+
+    def params(scales: Tensor, *keys: Tensor) -> tuple[Tensor, ...]:
+        wide = scales.to(work)
+        # Buckets with a scale below tiny (only fp64 denormals) send level 0: an exact zero
+        # would otherwise need a reciprocal beyond the dtype's range.
+        inverse = torch.where(wide >= tiny, levels / wide.clamp(min=tiny), torch.zeros_like(wide))
+        # In units of 2**-16 of a level: the dither, plus 2**16 * |v| * s / scale below.
+        return (inverse * (1 << 16), *keys)
+
+    return params
 
 
 @cache
@@ -433,23 +462,16 @@ class Uniform(Compressor):
             return Payload((torch.empty(0, dtype=torch.uint8, device=flat.device), flat.new_empty(0), flat.new_empty(0)))
         low, high = reduce_rows(min_max_rows, flat, group=self.group)
         work, prescale = self._frame(low, high, flat.dtype)
-        low_w, high_w = low.to(work) * prescale, high.to(work) * prescale
-        spread = high_w - low_w
-        tiny = torch.finfo(work).tiny * (1 << 10)
-        # A group whose spread is below tiny (fp64 denormals) is sent as its minimum.
-        inverse = torch.where(spread >= tiny, self.steps / spread.clamp(min=tiny), torch.zeros_like(spread))
-        # code = floor((x - min) * L / (max - min) + shift), shift 1/2 (nearest) or the dither,
-        # everything in units of 2**-16 of a step for stochastic rounding (see hashed_dither).
-        unit = 1.0 if self.rounding == "nearest" else 2.0**16
-        inverse = inverse * unit
-        offset_term = -low_w * inverse
-        if self.rounding == "nearest":
-            offset_term += 0.5
-        params = (torch.tensor(prescale, dtype=work), offset_term, inverse, *hash_key(self.seed, step, key))
-        encode = _uniform_encoder(self.steps, work, self.rounding)
-        stochastic = self.rounding == "stochastic"
+        params = _uniform_params(self.steps, work, self.rounding)(
+            low, high, torch.tensor(prescale, dtype=work), *hash_key(self.seed, step, key)
+        )
         (codes,) = encode_rows(
-            encode, (flat,), params, group=self.group, out_bits=(self.bits,), with_positions=stochastic
+            _uniform_encoder(self.steps, work, self.rounding),
+            (flat,),
+            params,
+            group=self.group,
+            out_bits=(self.bits,),
+            with_positions=self.rounding == "stochastic",
         )
         return Payload((codes, low, high))
 
@@ -465,6 +487,30 @@ class Uniform(Compressor):
         decode = _uniform_decoder(work, like.dtype)
         params = (low_w, step_size, high_w, torch.tensor(1 / prescale, dtype=work))
         return decode_rows(decode, ((packed, self.bits),), params, group=self.group, numel=numel).view(like.shape)
+
+
+@cache
+def _uniform_params(steps: int, work: torch.dtype, rounding: str) -> Callable[..., tuple[Tensor, ...]]:
+    """The uniform quantizer's parameters from the group minima and maxima:
+    ``(low, high, prescale, *keys) -> (prescale, offset, L / spread, *keys)`` in ``work``."""
+    unit = 1.0 if rounding == "nearest" else 2.0**16
+    tiny = torch.finfo(work).tiny * (1 << 10)
+
+    def params(low: Tensor, high: Tensor, prescale: Tensor, *keys: Tensor) -> tuple[Tensor, ...]:
+        prescale = prescale.to(work)
+        low_w, high_w = low.to(work) * prescale, high.to(work) * prescale
+        spread = high_w - low_w
+        # A group whose spread is below tiny (fp64 denormals) is sent as its minimum.
+        inverse = torch.where(spread >= tiny, steps / spread.clamp(min=tiny), torch.zeros_like(spread))
+        # code = floor((x - min) * L / (max - min) + shift), shift 1/2 (nearest) or the dither,
+        # everything in units of 2**-16 of a step for stochastic rounding (see hashed_dither).
+        inverse = inverse * unit
+        offset_term = -low_w * inverse
+        if rounding == "nearest":
+            offset_term = offset_term + 0.5
+        return (prescale, offset_term, inverse, *keys)
+
+    return params
 
 
 @cache
