@@ -28,6 +28,7 @@ from gradzip.compressors.base import Compressor, Payload, check_int
 from gradzip.compressors.dither import hash_key, hashed_dither
 from gradzip.compressors.fused import (
     BLOCK,
+    Kernel,
     abs_max_rows,
     decode_rows,
     encode_rows,
@@ -116,6 +117,20 @@ def _std(flat: Tensor) -> float:
     if variance <= 1e-3 * mean * mean:
         return float(torch.std(flat, correction=0))
     return math.sqrt(variance)
+
+
+def _frame_statistics(low: Tensor, high: Tensor) -> Tensor:
+    """``max |low|, |high|``, then the largest and the smallest nonzero group spread ``high -
+    low`` (in fp64; inf if none is nonzero), as one fp64 ``(3,)`` tensor. NaN propagates into
+    the maxima. Maxima and minima only, so compiled and eager agree."""
+    top = torch.maximum(low.abs().amax(), high.abs().amax()).to(torch.float64)
+    spread = (high.to(torch.float64) - low.to(torch.float64)).abs()
+    return torch.stack([top, spread.amax(), torch.where(spread > 0, spread, torch.inf).amin()])
+
+
+#: the uniform quantizer's frame statistics in one compiled pass over the group ends (about ten
+#: separate small reductions took a tenth of a round trip)
+_frame_stats = Kernel(_frame_statistics, "uniform_frame")
 
 
 @register
@@ -438,17 +453,15 @@ class Uniform(Compressor):
         """Arithmetic dtype and a power-of-two prescale keeping ``high - low`` and its
         reciprocal finite."""
         work = compute_dtype(dtype)
-        # NaN-propagating, as the comparisons below need (Python's max() is not).
-        top = float(torch.maximum(low.abs().amax(), high.abs().amax())) if low.numel() else 0.0
-        if work == torch.float32:
-            # high >= low, so a spread is the same in fp32 or fp64 unless fp32 is too narrow.
-            spread_top, spread_bottom = _magnitude_range(high.to(torch.float64) - low.to(torch.float64))
-            if not (
-                top <= torch.finfo(torch.float32).max / 4
-                and spread_top <= torch.finfo(torch.float32).max / 4
-                and spread_bottom >= self.steps * 2.0**-100
-            ):
-                work = torch.float64
+        if low.numel() == 0:
+            return work, 1.0
+        top, spread_top, spread_bottom = _frame_stats(low, high).tolist()
+        if work == torch.float32 and not (
+            top <= torch.finfo(torch.float32).max / 4
+            and spread_top <= torch.finfo(torch.float32).max / 4
+            and spread_bottom >= self.steps * 2.0**-100
+        ):
+            work = torch.float64
         prescale = 1.0
         if top > torch.finfo(work).max / 4:
             prescale = 2.0**-4
@@ -462,9 +475,9 @@ class Uniform(Compressor):
             return Payload((torch.empty(0, dtype=torch.uint8, device=flat.device), flat.new_empty(0), flat.new_empty(0)))
         low, high = reduce_rows(min_max_rows, flat, group=self.group)
         work, prescale = self._frame(low, high, flat.dtype)
-        params = _uniform_params(self.steps, work, self.rounding)(
-            low, high, torch.tensor(prescale, dtype=work), *hash_key(self.seed, step, key)
-        )
+        prescale_w = torch.tensor(prescale, dtype=work)
+        offset_term, inverse = _uniform_params(self.steps, work, self.rounding)(low, high, prescale_w)
+        params = (prescale_w, offset_term, inverse, *hash_key(self.seed, step, key))
         (codes,) = encode_rows(
             _uniform_encoder(self.steps, work, self.rounding),
             (flat,),
@@ -482,22 +495,20 @@ class Uniform(Compressor):
         if numel == 0:
             return torch.empty_like(like, memory_format=torch.contiguous_format)
         work, prescale = self._frame(low, high, like.dtype)
-        low_w, high_w = low.to(work) * prescale, high.to(work) * prescale
-        step_size = (high_w - low_w) / self.steps
+        low_w, step_size, high_w = _uniform_decode_params(self.steps, work)(low, high, torch.tensor(prescale, dtype=work))
         decode = _uniform_decoder(work, like.dtype)
         params = (low_w, step_size, high_w, torch.tensor(1 / prescale, dtype=work))
         return decode_rows(decode, ((packed, self.bits),), params, group=self.group, numel=numel).view(like.shape)
 
 
 @cache
-def _uniform_params(steps: int, work: torch.dtype, rounding: str) -> Callable[..., tuple[Tensor, ...]]:
-    """The uniform quantizer's parameters from the group minima and maxima:
-    ``(low, high, prescale, *keys) -> (prescale, offset, L / spread, *keys)`` in ``work``."""
+def _uniform_params(steps: int, work: torch.dtype, rounding: str) -> Kernel:
+    """The uniform quantizer's encoding parameters from the group minima and maxima, compiled:
+    ``(low, high, prescale) -> (offset, L / spread)`` per group in ``work``."""
     unit = 1.0 if rounding == "nearest" else 2.0**16
     tiny = torch.finfo(work).tiny * (1 << 10)
 
-    def params(low: Tensor, high: Tensor, prescale: Tensor, *keys: Tensor) -> tuple[Tensor, ...]:
-        prescale = prescale.to(work)
+    def params(low: Tensor, high: Tensor, prescale: Tensor) -> tuple[Tensor, Tensor]:
         low_w, high_w = low.to(work) * prescale, high.to(work) * prescale
         spread = high_w - low_w
         # A group whose spread is below tiny (fp64 denormals) is sent as its minimum.
@@ -508,9 +519,21 @@ def _uniform_params(steps: int, work: torch.dtype, rounding: str) -> Callable[..
         offset_term = -low_w * inverse
         if rounding == "nearest":
             offset_term = offset_term + 0.5
-        return (prescale, offset_term, inverse, *keys)
+        return offset_term, inverse
 
-    return params
+    return Kernel(params, "uniform_params")
+
+
+@cache
+def _uniform_decode_params(steps: int, work: torch.dtype) -> Kernel:
+    """The uniform quantizer's decoding parameters, compiled: ``(low, high, prescale) -> (min,
+    step, max)`` per group in ``work``, prescaled."""
+
+    def params(low: Tensor, high: Tensor, prescale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        low_w, high_w = low.to(work) * prescale, high.to(work) * prescale
+        return low_w, (high_w - low_w) / steps, high_w
+
+    return Kernel(params, "uniform_decode_params")
 
 
 @cache
