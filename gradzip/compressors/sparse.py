@@ -22,7 +22,7 @@ from torch import Tensor
 from gradzip import wire
 from gradzip.compressors import fused, register
 from gradzip.compressors.base import Compressor, Payload, check_int, check_ratio, kept_count, seeded_generator
-from gradzip.compressors.elementwise import flatnonzero, greater_equal, top_positions
+from gradzip.compressors.elementwise import flatnonzero, greater_equal, sparse_flatnonzero, top_positions
 
 #: elements handled per step of the candidate scan (1 MiB of fp32: stays in cache)
 SCAN_CHUNK = 1 << 18
@@ -52,12 +52,12 @@ def candidates_at_least(flat: Tensor, threshold: float) -> Tensor:
     """
     numel = flat.numel()
     if fused.enabled() and numel > SCAN_CHUNK and flat.dtype == torch.float32 and flat.device.type == "cpu":
-        # One compiled pass writes a byte per element; NumPy's nonzero reads them back (bytes
-        # of 0 and 1 are valid bools, which it counts far faster than bytes).
+        # One compiled pass writes a byte per element (0 or 1: valid bools); the nonzero ones are
+        # found word by word (see sparse_flatnonzero).
         limit = torch.tensor(threshold, dtype=torch.float32).view(torch.int32)
         mask = _mask_scratch(numel)
         _at_least(flat.contiguous().view(torch.int32), limit, mask)
-        return flatnonzero(mask.view(torch.bool))
+        return sparse_flatnonzero(mask)
     chunk = min(SCAN_CHUNK, numel)
     magnitude = torch.empty(chunk, dtype=flat.dtype, device=flat.device)
     mask = torch.empty(chunk, dtype=torch.bool, device=flat.device)
