@@ -354,15 +354,31 @@ class TernGrad(Compressor):
         bound = torch.tensor(bound, dtype=work)
         if numel == 0:
             return Payload((torch.empty(0, dtype=torch.uint8, device=flat.device), torch.zeros(1, dtype=work)))
-        # max of the clipped magnitudes = the clipping bound or max |g|, whichever is smaller
-        scaler = torch.minimum(reduce_rows(abs_max_rows, flat, group=numel)[0].to(work), bound).reshape(1)
-        # b_i = [u_i < |g_i| / s], compared as 2**16 u_i < |g_i| * (2**16 / s); a scaler so small
-        # that 2**16 / s overflows leaves inf * 0 = nan for zeros, which compares false.
-        factor = (2.0**16 / scaler.double()).clamp(max=torch.finfo(work).max).to(work).reshape(())
+        keys = hash_key(self.seed, step, key)
+        encode = _terngrad_encoder(work)
+        # The scaler, max of the clipped magnitudes, is the clipping bound or max |g|, whichever
+        # is smaller: the bound as soon as one |g| reaches it, which a gradient's tail does. So
+        # the codes are computed for the bound, with max |g| per row from the same loop, and
+        # recomputed for max |g| only when no element reached the bound.
+        if bool(torch.isfinite(bound)):
+            codes, row_max = encode_rows(
+                encode,
+                (flat,),
+                (_terngrad_factor(bound.reshape(1), work), bound, *keys),
+                group=BLOCK,
+                out_bits=(2,),
+                with_positions=True,
+                row_stats=(_abs_max_by_quarters, _unchanged_params),
+            )
+            scaler = torch.minimum(row_max.amax().to(work), bound).reshape(1)
+            if bool(scaler == bound):
+                return Payload((codes, scaler))
+        else:
+            scaler = torch.minimum(reduce_rows(abs_max_rows, flat, group=numel)[0].to(work), bound).reshape(1)
         (codes,) = encode_rows(
-            _terngrad_encoder(work),
+            encode,
             (flat,),
-            (factor, bound, *hash_key(self.seed, step, key)),
+            (_terngrad_factor(scaler, work), bound, *keys),
             group=BLOCK,
             out_bits=(2,),
             with_positions=True,
@@ -378,6 +394,30 @@ class TernGrad(Compressor):
         decode = _terngrad_decoder(scaler.dtype, like.dtype)
         values = decode_rows(decode, ((packed, 2),), (scaler.reshape(()),), group=BLOCK, numel=numel)
         return values.view(like.shape)
+
+
+def _terngrad_factor(scaler: Tensor, work: torch.dtype) -> Tensor:
+    """``2**16 / s`` as a 0-d ``work`` tensor. b_i = [u_i < |g_i| / s] is compared as 2**16 u_i
+    < |g_i| * (2**16 / s); a scaler so small that 2**16 / s overflows leaves inf * 0 = nan for
+    zeros, which compares false."""
+    return (2.0**16 / scaler.double()).clamp(max=torch.finfo(work).max).to(work).reshape(())
+
+
+def _abs_max_by_quarters(rows: Tensor) -> tuple[Tensor]:
+    """Per-row ``max |x|`` of a ``(rows, cols)`` view as a ``(rows, 1)`` column, reduced over
+    the four column quarters that the 2-bit fold encodes as its lanes: with loops of one
+    length, the compiler puts the reduction in the encoding loop (one read of the tensor)."""
+    width = rows.shape[1] // 4
+    if width == 0:
+        return (rows.abs().amax(1, keepdim=True),)
+    ends = (width, 2 * width, 3 * width, rows.shape[1])
+    quarters = [rows[:, q * width : ends[q]].abs().amax(1, keepdim=True) for q in range(4)]
+    return (torch.maximum(torch.maximum(quarters[0], quarters[1]), torch.maximum(quarters[2], quarters[3])),)
+
+
+def _unchanged_params(_statistic: Tensor, *params: Tensor) -> tuple[Tensor, ...]:
+    """Row parameters that do not depend on the row statistic (TernGrad's are per tensor)."""
+    return params
 
 
 @cache
