@@ -14,7 +14,8 @@ CASES = [
     ("qsgd:bits=4,bucket=64", 64 * 5 + 13, ("_qsgd_encoder_with_stats", "_qsgd_decoder")),
     ("qsgd:bits=2,bucket=8,norm=l2", 8 * 40 + 3, ("_qsgd_encoder", "_qsgd_decoder")),
     ("uniform:bits=2,group=20,rounding=stochastic", 20 * 7 + 5, ("min_max_rows", "_uniform_encoder_loose", "_uniform_decoder_loose")),
-    ("terngrad", 2 * fused.BLOCK + 5, ("_terngrad_encoder", "_terngrad_decoder")),
+    ("terngrad", 2 * fused.BLOCK + 5, ("_terngrad_encoder_with_stats", "_terngrad_decoder")),
+    ("terngrad:clip=0", 2 * fused.BLOCK + 5, ("abs_max_rows", "_terngrad_encoder", "_terngrad_decoder")),
     ("natural", 2 * fused.BLOCK + 5, ("_natural_encoder", "_natural_decoder")),
     ("topk:ratio=0.01", 300_007, ("topk_candidates",)),
 ]
@@ -62,6 +63,21 @@ def test_compiled_equals_eager_outside_the_fp32_frame(spec, monkeypatch):
         assert torch.equal(_bits(got), _bits(want))
     assert torch.equal(_bits(out), _bits(eager_out))
     assert bool(torch.isfinite(out).all())
+
+
+def test_terngrad_without_an_element_at_the_bound(monkeypatch):
+    """Uniform values never reach 2.5 standard deviations: the scaler is max |g|, the codes
+    are recomputed for it, compiled as eager."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.rand(3 * fused.BLOCK + 5, generator=gen) * 2 - 1
+    monkeypatch.setenv(fused.ENV, "0")
+    eager_payload, eager_out = _run("terngrad", x)
+    monkeypatch.setenv(fused.ENV, "1")
+    payload, out = _run("terngrad", x)
+    assert float(payload[1]) == float(x.abs().max())
+    for got, want in zip(payload, eager_payload, strict=True):
+        assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(_bits(out), _bits(eager_out))
 
 
 def test_warm_up_compiles_before_the_first_bucket(monkeypatch):
