@@ -294,7 +294,7 @@ class CompressedReduceScatter(_ReduceScatterBase):
         chunk_numel = output.numel()
         dense_bytes = wire.nbytes([input])
         payload_bytes = world_size * self.compressor.payload_nbytes(chunk_numel, input.dtype)
-        if chunk_numel == 0 or payload_bytes > dense_bytes:
+        if chunk_numel == 0 or payload_bytes > dense_bytes or step < self.compressor.start_step:
             self._dense(output, input, group, op, kind, factor)
             return
         chunks = input.view(world_size, chunk_numel)

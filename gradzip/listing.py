@@ -67,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
         f"\nbytes@1M: payload for a {EXAMPLE_NUMEL:,} element fp32 tensor ({EXAMPLE_NUMEL * 4:,} bytes dense); "
         f"* for a {EXAMPLE_MATRIX[0]} x {EXAMPLE_MATRIX[1]} fp32 matrix (PowerSGD compresses matrices; "
         "flat tensors travel uncompressed). aggr: aggregatable (all_reduce); unb: unbiased; seed: needs a "
-        "seed shared by all ranks; ef: error feedback by default."
+        "seed shared by all ranks; ef: error feedback by default. Every codec also takes start_step=N "
+        "(default 0): the first N steps are exchanged dense, e.g. topk:ratio=0.01,start_step=20."
     )
     return 0
 

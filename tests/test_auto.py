@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from gradzip.control.auto import (
+    FIRST_WINDOW_STEPS,
     AccordionController,
     AutoConfig,
     CostController,
@@ -75,6 +76,17 @@ def test_cost_controller_rejects_a_slower_trial_and_does_not_retry_it():
     assert plan.choices == {0: 0} and "lost a trial" in plan.note
 
 
+def test_cost_controller_tries_no_saving_a_trial_cannot_measure():
+    # 1 Gbit/s-like: dense 40 ms on the wire, PowerSGD 12 ms encoding + 1 ms: 27 ms saved
+    ctl = CostController(AutoConfig(adapt_every=40, trial_steps=8, trial_margin=0.05), SPECS)
+    plan = ctl.decide(_window([_bucket(comm_s=0.04)], period_s=1.0))  # 2.7% of the step: noise
+    assert plan.choices == {0: 0} and plan.window_steps == 40
+    assert plan.note.startswith("predicted saving 27.0 ms under 5% of the 1000 ms step")
+    ctl = CostController(AutoConfig(adapt_every=40, trial_steps=8, trial_margin=0.05), SPECS)
+    plan = ctl.decide(_window([_bucket(comm_s=0.04)], period_s=0.4))  # 6.8% of the step: tried
+    assert plan.choices == {0: 3} and plan.window_steps == 8 and "trial" in plan.note
+
+
 def test_cost_controller_fast_link_stays_dense():
     ctl = CostController(AutoConfig(), SPECS)
     plan = ctl.decide(_window([_bucket(comm_s=4e6 / 1e10)]))  # 80 Gbit/s: encoding costs more than it saves
@@ -128,14 +140,15 @@ def _agreement(rank: int, world_size: int) -> dict:
         specs = cfg.candidate_specs()
         metrics = StepMetrics()
         reducer = AdaptiveReducer(specs, make_controller(cfg, specs), metrics=metrics)
-        history = []
+        history, decided_at = [], []
         for step in range(16):
             time.sleep(0.003 * rank * (step % 3))  # uneven compute per rank
             futs = [reducer.reduce(key, _grad(rank, step, key), step=step, shapes=SHAPES[key]) for key in SHAPES]
             values = [f.wait() for f in futs]
             history.append((dict(reducer.choices), [v.clone() for v in values]))
-            metrics.pop()
+            decided_at += [e["step"] for e in metrics.pop()["events"] if e["kind"] == "auto"]
         out[schedule] = history
+        out[schedule + " decided at"] = decided_at
     dist.barrier()
     return out
 
@@ -149,6 +162,9 @@ def test_auto_decisions_identical_on_all_ranks():
             assert choices[0] == choices[1] == choices[2], (schedule, step, choices)
             for values in zip(*(h[step][1] for h in histories)):
                 assert all(torch.equal(values[0], v) for v in values[1:]), (schedule, step)
+        assert results[0][schedule + " decided at"] == results[1][schedule + " decided at"]
+        if schedule != "cost":  # windows of adapt_every = 4 steps from step 1, each decided at its end
+            assert results[0][schedule + " decided at"] == [5, 9, 13]
         seen = {tuple(sorted(h[0].items())) for h in histories[0]}
         if schedule in ("legacy", "accordion", "edgc"):
             assert len(seen) >= 2, f"{schedule} made no decision in 16 steps"
@@ -164,7 +180,8 @@ def _forced(rank: int, world_size: int) -> dict:
 
     cfg = AutoConfig(adapt_every=1000, candidates=("fp16", "topk:ratio=0.1", "powersgd:approx_rank=1"))
     specs = cfg.candidate_specs()
-    reducer = AdaptiveReducer(specs, make_controller(cfg, specs), metrics=StepMetrics())
+    metrics = StepMetrics()
+    reducer = AdaptiveReducer(specs, make_controller(cfg, specs), metrics=metrics)
     for step, spec in FORCED.items():
         reducer.force(step, {0: spec, 1: spec})
     sum_out = {k: torch.zeros(_grad(0, 0, k).numel(), dtype=torch.float64) for k in SHAPES}
@@ -179,7 +196,8 @@ def _forced(rank: int, world_size: int) -> dict:
     residuals = {k: reducer.residual(k) for k in SHAPES}
     dist.barrier()
     return {"sum_out": sum_out, "sum_mean": sum_mean, "residuals": residuals, "final": dict(reducer.choices),
-            "warnings": [str(w.message) for w in caught]}
+            "warnings": [str(w.message) for w in caught],
+            "decided_at": [e["step"] for e in metrics.events if e["kind"] == "auto"]}
 
 
 def test_forced_codec_changes_keep_error_feedback_consistent():
@@ -187,6 +205,8 @@ def test_forced_codec_changes_keep_error_feedback_consistent():
     for r in results:
         assert not [w for w in r["warnings"] if "changed shape" in w]
         assert r["final"] == {0: 3, 1: 3}
+        # the first decision follows a short window after step 0, not adapt_every (1000) steps
+        assert r["decided_at"] == [1 + FIRST_WINDOW_STEPS]
     for k in SHAPES:
         # What every rank received plus what the ranks still owe, averaged, is everything they sent:
         # sum_t out_t + mean_r e_r == sum_t mean_r g_{r,t}. A residual lost at a switch breaks it.

@@ -27,6 +27,8 @@ SPECS = sorted(n for n, cls in REGISTRY.items() if not cls.multi_round) + [
     "topk:ratio=0.1+uniform:bits=8",
     "randomk:ratio=0.2+fp16",
     "dgc:ratio=0.1+qsgd:bits=2",
+    "efsignsgd:group=4",
+    "signsgd:group=64",
 ]
 # Casting to a narrower float cannot represent the top of the wider range; those codecs are
 # covered by the case list's fp16 cases instead of the extreme-value test.
@@ -265,6 +267,19 @@ def test_sign_codecs_send_zero_as_plus_scale():
     for spec in ["signsgd", "efsignsgd"]:
         codec = build(spec)
         assert codec.decompress(codec.compress(x), like=x).tolist() == [1.5, 1.5, 1.5, -1.5]
+
+
+def test_sign_codecs_with_groups_scale_each_group_by_its_mean_magnitude():
+    x = torch.tensor([1.0, -3.0, 0.0, 2.0, 10.0, -10.0, 5.0, 5.0, 7.0])
+    for spec in ["signsgd:group=4", "efsignsgd:group=4"]:
+        codec = build(spec)
+        payload = codec.compress(x)
+        # groups [1, -3, 0, 2], [10, -10, 5, 5], [7]: means 1.5, 7.5, 7; zero sent as +1
+        assert payload.tensors[1].tolist() == [1.5, 7.5, 7.0]
+        assert codec.decompress(payload, like=x).tolist() == [1.5, -1.5, 1.5, 1.5, 7.5, -7.5, 7.5, 7.5, 7.0]
+        assert payload.nbytes == 2 + 3 * 4 == codec.payload_nbytes(9)
+    with pytest.raises(ValueError, match="group"):
+        build("efsignsgd:group=-1")
 
 
 def test_list_shows_every_codec_and_powersgd_as_a_matrix(capsys):

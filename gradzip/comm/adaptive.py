@@ -3,13 +3,15 @@
 Used by ``--compressor auto``. It holds one reducer per candidate codec (the first is always
 ``none``, the dense all_reduce) and, per bucket, the index of the candidate in use. Steps are
 grouped in windows ``[start, end)``; over a window it gathers, per bucket, the bytes and seconds
-of its collectives, the sum of its gradients, and at the window's last step a local probe of
-every candidate (encode, decode: seconds, payload, relative error; no collective). At the first
-call of step ``end`` it all-reduces these figures with ``MAX`` (figures wanted as a minimum are
-negated), through the group's :class:`~gradzip.comm.queue.CollectiveQueue`, so the extra
-collective takes the same place in the order on every rank. At the first call of step ``end + 1``
-the controller turns the reduced figures (identical on every rank) into a :class:`Plan`, which
-applies from that step on: every rank makes the same decisions, at the same step.
+of its collectives, the sum of its gradients (for schedules that read it), and at the window's
+last step a local probe of every candidate (encode, decode: seconds, payload, relative error; no
+collective). At the first call of step ``end`` it all-reduces these figures with ``MAX``
+(figures wanted as a minimum are negated), through the group's
+:class:`~gradzip.comm.queue.CollectiveQueue`, so the extra collective takes the same place in
+the order on every rank, and waits for it: one small all_reduce per window, issued where every
+rank has finished the previous step. The controller turns the reduced figures (identical on
+every rank) into a :class:`Plan`, which applies from step ``end`` on: every rank makes the same
+decisions, at the same step, with no step of delay.
 
 When a bucket changes codec its error-feedback residual is taken from the old reducer and added
 to the bucket's next gradient before the new codec sees it, so nothing compression dropped is
@@ -59,6 +61,7 @@ class Controller(Protocol):
     """Turns a window's figures into a plan; must be a deterministic function of what it saw."""
 
     needs_gradient_sum: bool
+    needs_entropy: bool
 
     def first_window_steps(self) -> int: ...
 
@@ -130,7 +133,6 @@ class AdaptiveReducer:
         self._totals_at_start: dict[Hashable, dict[str, float]] = {}
         self._step: int | None = None
         self._step_first_s: float | None = None
-        self._pending: tuple[Future, Tensor, list[Hashable], bool, int, int] | None = None
         self.last_plan: Plan | None = None
 
     def _make(self, codec: Compressor):
@@ -171,7 +173,7 @@ class AdaptiveReducer:
                 total += grad
         if in_window and step == self.window_end - 1 and self.probe_this_window:
             self._probe(key, grad, step, shapes)
-        if in_window and step == self.window_end - 1:
+        if in_window and step == self.window_end - 1 and self.controller.needs_entropy:
             self._entropy[key] = sampled_entropy(grad)
         carry = self.carry.pop(key, None)
         if carry is not None and carry.numel() == grad.numel():
@@ -214,20 +216,21 @@ class AdaptiveReducer:
         now = time.perf_counter()
         previous = self._step
         if previous is not None and step == previous + 1 and self._step_first_s is not None:
-            # The period of step `previous`: counted unless it opened the window (a switch) or
-            # closed it (the probe).
-            if self.window_start < previous < self.window_end - 1:
+            # The period of step `previous`: counted unless it opened the window (a switch, and
+            # the wait for the figures) or closed a window that probes (the probe's encoding).
+            last = self.window_end - 1 if self.probe_this_window else self.window_end
+            if self.window_start < previous < last:
                 self._periods.append(now - self._step_first_s)
         self._step, self._step_first_s = step, now
-        if self._pending is not None and step >= self._pending[4]:
-            self._apply(step)
+        if step >= self.window_end:
+            self._decide(step)
         if step in self.forced:
             for key, index in self.forced.pop(step).items():
                 self._switch(key, index, step, reason="forced")
-        if step >= self.window_end and self._pending is None:
-            self._issue_figures(step)
 
-    def _issue_figures(self, step: int) -> None:
+    def _decide(self, step: int) -> None:
+        """Reduce the window's figures over the group, let the controller decide, and apply
+        its plan from ``step`` on."""
         order = list(self._order)
         probed = self.probe_this_window and all(k in self._probes for k in order)
         steps = max(1, self.window_end - self.window_start)
@@ -268,13 +271,10 @@ class AdaptiveReducer:
             work = dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
             return work.get_future()
 
-        fut = self.queue.submit(launch)
-        self._pending = (fut, stats, order, probed, step + 1, step)
-
-    def _apply(self, step: int) -> None:
-        fut, stats, order, probed, _apply_at, issued_at = self._pending
-        self._pending = None
-        fut.wait()
+        # Under DDP every collective of the previous step has completed before this step's
+        # first bucket is hooked, so this one launches at once and the wait is one small
+        # all_reduce, issued where all ranks meet anyway.
+        self.queue.submit(launch).wait()
         window = self._unpack(stats.tolist(), order, probed)
         plan = self.controller.decide(window)
         self.last_plan = plan

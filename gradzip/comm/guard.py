@@ -107,7 +107,7 @@ class MarkerSlot(Compressor):
     def __init__(self, inner: Compressor) -> None:
         self.inner = inner
         self.params = inner.params
-        for attr in ("name", "aggregatable", "unbiased", "needs_shared_seed", "error_feedback", "multi_round"):
+        for attr in ("name", "aggregatable", "unbiased", "needs_shared_seed", "error_feedback", "multi_round", "start_step"):
             setattr(self, attr, getattr(inner, attr))
 
     def compress(self, x: Tensor, *, step: int = 0, key: Hashable = 0) -> Payload:

@@ -180,7 +180,7 @@ class CompressedReducer:
         if grad.numel() == 0:
             fut = completed(grad.clone())
         else:
-            route = self.route(grad.numel(), grad.dtype)
+            route = self.route(grad.numel(), grad.dtype) if step >= self.compressor.start_step else "dense"
             if route == "fused":
                 fut = self._hold(key, grad, step)
                 if self.metrics.wants_quality(step):

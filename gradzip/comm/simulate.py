@@ -57,7 +57,7 @@ def simulate_ranks(
     route = choose_collective(
         check_collective(collective, codec), guard.with_marker_slot(codec), like.numel(), like.dtype, world_size
     )
-    if route == "dense":
+    if route == "dense" or step < codec.start_step:
         total = grads[0].div(world_size)
         for grad in grads[1:]:
             total = total + grad.div(world_size)

@@ -37,15 +37,27 @@ def _instantiate(name: str, params: dict[str, Any]) -> Compressor:
         for p in inspect.signature(cls.__init__).parameters.values()
         if p.kind is inspect.Parameter.KEYWORD_ONLY
     ]
+    params = dict(params)
+    # Every codec takes start_step; those without a parameter of that name get it as an attribute.
+    start_step = params.pop("start_step") if "start_step" in params and "start_step" not in accepted else None
     for key in params:
         if key not in accepted:
-            allowed = ", ".join(accepted) if accepted else "no parameters"
+            allowed = ", ".join([*accepted, "start_step"])
             raise SpecError(f"{name} has no parameter {key!r}; it takes {allowed}")
-    return cls(**params)
+    codec = cls(**params)
+    if start_step is not None:
+        codec.start_step = check_int(start_step, name="start_step", low=0)
+        codec.params["start_step"] = codec.start_step
+    return codec
 
 
 def build(spec: str | Compressor) -> Compressor:
     """Build a codec from a spec string such as ``powersgd:approx_rank=4``.
+
+    Every codec takes ``start_step=N`` (default 0): the reducers (DDP hook, two-phase, FSDP
+    reduce-scatter, ``auto``'s candidates) exchange the gradient dense, one uncompressed
+    all_reduce with the error-feedback residual untouched, at steps below ``N``, as PyTorch's
+    PowerSGD hook does before ``start_powerSGD_iter``. Calling the codec directly ignores it.
 
     Args:
         spec: ``name[:key=value,...]`` or several joined by ``+`` (see :mod:`.spec`), or an

@@ -54,6 +54,9 @@ class Compressor(ABC):
     error_feedback: ClassVar[bool] = False
     #: multi-round methods (PowerSGD) provide their own reducer and no single-shot compress
     multi_round: ClassVar[bool] = False
+    #: steps exchanged dense (an uncompressed all_reduce, error feedback untouched) before the
+    #: codec takes over; every codec accepts ``start_step=N`` in its spec (see :func:`build`)
+    start_step: int = 0
 
     def __init__(self, **params: Any) -> None:
         self.params = params
@@ -82,6 +85,7 @@ class Compressor(ABC):
             for p in inspect.signature(type(self).__init__).parameters.values()
             if p.kind is inspect.Parameter.KEYWORD_ONLY
         }
+        defaults.setdefault("start_step", 0)
         args = []
         for key, value in self.params.items():
             default = defaults.get(key, inspect.Parameter.empty)

@@ -58,6 +58,8 @@ class Composed(Compressor):
         self.unbiased = all(c.unbiased for c in parts)
         self.needs_shared_seed = any(c.needs_shared_seed for c in parts)
         self.error_feedback = any(c.error_feedback for c in parts)
+        # start_step belongs to the exchange, so the composition starts when its last part does.
+        self.start_step = max(c.start_step for c in parts)
 
     @property
     def spec(self) -> str:

@@ -1,7 +1,8 @@
 """Sign codecs: one bit per element plus one scale.
 
 Both send ``sign(x)`` packed eight to a byte and the scale ``||x||_1 / n`` (the mean magnitude),
-and decode ``scale * sign(x)``. An exact zero (either sign of zero) is sent as +1, since one bit
+and decode ``scale * sign(x)``; with ``group=G`` one scale per group of ``G`` consecutive
+elements (the mean magnitude of the group) instead of one for the whole tensor. An exact zero (either sign of zero) is sent as +1, since one bit
 has room for two signs only: it decodes to ``+scale``. An all-zero tensor has scale 0 and decodes
 to exact zeros.
 """
@@ -16,8 +17,8 @@ from torch import Tensor
 
 from gradzip import wire
 from gradzip.compressors import register
-from gradzip.compressors.base import Compressor, Payload
-from gradzip.compressors.elementwise import greater_equal, pack_flags
+from gradzip.compressors.base import Compressor, Payload, check_int
+from gradzip.compressors.elementwise import at_least, greater_equal, pack_flags
 from gradzip.compressors.fused import Kernel
 
 #: elements summed per step (1 MiB of fp32: stays in cache)
@@ -62,17 +63,50 @@ def mean_magnitude(flat: Tensor, *, nonnegative: Tensor | None = None) -> Tensor
     return (total / numel).clamp(max=torch.finfo(flat.dtype).max).to(flat.dtype).reshape(1)
 
 
+def group_mean_magnitudes(flat: Tensor, group: int) -> Tensor:
+    """The mean magnitude of each group of ``group`` consecutive elements of ``flat`` (the last
+    group may be shorter), as ``(ceil(n / group),)`` in ``flat``'s dtype.
+
+    Summed in fp32 (fp64 for fp64 input), redone in fp64 where a group sum overflows fp32; each
+    mean is at most its group's largest magnitude, so it is finite in the input dtype.
+    """
+    numel = flat.numel()
+    rows, tail = divmod(numel, group)
+    wide = torch.float64 if flat.dtype == torch.float64 else torch.float32
+    parts = []
+    if rows:
+        parts.append(flat[: rows * group].view(rows, group))
+    if tail:
+        parts.append(flat[rows * group :].view(1, tail))
+    means = []
+    for part in parts:
+        sums = part.abs().sum(1, dtype=wide)
+        if not bool(torch.isfinite(sums).all()):
+            sums = part.abs().sum(1, dtype=torch.float64)
+        means.append(sums / part.shape[1])
+    if not means:
+        return flat.new_zeros(0)
+    mean = torch.cat(means) if len(means) > 1 else means[0]
+    return mean.clamp(max=torch.finfo(flat.dtype).max).to(flat.dtype)
+
+
 class _ScaledSign(Compressor):
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, *, group: int = 0) -> None:
+        super().__init__(group=group)
+        self.group = check_int(group, name="group", low=0)
 
     def payload_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
-        """``ceil(n / 8) + itemsize(dtype)``."""
-        return wire.packed_nbytes(numel, 1) + wire.dtype_nbytes(dtype)
+        """``ceil(n / 8) + itemsize(dtype)``; with ``group=G``, ``ceil(n / 8) + ceil(n / G) *
+        itemsize(dtype)``."""
+        scales = -(-numel // self.group) if self.group else 1
+        return wire.packed_nbytes(numel, 1) + scales * wire.dtype_nbytes(dtype)
 
     def compress(self, x: Tensor, *, step: int = 0, key: Hashable = 0) -> Payload:
-        """Args: x of any shape and floating dtype. Returns: ``Payload((sign bits, scale (1,)))``."""
+        """Args: x of any shape and floating dtype. Returns: ``Payload((sign bits, scales))``:
+        one scale ``(1,)``, or ``(ceil(n / group),)`` with ``group``."""
         flat = x.reshape(-1)
+        if self.group:
+            return Payload((pack_flags(at_least(flat, 0)), group_mean_magnitudes(flat, self.group)))
         # NaN compares false either way; ``>= 0`` sends both zeros as +1.
         nonnegative = torch.empty(flat.shape, dtype=torch.bool, device=flat.device)
         scale = mean_magnitude(flat, nonnegative=nonnegative)
@@ -81,12 +115,25 @@ class _ScaledSign(Compressor):
     def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
         """Returns: ``+scale`` where the bit is 1, ``-scale`` where it is 0, shaped as ``like``."""
         packed, scale = payload.tensors
+        if self.group:
+            return self._decompress_groups(packed, scale, like)
         numel = like.numel()
         if packed.numel() < wire.packed_nbytes(numel, 1):
             raise ValueError(f"packed holds {packed.numel()} bytes, fewer than the {wire.packed_nbytes(numel, 1)} needed for {numel} signs")
         codes = packed.reshape(-1)[: wire.packed_nbytes(numel, 1)]
         values = _decode_signs(codes, scale.to(like.dtype).reshape(()))
         return values.view(-1)[:numel].view(like.shape)
+
+    def _decompress_groups(self, packed: Tensor, scales: Tensor, like: Tensor) -> Tensor:
+        numel = like.numel()
+        signs = wire.unpack_lookup(packed, 1, numel, torch.tensor([-1.0, 1.0], dtype=like.dtype, device=like.device))
+        rows, tail = divmod(numel, self.group)
+        scales = scales.to(like.dtype)
+        if rows:
+            signs[: rows * self.group].view(rows, self.group).mul_(scales[:rows].view(rows, 1))
+        if tail:
+            signs[rows * self.group :].mul_(scales[rows])
+        return signs.view(like.shape)
 
 
 def _signs_to_values(packed: Tensor, scale: Tensor) -> Tensor:
@@ -112,9 +159,16 @@ class SignSGD(_ScaledSign):
     ``scale * sign(x)`` over ranks (the paper's majority vote would take the sign of the sum of
     signs instead). Biased; not aggregatable; no error feedback (see ``efsignsgd``).
 
+    Args:
+        group: elements per scale; 0 (default) for one scale for the whole tensor.
+
     Shapes and dtypes: any shape, fp16, bf16, fp32 or fp64 in. Payload tensors: sign bits
-    ``(ceil(n / 8),)`` uint8, the scale ``(1,)`` in the input dtype. Payload: ``ceil(n / 8) +
-    itemsize(dtype)`` bytes.
+    ``(ceil(n / 8),)`` uint8, the scales ``(1,)`` (``(ceil(n / group),)`` with ``group``) in the
+    input dtype. Payload: ``ceil(n / 8) + itemsize(dtype)`` bytes, ``ceil(n / 8) + ceil(n /
+    group) * itemsize(dtype)`` with ``group``.
+
+    Raises:
+        ValueError: if ``group`` is not an integer >= 0.
     """
 
     name = "signsgd"
@@ -128,8 +182,19 @@ class EFSignSGD(_ScaledSign):
     Gradient Compression Schemes" (ICML 2019, arXiv 1901.09847). Compresses ``p = g + e`` to
     ``(||p||_1 / n) * sign(p)`` (zero sent as +1) and keeps ``e = p - that`` as the residual;
     the reducer averages the decoded tensors. Biased; not aggregatable; error feedback on.
+    The paper scales each layer by its own mean magnitude; ``group=G`` gives every ``G``
+    consecutive elements of a bucket their own scale, which keeps a layer of small gradients
+    from being sent at the scale of a layer of large ones (it matters most in the two-phase
+    exchange, which compresses the averaged chunks a second time).
 
-    Shapes, dtypes and payload: as ``signsgd``, ``ceil(n / 8) + itemsize(dtype)`` bytes.
+    Args:
+        group: elements per scale; 0 (default) for one scale for the whole tensor.
+
+    Shapes, dtypes and payload: as ``signsgd``, ``ceil(n / 8) + itemsize(dtype)`` bytes, or
+    ``ceil(n / 8) + ceil(n / group) * itemsize(dtype)`` with ``group``.
+
+    Raises:
+        ValueError: if ``group`` is not an integer >= 0.
     """
 
     name = "efsignsgd"

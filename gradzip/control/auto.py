@@ -50,6 +50,10 @@ from gradzip.metrics import BucketFigures, CandidateFigures, Plan, WindowFigures
 
 SCHEDULES = ("cost", "accordion", "legacy", "edgc")
 
+FIRST_WINDOW_STEPS = 5
+"""Steps of the first window (after step 0): enough for a median step period of three steps
+and one probe, short so that a run on a slow link leaves dense early."""
+
 DEFAULT_CANDIDATES = {
     "cost": ("none", "fp16", "powersgd:approx_rank=4", "topk:ratio=0.01"),
     "accordion": ("none", "powersgd:approx_rank=4", "powersgd:approx_rank=1"),
@@ -70,7 +74,9 @@ class AutoConfig:
     """Codec specs, gentlest first; None takes the schedule's default list."""
 
     adapt_every: int = 50
-    """Steps between decisions (the first decision comes after ``adapt_every`` dense steps)."""
+    """Steps between decisions. The first decision comes after a short measuring window of
+    ``min(adapt_every, FIRST_WINDOW_STEPS)`` steps after step 0 (dense, with ``cost``), the
+    later ones every ``adapt_every`` steps (a trial of ``cost`` is shorter)."""
 
     max_error: float = 0.6
     """Quality budget of ``cost``: the largest one-step relative error a bucket may have."""
@@ -192,13 +198,14 @@ def fit_link(window: WindowFigures, previous: Link | None = None) -> Link | None
 
 class _Base:
     needs_gradient_sum = False
+    needs_entropy = False
 
     def __init__(self, cfg: AutoConfig, specs: list[str]) -> None:
         self.cfg = cfg
         self.specs = specs
 
     def first_window_steps(self) -> int:
-        return self.cfg.adapt_every - 1
+        return min(self.cfg.adapt_every, FIRST_WINDOW_STEPS)
 
     def _reason(self, b: BucketFigures, new: int, why: str) -> str:
         old = self.specs[b.current]
@@ -265,6 +272,14 @@ class CostController(_Base):
         proposal, reasons = self._propose(window)
         if proposal == current:
             return Plan(current, self.cfg.adapt_every, reasons, "no change", probe_next)
+        saving_s = self._cost(current) - self._cost(proposal)
+        stronger = self._payload(proposal) < self._payload(current)
+        if stronger and window.period_s > 0 and saving_s < self.cfg.trial_margin * window.period_s:
+            # A trial keeps a stronger codec only for a step period shorter by trial_margin: a
+            # smaller predicted saving could win it only through noise, and would cost accuracy.
+            note = (f"predicted saving {saving_s * 1e3:.1f} ms under {self.cfg.trial_margin:.0%} of the "
+                    f"{window.period_s * 1e3:.0f} ms step; no change")
+            return Plan(current, self.cfg.adapt_every, reasons, note, probe_next)
         bandwidth = self.link.bytes_per_s if self.link else 0.0
         for choices, at_bandwidth in self.rejected:
             if choices == proposal and at_bandwidth > 0 and abs(bandwidth / at_bandwidth - 1) < 0.25:
@@ -272,6 +287,17 @@ class CostController(_Base):
                 return Plan(current, self.cfg.adapt_every, reasons, note, probe_next)
         self.trial, self.trial_bytes_per_s = dict(proposal), bandwidth
         return Plan(dict(proposal), self.trial_steps, reasons, f"trial for {self.trial_steps} steps", False)
+
+    def _candidate_s(self, cand: CandidateFigures) -> float:
+        """Predicted seconds of one bucket's exchange with ``cand``: encode, decode, wire."""
+        assert self.link is not None
+        return cand.compress_s + cand.decompress_s + self.link.seconds(cand.sent_bytes, cand.collectives)
+
+    def _cost(self, choices: dict[Hashable, int]) -> float:
+        """Predicted seconds per step of the probed buckets' exchanges under ``choices``."""
+        if self.link is None:
+            return 0.0
+        return sum(self._candidate_s(self.probes[k][c]) for k, c in choices.items() if k in self.probes)
 
     def _propose(self, window: WindowFigures) -> tuple[dict[Hashable, int], dict[Hashable, str]]:
         choices, reasons = {}, {}
@@ -281,13 +307,13 @@ class CostController(_Base):
             if cands is None or link is None:
                 choices[b.key] = b.current
                 continue
-            dense_s = link.seconds(cands[0].sent_bytes, 1)
+            dense_s = self._candidate_s(cands[0])
             best, best_s, over_budget = 0, dense_s, []
             for c, cand in enumerate(cands[1:], start=1):
                 if cand.relative_error > self.cfg.max_error:
                     over_budget.append(f"{cand.spec} error {cand.relative_error:.2f}")
                     continue
-                cost = cand.compress_s + cand.decompress_s + link.seconds(cand.sent_bytes, cand.collectives)
+                cost = self._candidate_s(cand)
                 if cost < best_s:
                     best, best_s = c, cost
             head = f"link {link.mbit:,.0f} Mbit/s"
@@ -380,6 +406,8 @@ class LegacyController(_Base):
 
 class EntropyController(_Base):
     """The ``edgc`` schedule (see the module docstring)."""
+
+    needs_entropy = True
 
     def __init__(self, cfg: AutoConfig, specs: list[str]) -> None:
         super().__init__(cfg, specs)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from gradzip.control.auto import FIRST_WINDOW_STEPS
 from gradzip.train.config import TrainConfig
 
 HELP = """\
@@ -36,7 +37,9 @@ def add_parser(sub) -> None:
     )
     d = TrainConfig()
     p.add_argument("--compressor", default=d.compressor, metavar="SPEC",
-                   help=f"codec spec, e.g. topk:ratio=0.01 (see 'gradzip list'); torch:fp16 etc. for PyTorch's hooks (default {d.compressor})")
+                   help=f"codec spec, e.g. topk:ratio=0.01 (see 'gradzip list'); add start_step=N to exchange the first N "
+                   "steps dense (topk:ratio=0.01,start_step=20); torch:fp16 etc. for PyTorch's hooks "
+                   f"(default {d.compressor})")
     p.add_argument("--optimizer", default=d.optimizer, metavar="SPEC",
                    help="adamw, onebit-adam[:warmup_steps=N,bucket_cap_mb=M] or zeroone-adam[:var_freeze_step=N,"
                    "var_update_scaler=K,local_step_scaler=S,local_step_clipper=H,bucket_cap_mb=M]; the last two send "
@@ -86,7 +89,8 @@ def add_parser(sub) -> None:
     g.add_argument("--norm-warn-checks", type=int, default=d.norm_warn_checks, metavar="K",
                    help=f"... for K consecutive checks (default {d.norm_warn_checks})")
     g.add_argument("--adapt-every", type=int, default=d.adapt_every, metavar="N",
-                   help=f"--compressor auto: re-decide every N steps (default {d.adapt_every})")
+                   help="--compressor auto: re-decide every N steps; the first decision comes after a "
+                        f"measuring window of min(N, {FIRST_WINDOW_STEPS}) steps after step 0 (default {d.adapt_every})")
     g.add_argument("--auto-schedule", default=d.auto_schedule, choices=["cost", "accordion", "legacy", "edgc"],
                    help="--compressor auto: bandwidth-aware cost (default), accordion, legacy or edgc")
     g.add_argument("--auto-candidates", default=None, metavar="SPECS",

@@ -129,7 +129,8 @@ class TrainConfig:
     """Consecutive low checks before the warning names a bucket."""
 
     adapt_every: int = 50
-    """``--compressor auto``: steps between decisions."""
+    """``--compressor auto``: steps between decisions (the first comes after a shorter measuring
+    window: :attr:`gradzip.control.auto.AutoConfig.adapt_every`)."""
 
     auto_schedule: str = "cost"
     """``--compressor auto``: ``cost`` (bandwidth-aware), ``accordion``, ``legacy`` or ``edgc``."""
