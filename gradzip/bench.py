@@ -25,6 +25,7 @@ from torch import Tensor
 
 from gradzip.bench_input import bench_input, heavy_tailed_gradient
 from gradzip.compressors import Compressor, build, fused, list_compressors
+from gradzip.compressors.spec import split_spec_list
 
 __all__ = ["heavy_tailed_gradient", "measure", "run", "split_specs"]
 
@@ -56,17 +57,7 @@ def split_specs(text: str) -> list[str]:
     Raises:
         ValueError: for an empty list or a ``key=value`` with no spec before it.
     """
-    specs: list[str] = []
-    for token in (t.strip() for t in text.split(",")):
-        if not token:
-            continue
-        last_part = token.split("+")[0]
-        if "=" in last_part and ":" not in last_part:
-            if not specs:
-                raise ValueError(f"--codecs starts with a parameter {token!r}; expected a codec name")
-            specs[-1] = f"{specs[-1]},{token}"
-        else:
-            specs.append(token)
+    specs = split_spec_list(text, name="--codecs")
     if not specs:
         raise ValueError("--codecs is empty; give specs such as topk:ratio=0.01,qsgd:bits=4")
     return specs

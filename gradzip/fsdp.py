@@ -49,6 +49,13 @@ same every step, so each residual stays aligned with its parameters and is still
 when a parameter gets no gradient. Such parameters then get a gradient (zeros plus what
 error feedback releases) instead of ``None``.
 
+Non-finite gradients follow :mod:`gradzip.comm.guard` on the compressed single-round exchanges:
+a rank whose buffer holds inf or NaN sends NaN-marked payloads of zeros for every chunk (codecs
+with no floating tensor in their payload get the 2-byte marker slot), every rank then finds the
+marker among what it receives for its own chunk and returns all NaN, and the module's residual
+updates of that call are dropped on every rank (a residual never turns inf or NaN). The plain
+reduce-scatter carries inf and NaN through as they are.
+
 FSDP never calls the reduce-scatter at world size 1 or on micro-steps without gradient sync
 (``set_requires_gradient_sync(False)``); the accumulated gradient is compressed once, on the
 step that syncs.
@@ -66,6 +73,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from gradzip import wire
+from gradzip.comm import guard
 from gradzip.comm.powersgd import PowerSGDReducer
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.comm.traffic import all_to_all_bytes, reduce_scatter_bytes
@@ -182,6 +190,9 @@ class CompressedReduceScatter(_ReduceScatterBase):
         #: or ``dense`` (FSDP's plain reduce-scatter)
         self.last_exchange: str | None = None
         self._warned_layout = False
+        if not compressor.multi_round:
+            # A slot for the NaN marker where the payload has no floating tensor (2 bytes, counted).
+            compressor = self.compressor = guard.with_marker_slot(compressor)
         if compressor.multi_round:
             if not isinstance(compressor, PowerSGD):
                 raise ValueError(f"fsdp: multi-round codec {compressor.name!r} has no reduce-scatter exchange; use powersgd or a single-round codec")
@@ -190,8 +201,9 @@ class CompressedReduceScatter(_ReduceScatterBase):
         else:
             self.powersgd = None
             use_feedback = compressor.error_feedback if error_feedback is None else error_feedback
-            # fp32 residuals keep what a bf16 or fp16 wire drops from flushing to zero.
-            self.feedback = ErrorFeedback(dtype=torch.float32) if use_feedback else None
+            # fp32 residuals keep what a bf16 or fp16 wire drops from flushing to zero; updates are
+            # staged until the exchange shows whether some rank sent the NaN marker.
+            self.feedback = ErrorFeedback(dtype=torch.float32, deferred=True) if use_feedback else None
 
     @property
     def keeps_residuals(self) -> bool:
@@ -279,13 +291,18 @@ class CompressedReduceScatter(_ReduceScatterBase):
 
     # -- single-round codecs --------------------------------------------------------------
 
-    def _encode(self, chunk: Tensor, j: int, step: int) -> Payload:
-        """Compress destination chunk ``j`` with its residual; update the residual."""
+    def _encode(self, chunk: Tensor, j: int, step: int, sendable: bool) -> Payload:
+        """Compress destination chunk ``j`` with its residual; stage the residual's update. A
+        rank whose buffer is not finite (``sendable`` False) sends the NaN-marked payload of
+        zeros and leaves the residual alone (:mod:`gradzip.comm.guard`)."""
         key = (self.name, j)
+        if not sendable:
+            return guard.marked(self.compressor.compress(torch.zeros_like(chunk), step=step, key=key))
         if self.feedback is None:
             return self.compressor.compress(chunk, step=step, key=key)
         compensated = self.feedback.compensate(j, chunk, step=step)
-        wire_input = compensated.to(chunk.dtype)
+        # A finite gradient plus its residual may overflow the wire dtype: saturate, never inf.
+        wire_input = guard.saturate(compensated, chunk.dtype).to(chunk.dtype)
         payload = self.compressor.compress(wire_input, step=step, key=key)
         self.feedback.update(j, compensated, self.compressor.decompress(payload, like=wire_input), step=step)
         return payload
@@ -298,12 +315,19 @@ class CompressedReduceScatter(_ReduceScatterBase):
             self._dense(output, input, group, op, kind, factor)
             return
         chunks = input.view(world_size, chunk_numel)
+        sendable = guard.is_finite(input)
         with self.metrics.timed("compress_s", self.name):
-            payloads = [self._encode(chunks[j], j, step) for j in range(world_size)]
+            payloads = [self._encode(chunks[j], j, step, sendable) for j in range(world_size)]
         if self._sums_on_the_wire(payloads[0], payload_bytes, group):
-            self._exchange_reduce_scatter(output, chunks, payloads, group, op, kind, factor, rank, dense_bytes)
+            marked = self._exchange_reduce_scatter(output, chunks, payloads, group, op, kind, factor, rank, dense_bytes)
         else:
-            self._exchange_all_to_all(output, chunks, payloads, group, kind, factor, rank, dense_bytes)
+            marked = self._exchange_all_to_all(output, chunks, payloads, group, kind, factor, rank, dense_bytes)
+        # A non-finite rank marks its payload for every chunk, so every rank sees the marker.
+        if self.feedback is not None:
+            if marked:
+                self.feedback.discard()
+            else:
+                self.feedback.commit()
 
     def _sums_on_the_wire(self, payload: Payload, payload_bytes: int, group) -> bool:
         """Whether to reduce-scatter the payloads rather than all_to_all them.
@@ -324,7 +348,7 @@ class CompressedReduceScatter(_ReduceScatterBase):
             payload_bytes // world_size, world_size
         )
 
-    def _exchange_reduce_scatter(self, output, chunks, payloads, group, op, kind, factor, rank, dense_bytes) -> None:
+    def _exchange_reduce_scatter(self, output, chunks, payloads, group, op, kind, factor, rank, dense_bytes) -> bool:
         self.last_exchange = "reduce_scatter"
         own = payloads[rank]
         summed = []
@@ -342,10 +366,14 @@ class CompressedReduceScatter(_ReduceScatterBase):
             sent_bytes=sent, received_bytes=sent,
         )
         with self.metrics.timed("decompress_s", self.name):
+            if guard.received_marker(summed):
+                output.fill_(float("nan"))
+                return True
             # The op was applied to the payload on the wire; the decoder is linear.
             output.copy_(self.compressor.decompress(Payload(tuple(summed), own.ctx), like=chunks[rank]))
+        return False
 
-    def _exchange_all_to_all(self, output, chunks, payloads, group, kind, factor, rank, dense_bytes) -> None:
+    def _exchange_all_to_all(self, output, chunks, payloads, group, kind, factor, rank, dense_bytes) -> bool:
         self.last_exchange = "all_to_all"
         world_size = len(payloads)
         send = torch.stack([wire.to_bytes(p.tensors) for p in payloads])
@@ -360,6 +388,9 @@ class CompressedReduceScatter(_ReduceScatterBase):
         with self.metrics.timed("decompress_s", self.name):
             own = payloads[rank]
             received = [Payload(wire.from_bytes(recv[r], own.tensors), own.ctx) for r in range(world_size)]
+            if any(guard.received_marker(p.tensors) for p in received):
+                output.fill_(float("nan"))
+                return True
             # Half-precision chunks are summed in fp32 and rounded once.
             like = chunks[rank] if chunks.dtype == torch.float32 else chunks[rank].float()
             total = _decode_sum(self.compressor, received, like)
@@ -368,6 +399,7 @@ class CompressedReduceScatter(_ReduceScatterBase):
             elif kind == "premul":
                 total.mul_(factor)
             output.copy_(total)
+        return False
 
     def _check_bytes(self, handed: int, chunks: Tensor) -> None:
         expected = chunks.shape[0] * self.compressor.payload_nbytes(chunks.shape[1], chunks.dtype)

@@ -110,6 +110,11 @@ class MarkerSlot(Compressor):
         for attr in ("name", "aggregatable", "unbiased", "needs_shared_seed", "error_feedback", "multi_round", "start_step"):
             setattr(self, attr, getattr(inner, attr))
 
+    @property
+    def spec(self) -> str:
+        """The wrapped codec's spec (its defaults and a composition's parts are its own)."""
+        return self.inner.spec
+
     def compress(self, x: Tensor, *, step: int = 0, key: Hashable = 0) -> Payload:
         payload = self.inner.compress(x, step=step, key=key)
         return Payload(payload.tensors + (torch.zeros(1, dtype=torch.float16, device=x.device),), payload.ctx)

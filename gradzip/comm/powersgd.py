@@ -360,7 +360,8 @@ class PowerSGDReducer:
 
     def probe(self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None) -> dict[str, Any]:
         """One local power iteration on ``grad`` (as one rank alone would run it): no collective,
-        no state change. Used by controllers to price PowerSGD on a real bucket.
+        no state change. Used by controllers to price PowerSGD on a real bucket; before
+        ``start_step`` the dense all_reduce the bucket then takes (exact, no encoding).
 
         Returns:
             ``compress_s`` (P = M Q, orthogonalize, Q = M^T P), ``decompress_s`` (P Q^T),
@@ -369,6 +370,11 @@ class PowerSGDReducer:
             ``grad``'s shape).
         """
         world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        if step < self.compressor.start_step:
+            # Before start_step the bucket travels dense: priced as the exact all_reduce it is.
+            raw = grad.numel() * grad.element_size()
+            return {"compress_s": 0.0, "decompress_s": 0.0, "payload_bytes": raw, "collectives": 1,
+                    "sent_bytes": allreduce_bytes(raw, world_size), "decoded": grad}
         layout = self._layout(grad, shapes)
         flat = grad.reshape(-1)
         decoded = flat.clone()

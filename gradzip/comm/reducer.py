@@ -279,7 +279,8 @@ class CompressedReducer:
     ) -> dict[str, Any]:
         """Compress and decode ``grad`` locally, with no collective and no state change.
 
-        Used by controllers to price a codec on a real bucket.
+        Used by controllers to price a codec on a real bucket, as it would travel at ``step``
+        (dense, with the exact figures, before the codec's ``start_step``).
 
         Returns:
             ``compress_s`` and ``decompress_s`` (seconds; for the ``allgather`` route decoding is
@@ -289,7 +290,8 @@ class CompressedReducer:
         """
         world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
-        route = self.route(grad.numel(), grad.dtype)
+        # Before the codec's start_step the bucket travels dense, and is priced so.
+        route = self.route(grad.numel(), grad.dtype) if step >= self.compressor.start_step else "dense"
         raw = grad.numel() * grad.element_size()
         if grad.numel() == 0 or route in ("dense", "fused"):
             return {"compress_s": 0.0, "decompress_s": 0.0, "payload_bytes": raw, "collectives": 1,

@@ -101,16 +101,15 @@ class CompareConfig:
 
 def split_compressors(text: str) -> list[str]:
     """``none,fp16,qsgd:bits=4,bucket=512`` -> ``["none", "fp16", "qsgd:bits=4,bucket=512"]``: a
-    comma-separated part that is only ``key=value`` continues the spec before it."""
-    specs: list[str] = []
-    for part in (p.strip() for p in text.split(",")):
-        if not part:
-            continue
-        if "=" in part and ":" not in part and specs:
-            specs[-1] += "," + part
-        else:
-            specs.append(part)
-    return specs
+    comma-separated part that is only ``key=value`` (up to a ``+``) continues the spec before it
+    (:func:`gradzip.compressors.spec.split_spec_list`).
+
+    Raises:
+        ValueError: naming ``--compressors`` when the list starts with a bare ``key=value``.
+    """
+    from gradzip.compressors.spec import split_spec_list
+
+    return split_spec_list(text, name="--compressors")
 
 
 def _check_specs(cfg: CompareConfig) -> None:

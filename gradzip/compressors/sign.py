@@ -67,8 +67,9 @@ def group_mean_magnitudes(flat: Tensor, group: int) -> Tensor:
     """The mean magnitude of each group of ``group`` consecutive elements of ``flat`` (the last
     group may be shorter), as ``(ceil(n / group),)`` in ``flat``'s dtype.
 
-    Summed in fp32 (fp64 for fp64 input), redone in fp64 where a group sum overflows fp32; each
-    mean is at most its group's largest magnitude, so it is finite in the input dtype.
+    Summed in fp32 (fp64 for fp64 input), redone in fp64 with each term divided by the group's
+    size where a group sum overflows; each mean is at most its group's largest magnitude, so it
+    is finite in the input dtype.
     """
     numel = flat.numel()
     rows, tail = divmod(numel, group)
@@ -80,10 +81,11 @@ def group_mean_magnitudes(flat: Tensor, group: int) -> Tensor:
         parts.append(flat[rows * group :].view(1, tail))
     means = []
     for part in parts:
-        sums = part.abs().sum(1, dtype=wide)
-        if not bool(torch.isfinite(sums).all()):
-            sums = part.abs().sum(1, dtype=torch.float64)
-        means.append(sums / part.shape[1])
+        mean = part.abs().sum(1, dtype=wide) / part.shape[1]
+        if not bool(torch.isfinite(mean).all()):
+            # Divided before summing: fp64 holds an fp32 sum, but not one of fp64 values near its top.
+            mean = part.abs().to(torch.float64).div_(part.shape[1]).sum(1)
+        means.append(mean)
     if not means:
         return flat.new_zeros(0)
     mean = torch.cat(means) if len(means) > 1 else means[0]

@@ -34,6 +34,35 @@ def parse_value(text: str) -> Any:
         return text
 
 
+def split_spec_list(text: str, *, name: str) -> list[str]:
+    """Split a comma-separated list of specs whose parameters are comma-separated too.
+
+    A comma-separated item whose first ``+``-joined part is a bare ``key=value`` (no ``:``)
+    continues the spec before it, so ``none,topk:ratio=0.01,start_step=3+uniform:bits=8,fp16``
+    gives ``none``, ``topk:ratio=0.01,start_step=3+uniform:bits=8`` and ``fp16``. Empty items
+    are dropped.
+
+    Args:
+        text: the list as the user wrote it.
+        name: the option that holds it, for the error message.
+
+    Raises:
+        SpecError: naming ``name`` when the list starts with a bare ``key=value``.
+    """
+    specs: list[str] = []
+    for item in (part.strip() for part in text.split(",")):
+        if not item:
+            continue
+        head = item.split("+", 1)[0]
+        if "=" in head and ":" not in head:
+            if not specs:
+                raise SpecError(f"{name} must start with a codec name, not the parameter {item!r}; got {text!r}")
+            specs[-1] += "," + item
+        else:
+            specs.append(item)
+    return specs
+
+
 def parse_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
     """Split a spec into ``[(name, params), ...]``, one entry per ``+``-joined part.
 

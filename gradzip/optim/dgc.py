@@ -147,7 +147,10 @@ class WarmupReducer:
     """A reducer around a codec with a ``ratio``: DGC's local gradient clipping, then the
     exponential sparsity warm-up.
 
-    The kept ratio follows :func:`~gradzip.control.sparsity.warmup_ratio` by step. A codec's
+    The kept ratio follows :func:`~gradzip.control.sparsity.warmup_ratio` by step, counted from
+    the codec's ``start_step`` (the steps before it are exchanged dense, so the warm-up starts
+    where compression does: ``dgc:ratio=0.001,start_step=20`` with ``warmup_steps=100`` is dense
+    for 20 steps, then warms up over steps 20 to 119). A codec's
     payload size is fixed per tensor size (the collectives and the byte accounting rely on it),
     so each ratio gets its own codec and reducer; when the ratio changes (at most
     ``warmup_stages`` times, between steps) the new reducer takes over the old one's state,
@@ -185,6 +188,7 @@ class WarmupReducer:
             raise SpecError(f"warmup_steps and clip_norm need a codec with a ratio (topk, dgc, ...); got {spec!r}")
         self.name, self.params = parts[0]
         self.ratio = codec.ratio
+        self.start_step = codec.start_step
         self.warmup_steps = check_int(warmup_steps, name="warmup_steps", low=0)
         self.warmup_stages = check_int(warmup_stages, name="warmup_stages", low=1)
         self.clip_norm = check_clip_norm(clip_norm)
@@ -198,8 +202,10 @@ class WarmupReducer:
         self.current: Reducer | None = None
 
     def ratio_at(self, step: int) -> float:
-        """The kept ratio at ``step``."""
-        return warmup_ratio(step, ratio=self.ratio, warmup_steps=self.warmup_steps, stages=self.warmup_stages)
+        """The kept ratio at ``step`` (the first stage's until ``start_step``, then the warm-up)."""
+        return warmup_ratio(
+            max(step - self.start_step, 0), ratio=self.ratio, warmup_steps=self.warmup_steps, stages=self.warmup_stages
+        )
 
     def _reducer_at(self, step: int) -> Reducer:
         return self._reducer_for(self.ratio_at(step))

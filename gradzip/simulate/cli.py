@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+from gradzip.compressors.spec import split_spec_list
 from gradzip.simulate.calibrate import (
     DEFAULT_LATENCY_US,
     TCP_GOODPUT,
@@ -32,21 +33,13 @@ def split_specs(text: str) -> list[str]:
 
     ``none,powersgd:approx_rank=4,start_step=10,fp16`` gives ``none``,
     ``powersgd:approx_rank=4,start_step=10`` and ``fp16``: a ``key=value`` item without ``:``
-    continues the spec before it.
+    continues the spec before it, also where a ``+`` follows it
+    (:func:`gradzip.compressors.spec.split_spec_list`).
 
     Raises:
         ValueError: naming ``compressors`` when the list is empty or starts with a parameter.
     """
-    specs: list[str] = []
-    for item in (part.strip() for part in text.split(",")):
-        if not item:
-            continue
-        if "=" in item and ":" not in item:
-            if not specs:
-                raise ValueError(f"compressors must start with a codec name; got {text!r}")
-            specs[-1] += "," + item
-        else:
-            specs.append(item)
+    specs = split_spec_list(text, name="compressors")
     if not specs:
         raise ValueError("compressors must name at least one codec, such as none,fp16")
     return specs
