@@ -11,9 +11,11 @@ from gradzip.compressors.dither import hash_key, hashed_dither
 #: (spec, numel, kernels that must have run compiled): whole rows plus a short last row; the
 #: uniform group is not a multiple of 8
 CASES = [
-    ("qsgd:bits=4,bucket=64", 64 * 5 + 13, ("abs_max_rows", "_qsgd_encoder", "_qsgd_decoder")),
+    ("qsgd:bits=4,bucket=64", 64 * 5 + 13, ("_qsgd_encoder_with_stats", "_qsgd_decoder")),
+    ("qsgd:bits=2,bucket=8,norm=l2", 8 * 40 + 3, ("_qsgd_encoder", "_qsgd_decoder")),
     ("uniform:bits=2,group=20,rounding=stochastic", 20 * 7 + 5, ("min_max_rows", "_uniform_encoder_loose", "_uniform_decoder_loose")),
-    ("terngrad", 2 * fused.BLOCK + 5, ("_terngrad_encoder", "_terngrad_decoder")),
+    ("terngrad", 2 * fused.BLOCK + 5, ("_terngrad_encoder_with_stats", "_terngrad_decoder")),
+    ("terngrad:clip=0", 2 * fused.BLOCK + 5, ("abs_max_rows", "_terngrad_encoder", "_terngrad_decoder")),
     ("natural", 2 * fused.BLOCK + 5, ("_natural_encoder", "_natural_decoder")),
     ("topk:ratio=0.01", 300_007, ("topk_candidates",)),
 ]
@@ -45,6 +47,37 @@ def test_compiled_equals_eager(spec, numel, kernels, monkeypatch):
         assert torch.equal(_bits(got), _bits(want))
     assert torch.equal(_bits(out), _bits(eager_out))
     assert sum(t.numel() * t.element_size() for t in payload) == build(spec).payload_nbytes(numel)
+
+
+@pytest.mark.parametrize("spec", ["qsgd:bits=4,bucket=64", "uniform:bits=4,group=32"])
+def test_compiled_equals_eager_outside_the_fp32_frame(spec, monkeypatch):
+    """Scales near the top of fp32 send the codecs to fp64 arithmetic (QSGD after its fused
+    fp32 pass): still the same bytes compiled and eager, and finite."""
+    gen = torch.Generator().manual_seed(7)
+    x = (torch.rand(64 * 9 + 5, generator=gen) * 2 - 1) * 3e38
+    monkeypatch.setenv(fused.ENV, "0")
+    eager_payload, eager_out = _run(spec, x)
+    monkeypatch.setenv(fused.ENV, "1")
+    payload, out = _run(spec, x)
+    for got, want in zip(payload, eager_payload, strict=True):
+        assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(_bits(out), _bits(eager_out))
+    assert bool(torch.isfinite(out).all())
+
+
+def test_terngrad_without_an_element_at_the_bound(monkeypatch):
+    """Uniform values never reach 2.5 standard deviations: the scaler is max |g|, the codes
+    are recomputed for it, compiled as eager."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.rand(3 * fused.BLOCK + 5, generator=gen) * 2 - 1
+    monkeypatch.setenv(fused.ENV, "0")
+    eager_payload, eager_out = _run("terngrad", x)
+    monkeypatch.setenv(fused.ENV, "1")
+    payload, out = _run("terngrad", x)
+    assert float(payload[1]) == float(x.abs().max())
+    for got, want in zip(payload, eager_payload, strict=True):
+        assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(_bits(out), _bits(eager_out))
 
 
 def test_warm_up_compiles_before_the_first_bucket(monkeypatch):

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradzip import wire
-from gradzip.compressors.elementwise import pack_flags
+from gradzip.compressors.elementwise import pack_flags, sparse_flatnonzero
 
 
 def reference_pack(codes: list[int], bits: int) -> list[int]:
@@ -93,3 +93,14 @@ def test_byte_buffer_round_trips_mixed_dtypes():
     assert buffer.numel() == wire.nbytes(parts) == 5 + 24 + 2
     for got, want in zip(wire.from_bytes(buffer, parts), parts):
         assert torch.equal(got, want)
+
+
+@settings(max_examples=40, deadline=None)
+@given(numel=st.integers(0, 5000), density=st.sampled_from([0.0, 0.002, 0.02, 0.5, 1.0]), seed=st.integers(0, 2**16))
+def test_sparse_flatnonzero_lists_the_true_positions_in_order(numel, density, seed):
+    gen = torch.Generator().manual_seed(seed)
+    mask = torch.rand(numel, generator=gen) < density
+    expected = [i for i, flag in enumerate(mask.tolist()) if flag]
+    assert sparse_flatnonzero(mask).tolist() == expected
+    assert sparse_flatnonzero(mask.to(torch.uint8)).dtype == torch.int64
+    assert sparse_flatnonzero(mask.to(torch.uint8)).tolist() == expected

@@ -67,6 +67,28 @@ def flatnonzero(mask: Tensor) -> Tensor:
     return mask.nonzero().view(-1)
 
 
+def sparse_flatnonzero(mask: Tensor) -> Tensor:
+    """:func:`flatnonzero` for a mostly-false 1-D bool or 0/1 uint8 tensor, faster on CPU.
+
+    NumPy's nonzero visits every byte; here the bytes are read as 64-bit words, the nonzero
+    words found first (an eighth as many elements), and only those expanded. Where more than a
+    quarter of the words hold a true byte it falls back to :func:`flatnonzero`.
+    """
+    if not (numpy_ok(mask) and mask.is_contiguous() and mask.element_size() == 1):
+        return flatnonzero(mask)
+    flags = mask.numpy().view(np.bool_)
+    whole = flags.size - flags.size % 8
+    words = flags[:whole].view(np.uint64)
+    hit = np.flatnonzero(words != 0)
+    if 4 * hit.size > words.size:
+        return flatnonzero(mask)
+    found = np.flatnonzero(words[hit].view(np.bool_))
+    positions = (hit[found >> 3] << 3) + (found & 7)
+    if whole < flags.size:
+        positions = np.concatenate([positions, whole + np.flatnonzero(flags[whole:])])
+    return torch.from_numpy(positions.astype(np.int64, copy=False))
+
+
 def pack_flags(flags: Tensor) -> Tensor:
     """:func:`gradzip.wire.pack_bits` at 1 bit for a bool tensor: the same bytes, via NumPy's
     vectorised ``packbits`` on CPU (about 20x faster than torch's word folding)."""

@@ -147,12 +147,24 @@ def padded(flat: Tensor, size: int) -> Tensor:
     return out
 
 
-def positions(rows: Tensor, first: Tensor) -> Tensor:
+def positions(rows: Tensor, first: Tensor, columns: Tensor | None = None) -> Tensor:
     """Flat positions (int32, wrapping past 2**31) of the elements of a ``(rows, cols)`` block
-    whose first element sits at ``first`` (a 0-d int32 tensor)."""
+    whose first element sits at ``first`` (a 0-d int32 tensor).
+
+    ``columns``, when given, is ``arange(cols)`` as a ``(1, cols)`` int32 tensor: a compiled
+    loop loads it as a vector, where an ``arange`` in the loop would assemble each vector of
+    column numbers lane by lane (which took most of a dithering encoder's time).
+    """
     count, cols = rows.shape
+    if columns is None:
+        columns = torch.arange(cols, dtype=torch.int32, device=rows.device)
     row_starts = torch.arange(count, dtype=torch.int32, device=rows.device).view(-1, 1) * cols
-    return first + row_starts + torch.arange(cols, dtype=torch.int32, device=rows.device)
+    return first + row_starts + columns
+
+
+def column_numbers(cols: int, device: torch.device | str = "cpu") -> Tensor:
+    """``arange(cols)`` as a ``(1, cols)`` int32 tensor: the ``columns`` of :func:`positions`."""
+    return torch.arange(cols, dtype=torch.int32, device=device).view(1, cols)
 
 
 def _first(position: int) -> Tensor:
@@ -174,48 +186,103 @@ def _lanes(
 ) -> tuple[Tensor, ...]:
     """``fn``'s outputs, each folded as :func:`fold` does when ``packed``.
 
-    Folding evaluates ``fn`` once per lane on that lane's column slice (``fn`` is elementwise,
-    so the codes are the same): the compiler then fuses the codes into the loop over output
-    bytes instead of writing them to memory and reading them back per lane.
+    Folding evaluates ``fn`` on column slices (``fn`` is elementwise, so the codes are the
+    same) and ORs the slices' codes, so that the compiler fuses the codes into the loop over
+    output bytes instead of writing them to memory and reading them back per lane. With one
+    output, the slices are its lanes. With several, the row is cut into ``P`` slices of ``W =
+    cols / P`` columns, ``P`` the most lanes any output has, and ``fn`` runs once per slice for
+    all outputs: byte ``c W + j`` of an output of ``per`` lanes holds the codes of slices ``c,
+    c + P / per, ...`` at column ``j``, so every output is built from ``(rows, W)`` pieces and
+    the whole encoding is one loop over ``(rows, W)`` that reads the input once (the pieces of
+    an output are then concatenated, a copy of the packed bytes only).
     """
     extra = [] if pos is None else [pos]
     if not packed:
         return tuple(fn(*views, *params, *extra))
-    whole = None
+    if len(out_bits) == 1:
+        (bits,) = out_bits
+        if bits is None:
+            return tuple(fn(*views, *params, *extra))
+        per = 8 // bits
+        width = views[0].shape[1] // per
+        return (_fold_slices([_slice_codes(fn, views, params, pos, lane, width)[0] for lane in range(per)], bits),)
+    slices = max(8 // bits for bits in out_bits if bits is not None)
+    width = views[0].shape[1] // slices
+    codes = [_slice_codes(fn, views, params, pos, s, width) for s in range(slices)]
     outs = []
     for index, bits in enumerate(out_bits):
         if bits is None:
-            whole = whole if whole is not None else fn(*views, *params, *extra)
-            outs.append(whole[index])
-            continue
-        per = 8 // bits
-        width = views[0].shape[1] // per
-        folded = None
-        for lane in range(per):
-            cols = slice(lane * width, (lane + 1) * width)
-            lane_extra = [] if pos is None else [pos[:, cols]]
-            code = fn(*[v[:, cols] for v in views], *params, *lane_extra)[index].to(torch.int32)
-            # Shifts in int32: CPU vector units shift 32-bit lanes, not 8-bit ones.
-            code = code << (lane * bits) if lane else code
-            folded = code if folded is None else folded | code
-        outs.append(folded.to(torch.uint8))
+            pieces = [c[index] for c in codes]
+        else:
+            span = slices // (8 // bits)
+            pieces = [_fold_slices([c[index] for c in codes[first::span]], bits) for first in range(span)]
+        outs.append(torch.cat(pieces, 1) if len(pieces) > 1 else pieces[0])
     return tuple(outs)
 
 
+def _slice_codes(
+    fn: Callable[..., tuple[Tensor, ...]], views: list[Tensor], params: list[Tensor], pos: Tensor | None, index: int, width: int
+) -> tuple[Tensor, ...]:
+    """``fn`` on columns ``index * width`` to ``(index + 1) * width`` of every view."""
+    cols = slice(index * width, (index + 1) * width)
+    extra = [] if pos is None else [pos[:, cols]]
+    return fn(*[v[:, cols] for v in views], *params, *extra)
+
+
+def _fold_slices(codes: list[Tensor], bits: int) -> Tensor:
+    """ORs the codes of lane ``i`` shifted by ``i * bits`` into uint8."""
+    folded = None
+    for lane, code in enumerate(codes):
+        # Shifts in int32: CPU vector units shift 32-bit lanes, not 8-bit ones.
+        code = code.to(torch.int32)
+        code = code << (lane * bits) if lane else code
+        folded = code if folded is None else folded | code
+    return folded.to(torch.uint8)
+
+
+#: per-row statistics computed in the encoding loop: ``(reduce, params)``, see :func:`encode_rows`
+RowStats = tuple[Callable[[Tensor], tuple[Tensor, ...]], Callable[..., tuple[Tensor, ...]]]
+
+
+def _encode_body(
+    fn: Callable[..., tuple[Tensor, ...]],
+    views: list[Tensor],
+    params: list[Tensor],
+    pos: Tensor | None,
+    out_bits: tuple[int | None, ...],
+    packed: bool,
+    row_stats: RowStats | None,
+) -> tuple[Tensor, ...]:
+    """The codes of ``fn`` (see :func:`_lanes`), then the row statistics when there are any."""
+    stats: tuple[Tensor, ...] = ()
+    if row_stats is not None:
+        reduce, make_params = row_stats
+        stats = reduce(views[0])
+        params = list(make_params(*stats, *params))
+    codes = _lanes(fn, views, params, pos, out_bits, packed)
+    return (*codes, *(s.reshape(-1) for s in stats))
+
+
 def _encoder(
-    fn: Callable[..., tuple[Tensor, ...]], count: int, out_bits: tuple[int | None, ...], packed: bool, with_positions: bool
+    fn: Callable[..., tuple[Tensor, ...]],
+    count: int,
+    out_bits: tuple[int | None, ...],
+    packed: bool,
+    with_positions: bool,
+    row_stats: RowStats | None = None,
 ) -> Kernel:
     """The compiled form of an encoding function over ``count`` elementwise inputs."""
-    key = ("encode", fn, count, out_bits, packed, with_positions)
+    key = ("encode", fn, count, out_bits, packed, with_positions, row_stats)
     if key not in _wrapped:
 
         def encode(*args: Tensor) -> tuple[Tensor, ...]:
             views = list(args[:count])
-            params = list(args[count : len(args) - 1] if with_positions else args[count:])
-            pos = positions(views[0], args[-1]) if with_positions else None
-            return _lanes(fn, views, params, pos, out_bits, packed)
+            params = list(args[count : len(args) - 2] if with_positions else args[count:])
+            pos = positions(views[0], args[-2], args[-1]) if with_positions else None
+            return _encode_body(fn, views, params, pos, out_bits, packed, row_stats)
 
-        _wrapped[key] = Kernel(encode, f"{fn.__qualname__.split('.')[0]}{'' if packed else '_loose'}")
+        name = f"{fn.__qualname__.split('.')[0]}{'' if packed else '_loose'}{'' if row_stats is None else '_with_stats'}"
+        _wrapped[key] = Kernel(encode, name)
     return _wrapped[key]
 
 
@@ -243,6 +310,7 @@ def encode_rows(
     group: int,
     out_bits: tuple[int | None, ...],
     with_positions: bool = False,
+    row_stats: RowStats | None = None,
 ) -> tuple[Tensor, ...]:
     """Encode rows of ``group`` elements with ``fn``, compiled, and pack its codes.
 
@@ -257,9 +325,15 @@ def encode_rows(
         out_bits: bits of each output's codes, ``None`` for an output sent as it is.
         with_positions: pass ``fn`` one more argument, the flat positions of its elements
             (int32, the views' shape; see :func:`positions`).
+        row_stats: ``(reduce, make_params)`` to compute per-row parameters in the same loop
+            (the input is then read once): ``reduce`` takes the ``(rows, cols)`` view of the
+            first input and returns ``(rows, 1)`` statistics (maxima, minima: exact in any
+            order), ``make_params(*statistics, *params)`` returns the parameters ``fn`` takes.
+            ``params`` are then 0-d only.
 
     Returns:
-        1-D outputs of ``ceil(n * bits / 8)`` bytes (``n`` elements for ``bits=None``). With
+        1-D outputs of ``ceil(n * bits / 8)`` bytes (``n`` elements for ``bits=None``), then
+        with ``row_stats`` each statistic, ``ceil(n / group)`` entries. With
         ``group`` a multiple of 8, whole rows are packed by :func:`fold` (planar) and the last
         partial row as :func:`gradzip.wire.pack_bits` does; otherwise everything as
         ``pack_bits`` does.
@@ -273,15 +347,20 @@ def encode_rows(
     main = None
     if rows:
         views = [e[:whole].view(rows, group) for e in elementwise]
-        extra = [_first(0)] if with_positions else []
-        kernel = _encoder(fn, len(elementwise), out_bits, aligned, with_positions)
+        extra = [_first(0), column_numbers(group, elementwise[0].device)] if with_positions else []
+        kernel = _encoder(fn, len(elementwise), out_bits, aligned, with_positions, row_stats)
         main = [o.reshape(-1) for o in kernel(*views, *_row_params(params, 0, rows), *extra)]
     rest = None
     if tail:
         # A short row: eager (the same function, so the same codes), packed as pack_bits does.
         views = [e[whole:].view(1, tail) for e in elementwise]
-        extra = [positions(views[0], _first(whole))] if with_positions else []
-        rest = [o.reshape(-1) for o in fn(*views, *_row_params(params, rows, 1), *extra)]
+        pos = positions(views[0], _first(whole)) if with_positions else None
+        rest = [o.reshape(-1) for o in _encode_body(fn, views, _row_params(params, rows, 1), pos, out_bits, False, row_stats)]
+    stats = []
+    if row_stats is not None:
+        for i in range(len(out_bits), len(main if main is not None else rest)):
+            parts = [p[i] for p in (main, rest) if p is not None]
+            stats.append(torch.cat(parts) if len(parts) > 1 else parts[0])
     outs = []
     for i, bits in enumerate(out_bits):
         if bits is not None and not aligned:
@@ -294,7 +373,7 @@ def encode_rows(
         if rest is not None:
             parts.append(rest[i] if bits is None else pack_codes(rest[i].to(torch.uint8), bits))
         outs.append(torch.cat(parts) if len(parts) > 1 else parts[0])
-    return tuple(outs)
+    return (*outs, *stats)
 
 
 def decode_rows(

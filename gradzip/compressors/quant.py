@@ -28,6 +28,7 @@ from gradzip.compressors.base import Compressor, Payload, check_int
 from gradzip.compressors.dither import hash_key, hashed_dither
 from gradzip.compressors.fused import (
     BLOCK,
+    Kernel,
     abs_max_rows,
     decode_rows,
     encode_rows,
@@ -83,14 +84,22 @@ def check_choice(value: str, *, name: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
+def _magnitude_range(values: Tensor) -> tuple[float, float]:
+    """``max |v|`` and the smallest nonzero ``|v|`` (1.0 if there is none) of a float tensor,
+    NaN for the maximum if any value is NaN. Reductions only: a boolean-mask selection of the
+    nonzero values would cost a ``nonzero`` and a gather, several times the reductions."""
+    if values.numel() == 0:
+        return 0.0, 1.0
+    magnitude = values.abs()
+    top = float(magnitude.amax())
+    bottom = float(torch.where(magnitude > 0, magnitude, torch.inf).amin())
+    return top, bottom if bottom < float("inf") else 1.0
+
+
 def _fits_fp32(scales: Tensor, low: float) -> bool:
     """Whether per-group scales (any float dtype) are safe for fp32 arithmetic: none above a
     quarter of fp32's range, and no nonzero one so small that its reciprocal overflows."""
-    if scales.numel() == 0:
-        return True
-    top = float(scales.abs().max())
-    nonzero = scales.abs()[scales != 0]
-    bottom = float(nonzero.min()) if nonzero.numel() else 1.0
+    top, bottom = _magnitude_range(scales)
     return top <= torch.finfo(torch.float32).max / 4 and bottom >= low
 
 
@@ -108,6 +117,20 @@ def _std(flat: Tensor) -> float:
     if variance <= 1e-3 * mean * mean:
         return float(torch.std(flat, correction=0))
     return math.sqrt(variance)
+
+
+def _frame_statistics(low: Tensor, high: Tensor) -> Tensor:
+    """``max |low|, |high|``, then the largest and the smallest nonzero group spread ``high -
+    low`` (in fp64; inf if none is nonzero), as one fp64 ``(3,)`` tensor. NaN propagates into
+    the maxima. Maxima and minima only, so compiled and eager agree."""
+    top = torch.maximum(low.abs().amax(), high.abs().amax()).to(torch.float64)
+    spread = (high.to(torch.float64) - low.to(torch.float64)).abs()
+    return torch.stack([top, spread.amax(), torch.where(spread > 0, spread, torch.inf).amin()])
+
+
+#: the uniform quantizer's frame statistics in one compiled pass over the group ends (about ten
+#: separate small reductions took a tenth of a round trip)
+_frame_stats = Kernel(_frame_statistics, "uniform_frame")
 
 
 @register
@@ -185,21 +208,28 @@ class QSGD(Compressor):
         if numel == 0:
             empty = torch.empty(0, dtype=torch.uint8, device=flat.device)
             return Payload((empty, empty, torch.empty(0, dtype=self.scale_dtype(flat.dtype), device=flat.device)))
+        keys = hash_key(self.seed, step, key)
+        if flat.dtype == torch.float32 and self.norm == "max":
+            # fp32 arithmetic assumed: scales, parameters and codes in one loop over the
+            # tensor; kept unless the scales need fp64.
+            signs, levels, scales = encode_rows(
+                _qsgd_encoder(self.levels, torch.float32),
+                (flat,),
+                keys,
+                group=self.bucket,
+                out_bits=(1, self.bits),
+                with_positions=True,
+                row_stats=(_abs_max_column, _qsgd_params(self.levels, torch.float32)),
+            )
+            if _fits_fp32(scales, low=self.levels * 2.0**-100):
+                return Payload((signs, levels, scales))
         scales = self._scales(flat)
         work = compute_dtype(flat.dtype)
         if work == torch.float32 and not _fits_fp32(scales, low=self.levels * 2.0**-100):
             work = torch.float64
-        wide = scales.to(work)
-        tiny = torch.finfo(work).tiny * (1 << 10)
-        # Buckets with a scale below tiny (only fp64 denormals) send level 0: an exact zero
-        # would otherwise need a reciprocal beyond the dtype's range.
-        inverse = torch.where(wide >= tiny, self.levels / wide.clamp(min=tiny), torch.zeros_like(wide))
-        # In units of 2**-16 of a level: the dither, plus 2**16 * |v| * s / scale below.
-        inverse *= 1 << 16
-        encode = _qsgd_encoder(self.levels, work)
-        params = (inverse, *hash_key(self.seed, step, key))
+        params = _qsgd_params(self.levels, work)(scales, *keys)
         signs, levels = encode_rows(
-            encode, (flat,), params, group=self.bucket, out_bits=(1, self.bits), with_positions=True
+            _qsgd_encoder(self.levels, work), (flat,), params, group=self.bucket, out_bits=(1, self.bits), with_positions=True
         )
         return Payload((signs, levels, scales))
 
@@ -216,6 +246,28 @@ class QSGD(Compressor):
         codes = ((signs, 1), (packed, self.bits))
         values = decode_rows(decode, codes, (scales.to(work),), group=self.bucket, numel=numel)
         return values.view(like.shape)
+
+
+def _abs_max_column(rows: Tensor) -> tuple[Tensor]:
+    """Per-row ``max |x|`` of a ``(rows, cols)`` view, as a ``(rows, 1)`` column."""
+    return (rows.abs().amax(1, keepdim=True),)
+
+
+@cache
+def _qsgd_params(levels: int, work: torch.dtype) -> Callable[..., tuple[Tensor, ...]]:
+    """QSGD's parameters from the bucket scales (any shape): ``(scales, *keys) -> (2**16 s /
+    scale, *keys)`` in ``work``."""
+    tiny = torch.finfo(work).tiny * (1 << 10)
+
+    def params(scales: Tensor, *keys: Tensor) -> tuple[Tensor, ...]:
+        wide = scales.to(work)
+        # Buckets with a scale below tiny (only fp64 denormals) send level 0: an exact zero
+        # would otherwise need a reciprocal beyond the dtype's range.
+        inverse = torch.where(wide >= tiny, levels / wide.clamp(min=tiny), torch.zeros_like(wide))
+        # In units of 2**-16 of a level: the dither, plus 2**16 * |v| * s / scale below.
+        return (inverse * (1 << 16), *keys)
+
+    return params
 
 
 @cache
@@ -302,15 +354,31 @@ class TernGrad(Compressor):
         bound = torch.tensor(bound, dtype=work)
         if numel == 0:
             return Payload((torch.empty(0, dtype=torch.uint8, device=flat.device), torch.zeros(1, dtype=work)))
-        # max of the clipped magnitudes = the clipping bound or max |g|, whichever is smaller
-        scaler = torch.minimum(reduce_rows(abs_max_rows, flat, group=numel)[0].to(work), bound).reshape(1)
-        # b_i = [u_i < |g_i| / s], compared as 2**16 u_i < |g_i| * (2**16 / s); a scaler so small
-        # that 2**16 / s overflows leaves inf * 0 = nan for zeros, which compares false.
-        factor = (2.0**16 / scaler.double()).clamp(max=torch.finfo(work).max).to(work).reshape(())
+        keys = hash_key(self.seed, step, key)
+        encode = _terngrad_encoder(work)
+        # The scaler, max of the clipped magnitudes, is the clipping bound or max |g|, whichever
+        # is smaller: the bound as soon as one |g| reaches it, which a gradient's tail does. So
+        # the codes are computed for the bound, with max |g| per row from the same loop, and
+        # recomputed for max |g| only when no element reached the bound.
+        if bool(torch.isfinite(bound)):
+            codes, row_max = encode_rows(
+                encode,
+                (flat,),
+                (_terngrad_factor(bound.reshape(1), work), bound, *keys),
+                group=BLOCK,
+                out_bits=(2,),
+                with_positions=True,
+                row_stats=(_abs_max_by_quarters, _unchanged_params),
+            )
+            scaler = torch.minimum(row_max.amax().to(work), bound).reshape(1)
+            if bool(scaler == bound):
+                return Payload((codes, scaler))
+        else:
+            scaler = torch.minimum(reduce_rows(abs_max_rows, flat, group=numel)[0].to(work), bound).reshape(1)
         (codes,) = encode_rows(
-            _terngrad_encoder(work),
+            encode,
             (flat,),
-            (factor, bound, *hash_key(self.seed, step, key)),
+            (_terngrad_factor(scaler, work), bound, *keys),
             group=BLOCK,
             out_bits=(2,),
             with_positions=True,
@@ -326,6 +394,30 @@ class TernGrad(Compressor):
         decode = _terngrad_decoder(scaler.dtype, like.dtype)
         values = decode_rows(decode, ((packed, 2),), (scaler.reshape(()),), group=BLOCK, numel=numel)
         return values.view(like.shape)
+
+
+def _terngrad_factor(scaler: Tensor, work: torch.dtype) -> Tensor:
+    """``2**16 / s`` as a 0-d ``work`` tensor. b_i = [u_i < |g_i| / s] is compared as 2**16 u_i
+    < |g_i| * (2**16 / s); a scaler so small that 2**16 / s overflows leaves inf * 0 = nan for
+    zeros, which compares false."""
+    return (2.0**16 / scaler.double()).clamp(max=torch.finfo(work).max).to(work).reshape(())
+
+
+def _abs_max_by_quarters(rows: Tensor) -> tuple[Tensor]:
+    """Per-row ``max |x|`` of a ``(rows, cols)`` view as a ``(rows, 1)`` column, reduced over
+    the four column quarters that the 2-bit fold encodes as its lanes: with loops of one
+    length, the compiler puts the reduction in the encoding loop (one read of the tensor)."""
+    width = rows.shape[1] // 4
+    if width == 0:
+        return (rows.abs().amax(1, keepdim=True),)
+    ends = (width, 2 * width, 3 * width, rows.shape[1])
+    quarters = [rows[:, q * width : ends[q]].abs().amax(1, keepdim=True) for q in range(4)]
+    return (torch.maximum(torch.maximum(quarters[0], quarters[1]), torch.maximum(quarters[2], quarters[3])),)
+
+
+def _unchanged_params(_statistic: Tensor, *params: Tensor) -> tuple[Tensor, ...]:
+    """Row parameters that do not depend on the row statistic (TernGrad's are per tensor)."""
+    return params
 
 
 @cache
@@ -401,14 +493,17 @@ class Uniform(Compressor):
         """Arithmetic dtype and a power-of-two prescale keeping ``high - low`` and its
         reciprocal finite."""
         work = compute_dtype(dtype)
-        ends = torch.cat([low, high])
-        spread = high.to(torch.float64) - low.to(torch.float64)
+        if low.numel() == 0:
+            return work, 1.0
+        top, spread_top, spread_bottom = _frame_stats(low, high).tolist()
         if work == torch.float32 and not (
-            _fits_fp32(ends, low=0.0) and _fits_fp32(spread, low=self.steps * 2.0**-100)
+            top <= torch.finfo(torch.float32).max / 4
+            and spread_top <= torch.finfo(torch.float32).max / 4
+            and spread_bottom >= self.steps * 2.0**-100
         ):
             work = torch.float64
         prescale = 1.0
-        if ends.numel() and float(ends.abs().max()) > torch.finfo(work).max / 4:
+        if top > torch.finfo(work).max / 4:
             prescale = 2.0**-4
         return work, prescale
 
@@ -420,23 +515,16 @@ class Uniform(Compressor):
             return Payload((torch.empty(0, dtype=torch.uint8, device=flat.device), flat.new_empty(0), flat.new_empty(0)))
         low, high = reduce_rows(min_max_rows, flat, group=self.group)
         work, prescale = self._frame(low, high, flat.dtype)
-        low_w, high_w = low.to(work) * prescale, high.to(work) * prescale
-        spread = high_w - low_w
-        tiny = torch.finfo(work).tiny * (1 << 10)
-        # A group whose spread is below tiny (fp64 denormals) is sent as its minimum.
-        inverse = torch.where(spread >= tiny, self.steps / spread.clamp(min=tiny), torch.zeros_like(spread))
-        # code = floor((x - min) * L / (max - min) + shift), shift 1/2 (nearest) or the dither,
-        # everything in units of 2**-16 of a step for stochastic rounding (see hashed_dither).
-        unit = 1.0 if self.rounding == "nearest" else 2.0**16
-        inverse = inverse * unit
-        offset_term = -low_w * inverse
-        if self.rounding == "nearest":
-            offset_term += 0.5
-        params = (torch.tensor(prescale, dtype=work), offset_term, inverse, *hash_key(self.seed, step, key))
-        encode = _uniform_encoder(self.steps, work, self.rounding)
-        stochastic = self.rounding == "stochastic"
+        prescale_w = torch.tensor(prescale, dtype=work)
+        offset_term, inverse = _uniform_params(self.steps, work, self.rounding)(low, high, prescale_w)
+        params = (prescale_w, offset_term, inverse, *hash_key(self.seed, step, key))
         (codes,) = encode_rows(
-            encode, (flat,), params, group=self.group, out_bits=(self.bits,), with_positions=stochastic
+            _uniform_encoder(self.steps, work, self.rounding),
+            (flat,),
+            params,
+            group=self.group,
+            out_bits=(self.bits,),
+            with_positions=self.rounding == "stochastic",
         )
         return Payload((codes, low, high))
 
@@ -447,11 +535,45 @@ class Uniform(Compressor):
         if numel == 0:
             return torch.empty_like(like, memory_format=torch.contiguous_format)
         work, prescale = self._frame(low, high, like.dtype)
-        low_w, high_w = low.to(work) * prescale, high.to(work) * prescale
-        step_size = (high_w - low_w) / self.steps
+        low_w, step_size, high_w = _uniform_decode_params(self.steps, work)(low, high, torch.tensor(prescale, dtype=work))
         decode = _uniform_decoder(work, like.dtype)
         params = (low_w, step_size, high_w, torch.tensor(1 / prescale, dtype=work))
         return decode_rows(decode, ((packed, self.bits),), params, group=self.group, numel=numel).view(like.shape)
+
+
+@cache
+def _uniform_params(steps: int, work: torch.dtype, rounding: str) -> Kernel:
+    """The uniform quantizer's encoding parameters from the group minima and maxima, compiled:
+    ``(low, high, prescale) -> (offset, L / spread)`` per group in ``work``."""
+    unit = 1.0 if rounding == "nearest" else 2.0**16
+    tiny = torch.finfo(work).tiny * (1 << 10)
+
+    def params(low: Tensor, high: Tensor, prescale: Tensor) -> tuple[Tensor, Tensor]:
+        low_w, high_w = low.to(work) * prescale, high.to(work) * prescale
+        spread = high_w - low_w
+        # A group whose spread is below tiny (fp64 denormals) is sent as its minimum.
+        inverse = torch.where(spread >= tiny, steps / spread.clamp(min=tiny), torch.zeros_like(spread))
+        # code = floor((x - min) * L / (max - min) + shift), shift 1/2 (nearest) or the dither,
+        # everything in units of 2**-16 of a step for stochastic rounding (see hashed_dither).
+        inverse = inverse * unit
+        offset_term = -low_w * inverse
+        if rounding == "nearest":
+            offset_term = offset_term + 0.5
+        return offset_term, inverse
+
+    return Kernel(params, "uniform_params")
+
+
+@cache
+def _uniform_decode_params(steps: int, work: torch.dtype) -> Kernel:
+    """The uniform quantizer's decoding parameters, compiled: ``(low, high, prescale) -> (min,
+    step, max)`` per group in ``work``, prescaled."""
+
+    def params(low: Tensor, high: Tensor, prescale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        low_w, high_w = low.to(work) * prescale, high.to(work) * prescale
+        return low_w, (high_w - low_w) / steps, high_w
+
+    return Kernel(params, "uniform_decode_params")
 
 
 @cache

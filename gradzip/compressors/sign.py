@@ -18,18 +18,25 @@ from torch import Tensor
 from gradzip import wire
 from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload, check_int
-from gradzip.compressors.elementwise import at_least, pack_flags
+from gradzip.compressors.elementwise import at_least, greater_equal, pack_flags
+from gradzip.compressors.fused import Kernel
 
 #: elements summed per step (1 MiB of fp32: stays in cache)
 SUM_CHUNK = 1 << 18
 
 
-def mean_magnitude(flat: Tensor) -> Tensor:
+def mean_magnitude(flat: Tensor, *, nonnegative: Tensor | None = None) -> Tensor:
     """``||x||_1 / n`` as a ``(1,)`` tensor in ``flat``'s dtype, 0 for an empty tensor.
 
     Summed in fp32 (fp64 for fp64 input) over cache-sized chunks, the chunk sums in fp64; a
     chunk sum that overflows fp32 (values near its top) is redone in fp64. The mean is at most the largest magnitude,
     so it is finite in the input dtype.
+
+    Args:
+        flat: 1-D float tensor.
+        nonnegative: optional bool tensor of ``flat``'s shape, set to ``flat >= 0`` chunk by
+            chunk while the chunk is in cache (the sign codecs' bits: one read of ``flat``
+            from memory instead of two).
     """
     numel = flat.numel()
     if numel == 0:
@@ -40,7 +47,13 @@ def mean_magnitude(flat: Tensor) -> Tensor:
     total = 0.0
     for start in range(0, numel, chunk):
         part = magnitude[: min(chunk, numel - start)]
-        part.copy_(flat[start : start + part.numel()]).abs_()
+        source = flat[start : start + part.numel()]
+        if nonnegative is not None:
+            greater_equal(source, 0, nonnegative[start : start + part.numel()])
+        if source.dtype == wide:
+            torch.abs(source, out=part)
+        else:
+            part.copy_(source).abs_()
         partial = float(part.sum())
         if not math.isfinite(partial):
             partial = float(part.sum(dtype=torch.float64))
@@ -97,16 +110,21 @@ class _ScaledSign(Compressor):
         if self.group:
             return Payload((pack_flags(at_least(flat, 0)), group_mean_magnitudes(flat, self.group)))
         # NaN compares false either way; ``>= 0`` sends both zeros as +1.
-        return Payload((pack_flags(at_least(flat, 0)), mean_magnitude(flat)))
+        nonnegative = torch.empty(flat.shape, dtype=torch.bool, device=flat.device)
+        scale = mean_magnitude(flat, nonnegative=nonnegative)
+        return Payload((pack_flags(nonnegative), scale))
 
     def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
         """Returns: ``+scale`` where the bit is 1, ``-scale`` where it is 0, shaped as ``like``."""
         packed, scale = payload.tensors
         if self.group:
             return self._decompress_groups(packed, scale, like)
-        scale = scale.to(like.dtype).reshape(1)
-        return wire.unpack_lookup(packed, 1, like.numel(), torch.cat([-scale, scale])).view(like.shape)
-
+        numel = like.numel()
+        if packed.numel() < wire.packed_nbytes(numel, 1):
+            raise ValueError(f"packed holds {packed.numel()} bytes, fewer than the {wire.packed_nbytes(numel, 1)} needed for {numel} signs")
+        codes = packed.reshape(-1)[: wire.packed_nbytes(numel, 1)]
+        values = _decode_signs(codes, scale.to(like.dtype).reshape(()))
+        return values.view(-1)[:numel].view(like.shape)
 
     def _decompress_groups(self, packed: Tensor, scales: Tensor, like: Tensor) -> Tensor:
         numel = like.numel()
@@ -118,6 +136,19 @@ class _ScaledSign(Compressor):
         if tail:
             signs[rows * self.group :].mul_(scales[rows])
         return signs.view(like.shape)
+
+
+def _signs_to_values(packed: Tensor, scale: Tensor) -> Tensor:
+    """``(m,)`` bytes of sign bits (element ``8 j + i`` in bit ``i`` of byte ``j``) and a 0-d
+    scale to ``(m, 8)`` values ``+scale`` (bit 1) or ``-scale`` (bit 0)."""
+    shifts = torch.arange(8, dtype=torch.int32, device=packed.device)
+    bits = (packed.to(torch.int32).view(-1, 1) >> shifts) & 1
+    return torch.where(bits != 0, scale, -scale)
+
+
+#: compiled, the sign decoder writes each output vector straight from its byte (a table gather
+#: took about twice as long)
+_decode_signs = Kernel(_signs_to_values, "sign_decoder")
 
 
 @register

@@ -22,7 +22,7 @@ from torch import Tensor
 from gradzip import wire
 from gradzip.compressors import fused, register
 from gradzip.compressors.base import Compressor, Payload, check_int, check_ratio, kept_count, seeded_generator
-from gradzip.compressors.elementwise import flatnonzero, greater_equal, top_positions
+from gradzip.compressors.elementwise import flatnonzero, greater_equal, sparse_flatnonzero, top_positions
 
 #: elements handled per step of the candidate scan (1 MiB of fp32: stays in cache)
 SCAN_CHUNK = 1 << 18
@@ -52,12 +52,12 @@ def candidates_at_least(flat: Tensor, threshold: float) -> Tensor:
     """
     numel = flat.numel()
     if fused.enabled() and numel > SCAN_CHUNK and flat.dtype == torch.float32 and flat.device.type == "cpu":
-        # One compiled pass writes a byte per element; NumPy's nonzero reads them back (bytes
-        # of 0 and 1 are valid bools, which it counts far faster than bytes).
+        # One compiled pass writes a byte per element (0 or 1: valid bools); the nonzero ones are
+        # found word by word (see sparse_flatnonzero).
         limit = torch.tensor(threshold, dtype=torch.float32).view(torch.int32)
         mask = _mask_scratch(numel)
         _at_least(flat.contiguous().view(torch.int32), limit, mask)
-        return flatnonzero(mask.view(torch.bool))
+        return sparse_flatnonzero(mask)
     chunk = min(SCAN_CHUNK, numel)
     magnitude = torch.empty(chunk, dtype=flat.dtype, device=flat.device)
     mask = torch.empty(chunk, dtype=torch.bool, device=flat.device)
@@ -138,12 +138,15 @@ def unselected_positions(selected: Tensor, count: int) -> Tensor:
     return free.nonzero().view(-1)[:count]
 
 
-def largest_among(flat: Tensor, candidates: Tensor, k: int) -> Tensor:
-    """The ``k`` candidates of largest magnitude (all of them if there are at most ``k``)."""
+def largest_among(flat: Tensor, candidates: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """The ``k`` candidates of largest magnitude (all of them if there are at most ``k``) and
+    their values: the candidates' values are gathered once and serve both the selection and
+    the payload (a second gather at the kept positions cost as much as the scan's nonzero)."""
+    values = torch.index_select(flat, 0, candidates)
     if candidates.numel() <= k:
-        return candidates
-    magnitudes = torch.index_select(flat, 0, candidates).abs_()
-    return torch.index_select(candidates, 0, top_positions(magnitudes, k).to(candidates.device))
+        return candidates, values
+    kept = top_positions(values.abs(), k).to(candidates.device)
+    return torch.index_select(candidates, 0, kept), torch.index_select(values, 0, kept)
 
 
 def scatter(values: Tensor, indices: Tensor, like: Tensor) -> Tensor:
@@ -172,8 +175,9 @@ class Sparsifier(Compressor):
         return k * (wire.dtype_nbytes(dtype) + wire.index_nbytes(numel))
 
     @abstractmethod
-    def select(self, flat: Tensor, k: int, *, step: int, key: Hashable) -> Tensor:
-        """Up to ``k`` distinct int64 positions of ``flat`` (1-D, ``numel > k``) to send."""
+    def select(self, flat: Tensor, k: int, *, step: int, key: Hashable) -> tuple[Tensor, Tensor | None]:
+        """Up to ``k`` distinct int64 positions of ``flat`` (1-D, ``numel > k``) to send, and
+        ``flat``'s values there when the selection has them at hand (else None)."""
 
     def compress(self, x: Tensor, *, step: int = 0, key: Hashable = 0) -> Payload:
         """Args: x of any shape, floating dtype. Returns: ``Payload((values (k,), indices (k,)))``."""
@@ -181,10 +185,11 @@ class Sparsifier(Compressor):
         numel = flat.numel()
         k = self.values_numel(numel)
         if k == numel:
-            indices = torch.arange(numel, device=flat.device)
+            indices, values = torch.arange(numel, device=flat.device), None
         else:
-            indices = self.select(flat, k, step=step, key=key)
-        values = torch.index_select(flat, 0, indices)
+            indices, values = self.select(flat, k, step=step, key=key)
+        if values is None:
+            values = torch.index_select(flat, 0, indices)
         if indices.numel() < k:
             pad = k - indices.numel()
             indices = torch.cat([indices, unselected_positions(indices, pad)])
@@ -232,10 +237,10 @@ class TopK(Sparsifier):
         super().__init__(ratio=ratio)
         self.ratio = check_ratio(ratio)
 
-    def select(self, flat: Tensor, k: int, *, step: int, key: Hashable) -> Tensor:
+    def select(self, flat: Tensor, k: int, *, step: int, key: Hashable) -> tuple[Tensor, Tensor | None]:
         numel = flat.numel()
         if numel <= EXACT_TOPK_NUMEL or 8 * k > numel:
-            return torch.topk(flat.abs(), k, sorted=False).indices
+            return torch.topk(flat.abs(), k, sorted=False).indices, None
         # The sample positions only steer speed, never the result: any fixed seed will do.
         generator = seeded_generator(0, step, key, device=flat.device)
         threshold = sampled_threshold(flat, k, margin=4.0, generator=generator)
@@ -248,7 +253,7 @@ class TopK(Sparsifier):
             # Too few passed (a 4-sigma miss): lower the bar and scan again.
             threshold /= 4
         # A tensor of mostly zeros (the sample saw no threshold) or a sample far off.
-        return torch.topk(flat.abs(), k, sorted=False).indices
+        return torch.topk(flat.abs(), k, sorted=False).indices, None
 
 
 @register
@@ -290,10 +295,10 @@ class DGC(Sparsifier):
         self.ratio = check_ratio(ratio)
         self.seed = check_int(seed, name="seed", low=0)
 
-    def select(self, flat: Tensor, k: int, *, step: int, key: Hashable) -> Tensor:
+    def select(self, flat: Tensor, k: int, *, step: int, key: Hashable) -> tuple[Tensor, Tensor | None]:
         numel = flat.numel()
         if numel <= EXACT_TOPK_NUMEL or 8 * k > numel:
-            return torch.topk(flat.abs(), k, sorted=False).indices
+            return torch.topk(flat.abs(), k, sorted=False).indices, None
         generator = seeded_generator(self.seed, step, key, device=flat.device)
         threshold = sampled_threshold(flat, k, margin=0.0, generator=generator)
         if threshold <= 0:
@@ -341,10 +346,10 @@ class Threshold(Sparsifier):
         self.tau = float(tau)
         self.ratio = check_ratio(max_ratio, name="max_ratio")
 
-    def select(self, flat: Tensor, k: int, *, step: int, key: Hashable) -> Tensor:
+    def select(self, flat: Tensor, k: int, *, step: int, key: Hashable) -> tuple[Tensor, Tensor | None]:
         if self.tau == 0:
             # Every element passes: the capacity decides, as Top-K.
-            return torch.topk(flat.abs(), k, sorted=False).indices
+            return torch.topk(flat.abs(), k, sorted=False).indices, None
         return largest_among(flat, candidates_at_least(flat, self.tau), k)
 
 
