@@ -18,10 +18,13 @@ from gradzip.train.checkpoint import NoUsableCheckpoint, find_checkpoint, save_c
 from gradzip.train.loop import train_worker
 
 # The default codec; a sparse codec with error feedback; a compressed optimizer (1-bit Adam,
-# exchanging its own momenta from step 2 on, with error buffers that differ across ranks).
+# exchanging its own momenta from step 2 on, with error buffers that differ across ranks); FSDP
+# with a codec that starts at step 5, so the run resumes (from step 4) in its dense steps.
+START_STEP = 5
 RUNS = {
     "powersgd": {"compressor": "powersgd:approx_rank=4"},
     "topk": {"compressor": "topk:ratio=0.1"},
+    "fsdp-start_step": {"compressor": f"efsignsgd:group=64,start_step={START_STEP}", "fsdp": True},
     "onebit-adam": {"compressor": "none", "optimizer": "onebit-adam:warmup_steps=2"},
 }
 STEPS = 6
@@ -59,9 +62,10 @@ def _resume_worker(rank: int, world_size: int, base: str, data: str) -> dict:
             shared_a, shared_b = load(final_a, "shared.pt"), load(final_b, "shared.pt")
             for part in ("model", "optimizer", "scheduler"):
                 entry[part] = same(shared_a[part], shared_b[part])
-            losses = [[json.loads(line)["loss"] for line in (folder / "metrics.jsonl").read_text().splitlines()]
-                      for folder in (uninterrupted, resumed)]
-            entry["losses"] = losses
+            records = [[json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+                       for folder in (uninterrupted, resumed)]
+            entry["losses"] = [[r["loss"] for r in run_records] for run_records in records]
+            entry["dense_steps"] = [r["step"] for r in records[1] if r["payload_bytes"] == r["dense_bytes"]]
         results[spec] = entry
     return results
 
@@ -84,6 +88,8 @@ def test_resumed_run_is_bit_identical(tmp_path, monkeypatch, world_size):
                 uninterrupted, resumed = entry["losses"]
                 assert len(uninterrupted) == len(resumed) == STEPS
                 assert uninterrupted == resumed, f"{spec}: losses differ after resume"
+                if "start_step" in spec:
+                    assert entry["dense_steps"] == list(range(START_STEP)), (spec, entry["dense_steps"])
 
 
 def _fake_checkpoint(out: Path, step: int) -> Path:
