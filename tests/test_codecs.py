@@ -282,6 +282,15 @@ def test_sign_codecs_with_groups_scale_each_group_by_its_mean_magnitude():
         build("efsignsgd:group=-1")
 
 
+def test_sign_scale_of_fp64_values_near_the_top_of_the_range_is_their_mean():
+    top = torch.finfo(torch.float64).max
+    x = torch.tensor([top, -top, 0.0], dtype=torch.float64)
+    for spec in ["signsgd", "efsignsgd"]:
+        scale = build(spec).compress(x).tensors[1]
+        assert scale.dtype == torch.float64
+        torch.testing.assert_close(scale, torch.tensor([top / 3 * 2], dtype=torch.float64), rtol=1e-15, atol=0)
+
+
 def test_list_shows_every_codec_and_powersgd_as_a_matrix(capsys):
     names = {row["codec"].split(":")[0] for row in codec_rows()}
     assert names == set(REGISTRY)

@@ -29,8 +29,9 @@ def mean_magnitude(flat: Tensor, *, nonnegative: Tensor | None = None) -> Tensor
     """``||x||_1 / n`` as a ``(1,)`` tensor in ``flat``'s dtype, 0 for an empty tensor.
 
     Summed in fp32 (fp64 for fp64 input) over cache-sized chunks, the chunk sums in fp64; a
-    chunk sum that overflows fp32 (values near its top) is redone in fp64. The mean is at most the largest magnitude,
-    so it is finite in the input dtype.
+    chunk sum that overflows fp32 (values near its top) is redone in fp64, and a total that
+    overflows fp64 (fp64 values near its top) is redone with each term divided by ``n``. The
+    mean is at most the largest magnitude, so it is finite in the input dtype.
 
     Args:
         flat: 1-D float tensor.
@@ -58,6 +59,13 @@ def mean_magnitude(flat: Tensor, *, nonnegative: Tensor | None = None) -> Tensor
         if not math.isfinite(partial):
             partial = float(part.sum(dtype=torch.float64))
         total += partial
+    if math.isinf(total):
+        # fp64 magnitudes near the top of its range: their sum overflows even in fp64, so each
+        # chunk is summed divided by n (a second pass, for such tensors only).
+        mean = sum(
+            float(flat[start : start + chunk].abs().to(torch.float64).div_(numel).sum()) for start in range(0, numel, chunk)
+        )
+        return torch.tensor(mean, dtype=torch.float64).clamp(max=torch.finfo(flat.dtype).max).to(flat.dtype).reshape(1)
     total = torch.tensor(total, dtype=torch.float64)
     # Rounding in the sum can put the mean a hair above the largest finite value of a half dtype.
     return (total / numel).clamp(max=torch.finfo(flat.dtype).max).to(flat.dtype).reshape(1)
