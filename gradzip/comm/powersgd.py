@@ -39,7 +39,7 @@ from torch.futures import Future
 from gradzip import wire
 from gradzip.comm import guard
 from gradzip.comm.queue import CollectiveQueue, completed
-from gradzip.comm.traffic import allreduce_bytes
+from gradzip.comm.traffic import allreduce_bytes, dense_probe
 from gradzip.compressors.base import seeded_generator
 from gradzip.compressors.lowrank import PowerSGD, matrix_view_shape
 from gradzip.feedback import ErrorFeedback
@@ -371,10 +371,7 @@ class PowerSGDReducer:
         """
         world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
         if step < self.compressor.start_step:
-            # Before start_step the bucket travels dense: priced as the exact all_reduce it is.
-            raw = grad.numel() * grad.element_size()
-            return {"compress_s": 0.0, "decompress_s": 0.0, "payload_bytes": raw, "collectives": 1,
-                    "sent_bytes": allreduce_bytes(raw, world_size), "decoded": grad}
+            return dense_probe(grad, world_size)  # before start_step the bucket travels dense
         layout = self._layout(grad, shapes)
         flat = grad.reshape(-1)
         decoded = flat.clone()

@@ -57,6 +57,7 @@ from gradzip.comm.traffic import (
     allreduce_bytes,
     check_collective,
     choose_collective,
+    dense_probe,
     route_bytes,
 )
 from gradzip.comm.twophase import TwoPhaseAllReduce
@@ -140,9 +141,12 @@ class CompressedReducer:
         self._held_bytes = 0
         self._lock = threading.Lock()
 
-    def route(self, numel: int, dtype: torch.dtype) -> str:
-        """The route a tensor of ``numel`` elements of ``dtype`` takes: ``fused`` below
-        ``min_compress_bytes``, else one of :data:`gradzip.comm.traffic.ROUTES`."""
+    def route(self, numel: int, dtype: torch.dtype, *, step: int | None = None) -> str:
+        """The route a tensor of ``numel`` elements of ``dtype`` takes (at ``step``, if given:
+        ``dense`` before the codec's ``start_step``): ``fused`` below ``min_compress_bytes``,
+        else one of :data:`gradzip.comm.traffic.ROUTES`."""
+        if step is not None and step < self.compressor.start_step:
+            return "dense"
         if numel * wire.dtype_nbytes(dtype) < self.min_compress_bytes:
             return "fused"
         world_size = dist.get_world_size(self.group)
@@ -180,7 +184,7 @@ class CompressedReducer:
         if grad.numel() == 0:
             fut = completed(grad.clone())
         else:
-            route = self.route(grad.numel(), grad.dtype) if step >= self.compressor.start_step else "dense"
+            route = self.route(grad.numel(), grad.dtype, step=step)
             if route == "fused":
                 fut = self._hold(key, grad, step)
                 if self.metrics.wants_quality(step):
@@ -290,12 +294,9 @@ class CompressedReducer:
         """
         world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
-        # Before the codec's start_step the bucket travels dense, and is priced so.
-        route = self.route(grad.numel(), grad.dtype) if step >= self.compressor.start_step else "dense"
-        raw = grad.numel() * grad.element_size()
+        route = self.route(grad.numel(), grad.dtype, step=step)
         if grad.numel() == 0 or route in ("dense", "fused"):
-            return {"compress_s": 0.0, "decompress_s": 0.0, "payload_bytes": raw, "collectives": 1,
-                    "sent_bytes": allreduce_bytes(raw, world_size), "decoded": grad}
+            return dense_probe(grad, world_size)
         start = time.perf_counter()
         payload = self.compressor.compress(grad, step=step, key=key)
         middle = time.perf_counter()

@@ -96,6 +96,14 @@ def allreduce_bytes(nbytes: int, world_size: int) -> int:
     return 2 * (world_size - 1) * nbytes // world_size
 
 
+def dense_probe(grad, world_size: int) -> dict:
+    """A controller's probe figures for a bucket that travels dense (one uncompressed all_reduce):
+    no encoding, ``grad`` decoded exactly, ``allreduce_bytes`` of its raw bytes sent."""
+    raw = grad.numel() * grad.element_size()
+    return {"compress_s": 0.0, "decompress_s": 0.0, "payload_bytes": raw, "collectives": 1,
+            "sent_bytes": allreduce_bytes(raw, world_size), "decoded": grad}
+
+
 def allgather_bytes(payload_nbytes: int, world_size: int) -> int:
     """Bytes one rank sends (and receives) when all_gather-ing ``payload_nbytes`` each: ``(W-1) P``."""
     return (world_size - 1) * payload_nbytes
