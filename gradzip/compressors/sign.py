@@ -19,7 +19,8 @@ from gradzip import wire
 from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload, check_int
 from gradzip.compressors.elementwise import at_least, greater_equal, pack_flags
-from gradzip.compressors.fused import Kernel
+from gradzip.compressors.fused import Kernel, reduce_rows
+from gradzip.compressors.quant import grouped
 
 #: elements summed per step (1 MiB of fp32: stays in cache)
 SUM_CHUNK = 1 << 18
@@ -79,24 +80,18 @@ def group_mean_magnitudes(flat: Tensor, group: int) -> Tensor:
     size where a group sum overflows; each mean is at most its group's largest magnitude, so it
     is finite in the input dtype.
     """
-    numel = flat.numel()
-    rows, tail = divmod(numel, group)
+    if flat.numel() == 0:
+        return flat.new_zeros(0)
     wide = torch.float64 if flat.dtype == torch.float64 else torch.float32
-    parts = []
-    if rows:
-        parts.append(flat[: rows * group].view(rows, group))
-    if tail:
-        parts.append(flat[rows * group :].view(1, tail))
-    means = []
-    for part in parts:
-        mean = part.abs().sum(1, dtype=wide) / part.shape[1]
+
+    def row_means(rows: Tensor) -> tuple[Tensor]:
+        mean = rows.abs().sum(1, dtype=wide) / rows.shape[1]
         if not bool(torch.isfinite(mean).all()):
             # Divided before summing: fp64 holds an fp32 sum, but not one of fp64 values near its top.
-            mean = part.abs().to(torch.float64).div_(part.shape[1]).sum(1)
-        means.append(mean)
-    if not means:
-        return flat.new_zeros(0)
-    mean = torch.cat(means) if len(means) > 1 else means[0]
+            mean = rows.abs().to(torch.float64).div_(rows.shape[1]).sum(1)
+        return (mean,)
+
+    (mean,) = reduce_rows(row_means, flat, group=group)
     return mean.clamp(max=torch.finfo(flat.dtype).max).to(flat.dtype)
 
 
@@ -137,12 +132,10 @@ class _ScaledSign(Compressor):
     def _decompress_groups(self, packed: Tensor, scales: Tensor, like: Tensor) -> Tensor:
         numel = like.numel()
         signs = wire.unpack_lookup(packed, 1, numel, torch.tensor([-1.0, 1.0], dtype=like.dtype, device=like.device))
-        rows, tail = divmod(numel, self.group)
         scales = scales.to(like.dtype)
-        if rows:
-            signs[: rows * self.group].view(rows, self.group).mul_(scales[:rows].view(rows, 1))
-        if tail:
-            signs[rows * self.group :].mul_(scales[rows])
+        for offset, rows in grouped(signs, self.group):
+            first = offset // self.group
+            rows.mul_(scales[first : first + rows.shape[0]].view(-1, 1))
         return signs.view(like.shape)
 
 
