@@ -9,14 +9,16 @@ from gradzip.compressors import build, fused
 from gradzip.compressors.dither import hash_key, hashed_dither
 
 #: (spec, numel, kernels that must have run compiled): whole rows plus a short last row; the
-#: uniform group is not a multiple of 8
+#: uniform group is not a multiple of 32
 CASES = [
     ("qsgd:bits=4,bucket=64", 64 * 5 + 13, ("_qsgd_encoder_with_stats", "_qsgd_decoder")),
-    ("qsgd:bits=2,bucket=8,norm=l2", 8 * 40 + 3, ("_qsgd_encoder", "_qsgd_decoder")),
+    ("qsgd:bits=2,bucket=32,norm=l2", 32 * 40 + 3, ("_qsgd_encoder", "_qsgd_decoder")),
     ("uniform:bits=2,group=20,rounding=stochastic", 20 * 7 + 5, ("min_max_rows", "_uniform_encoder_loose", "_uniform_decoder_loose")),
     ("terngrad", 2 * fused.BLOCK + 5, ("_terngrad_encoder_with_stats", "_terngrad_decoder")),
     ("terngrad:clip=0", 2 * fused.BLOCK + 5, ("abs_max_rows", "_terngrad_encoder", "_terngrad_decoder")),
     ("natural", 2 * fused.BLOCK + 5, ("_natural_encoder", "_natural_decoder")),
+    ("signsgd", 2 * fused.BLOCK + 5, ("_nonnegative", "_signed_scale")),
+    ("efsignsgd:group=64", 64 * 9 + 5, ("_nonnegative", "_signed_scale")),
     ("topk:ratio=0.01", 300_007, ("topk_candidates",)),
 ]
 
@@ -112,17 +114,25 @@ def test_compile_failure_falls_back_to_eager(monkeypatch):
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 8])
-def test_fold_is_planar_and_unfold_inverts_it(bits):
+def test_fold_is_planar_in_words_and_unfold_inverts_it(bits):
     gen = torch.Generator().manual_seed(bits)
-    codes = torch.randint(0, 1 << bits, (3, 32), generator=gen)
-    packed = fused.fold(codes, bits)
-    per = 8 // bits
-    width = 32 // per
-    assert packed.shape == (3, 32 * bits // 8) and packed.dtype == torch.uint8
-    # byte j of a row holds codes j, j + width, ... (lowest lane in the lowest bits)
+    codes = torch.randint(0, 1 << bits, (3, 64), generator=gen)
+    words = fused.fold(codes, bits)
+    per = 32 // bits
+    width = 64 // per
+    assert words.shape == (3, 64 * bits // 32) and words.dtype == torch.int32
+    # word j of a row holds codes j, j + width, ... (lowest lane in the lowest bits), as unsigned
     expected = sum(codes[:, lane * width : (lane + 1) * width] << (lane * bits) for lane in range(per))
-    assert torch.equal(packed.long(), expected)
-    assert torch.equal(fused.unfold(packed, bits).long(), codes)
+    assert torch.equal(words.long() & 0xFFFFFFFF, expected)
+    assert torch.equal(fused.unfold(words, bits).long(), codes)
+    # on the wire: each word's four bytes, least significant first
+    data = fused.words_to_bytes(words)
+    assert data.dtype == torch.uint8 and data.numel() == 3 * 64 * bits // 8
+    assert [int(b) for b in data[:4]] == [(int(expected[0, 0]) >> (8 * i)) & 0xFF for i in range(4)]
+    assert torch.equal(fused.bytes_to_words(data), words.view(-1))
+    # a view that starts off a 4-byte boundary is read back as well (copied)
+    shifted = torch.cat([torch.zeros(1, dtype=torch.uint8), data])[1:]
+    assert torch.equal(fused.bytes_to_words(shifted), words.view(-1))
 
 
 def test_hashed_dither_is_uniform_and_keyed():

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradzip import wire
-from gradzip.compressors.elementwise import pack_flags, sparse_flatnonzero
+from gradzip.compressors.elementwise import pack_codes, sparse_flatnonzero, unpack_codes
 
 
 def reference_pack(codes: list[int], bits: int) -> list[int]:
@@ -47,10 +47,12 @@ def test_pack_accepts_bool_and_misaligned_slices():
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.booleans(), max_size=200))
-def test_fast_flag_packing_gives_the_wire_bytes(flags):
-    tensor = torch.tensor(flags, dtype=torch.bool)
-    assert torch.equal(pack_flags(tensor), wire.pack_bits(tensor, 1))
+@given(bits=st.sampled_from([1, 2, 4, 8]), data=st.data())
+def test_fast_code_packing_gives_the_wire_bytes(bits, data):
+    codes = torch.tensor(data.draw(st.lists(st.integers(0, (1 << bits) - 1), max_size=200)), dtype=torch.uint8)
+    packed = pack_codes(codes, bits)
+    assert torch.equal(packed, wire.pack_bits(codes, bits))
+    assert torch.equal(unpack_codes(packed, bits, codes.numel()), codes)
 
 
 @settings(max_examples=30, deadline=None)

@@ -44,13 +44,6 @@ def less(src: Tensor, value: float | Tensor) -> Tensor:
     return src < value
 
 
-def at_least(src: Tensor, value: float) -> Tensor:
-    """``src >= value`` as a new bool tensor."""
-    if numpy_ok(src) and src.is_contiguous():
-        return torch.from_numpy(np.greater_equal(src.numpy(), src.numpy().dtype.type(value)))
-    return src >= value
-
-
 def cast_into(src: Tensor, out: Tensor) -> Tensor:
     """``out[:] = src`` with C casting (floats truncate toward zero into integer ``out``)."""
     if numpy_ok(src, out) and src.is_contiguous() and out.is_contiguous():
@@ -87,15 +80,6 @@ def sparse_flatnonzero(mask: Tensor) -> Tensor:
     if whole < flags.size:
         positions = np.concatenate([positions, whole + np.flatnonzero(flags[whole:])])
     return torch.from_numpy(positions.astype(np.int64, copy=False))
-
-
-def pack_flags(flags: Tensor) -> Tensor:
-    """:func:`gradzip.wire.pack_bits` at 1 bit for a bool tensor: the same bytes, via NumPy's
-    vectorised ``packbits`` on CPU (about 20x faster than torch's word folding)."""
-    if numpy_ok(flags):
-        packed = np.packbits(flags.reshape(-1).contiguous().numpy(), bitorder="little")
-        return torch.from_numpy(packed)
-    return wire.pack_bits(flags, 1)
 
 
 def top_positions(values: Tensor, k: int) -> Tensor:

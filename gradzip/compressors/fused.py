@@ -26,6 +26,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from gradzip import wire
+
 #: environment variable: ``0`` runs every kernel eagerly (the default compiles)
 ENV = "GRADZIP_COMPILE"
 
@@ -116,28 +118,66 @@ def warm_up(codec, dtype: torch.dtype = torch.float32) -> float:
     return time.perf_counter() - start
 
 
+#: codes are packed into 32-bit words: every lane a vector lane, no 8-bit conversion
+WORD_BITS = 32
+#: row lengths that fold into whole words at every code width (1, 2, 4 and 8 bits)
+ROW_MULTIPLE = WORD_BITS
+
+
 def fold(codes: Tensor, bits: int) -> Tensor:
-    """Pack ``(rows, cols)`` integer codes below ``2**bits`` into ``(rows, cols * bits / 8)``
-    uint8, planar within each row: byte ``j`` holds codes ``j, j + B, j + 2B, ...`` (``B =
-    cols * bits / 8``), the first in the lowest bits. ``cols`` must be a multiple of 8.
+    """Pack ``(rows, cols)`` integer codes below ``2**bits`` into ``(rows, cols * bits / 32)``
+    int32 words, planar within each row: word ``j`` holds codes ``j, j + W, j + 2W, ...`` (``W =
+    cols * bits / 32``), the first in the lowest bits. ``cols`` must be a multiple of ``32 /
+    bits``. On the wire the words are their little-endian bytes (:func:`words_to_bytes`).
 
     Planar rather than interleaved (:func:`gradzip.wire.pack_bits`) so that every lane is a
-    contiguous slice: compiled, the loop runs on vectors.
+    contiguous slice, and in 32-bit words rather than bytes so that no lane changes width:
+    compiled, the loop runs on vectors of 32-bit lanes throughout (inductor's conversion of
+    32-bit lanes to 8-bit ones for AVX2 took several times the whole loop's time).
     """
-    per = 8 // bits
-    # Shifts in int32: CPU vector units shift 32-bit lanes, not 8-bit ones.
+    per = WORD_BITS // bits
     lanes = codes.to(torch.int32).view(codes.shape[0], per, -1)
     out = lanes[:, 0]
     for lane in range(1, per):
         out = out | (lanes[:, lane] << (lane * bits))
-    return out.to(torch.uint8)
+    return out
 
 
-def unfold(packed: Tensor, bits: int) -> Tensor:
-    """Inverse of :func:`fold`: ``(rows, bytes)`` uint8 to ``(rows, bytes * 8 / bits)`` int32 codes."""
-    per = 8 // bits
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device).view(1, per, 1)
-    return ((packed.to(torch.int32).unsqueeze(1) >> shifts) & ((1 << bits) - 1)).view(packed.shape[0], -1)
+def unfold(words: Tensor, bits: int) -> Tensor:
+    """Inverse of :func:`fold`: ``(rows, W)`` int32 words to ``(rows, W * 32 / bits)`` int32 codes."""
+    per = WORD_BITS // bits
+    return torch.cat([lane_codes(words, lane, bits) for lane in range(per)], 1)
+
+
+def lane_codes(words: Tensor, lane: int, bits: int) -> Tensor:
+    """The codes in lane ``lane`` of int32 ``words`` (``bits`` wide), as int32."""
+    # The mask clears the copies of the sign bit that an arithmetic shift brings in.
+    return (words >> (lane * bits)) & ((1 << bits) - 1)
+
+
+def words_to_bytes(words: Tensor) -> Tensor:
+    """Contiguous int32 words as their bytes, uint8 ``(4 * numel,)`` (no copy).
+
+    The bytes are in the machine's order, little-endian on every platform torch supports
+    (x86-64, AArch64, POWER little-endian); :func:`bytes_to_words` reads them back the same way.
+    """
+    return words.contiguous().view(-1).view(torch.uint8)
+
+
+def bytes_to_words(packed: Tensor) -> Tensor:
+    """1-D uint8 of a multiple of 4 bytes as int32 words (a view when its start is 4-byte
+    aligned, otherwise a copy of the bytes)."""
+    assert packed.dim() == 1 and packed.numel() % 4 == 0
+    if not packed.is_contiguous() or packed.storage_offset() % 4:
+        packed = packed.clone()
+    return packed.view(torch.int32)
+
+
+def to_uint8(codes: Tensor) -> Tensor:
+    """Integer codes in ``[0, 256)`` as uint8, through int16: the same bytes as
+    ``codes.to(torch.uint8)``, but compiled for AVX2 inductor converts 32-bit lanes to 8-bit
+    ones several times slower than through 16-bit lanes."""
+    return codes.to(torch.int16).to(torch.uint8)
 
 
 def padded(flat: Tensor, size: int) -> Tensor:
@@ -184,17 +224,17 @@ _wrapped: dict[tuple, Kernel] = {}
 def _lanes(
     fn: Callable[..., tuple[Tensor, ...]], views: list[Tensor], params: list[Tensor], pos: Tensor | None, out_bits, packed: bool
 ) -> tuple[Tensor, ...]:
-    """``fn``'s outputs, each folded as :func:`fold` does when ``packed``.
+    """``fn``'s outputs, each folded into int32 words as :func:`fold` does when ``packed``.
 
     Folding evaluates ``fn`` on column slices (``fn`` is elementwise, so the codes are the
     same) and ORs the slices' codes, so that the compiler fuses the codes into the loop over
-    output bytes instead of writing them to memory and reading them back per lane. With one
+    output words instead of writing them to memory and reading them back per lane. With one
     output, the slices are its lanes. With several, the row is cut into ``P`` slices of ``W =
-    cols / P`` columns, ``P`` the most lanes any output has, and ``fn`` runs once per slice for
-    all outputs: byte ``c W + j`` of an output of ``per`` lanes holds the codes of slices ``c,
-    c + P / per, ...`` at column ``j``, so every output is built from ``(rows, W)`` pieces and
-    the whole encoding is one loop over ``(rows, W)`` that reads the input once (the pieces of
-    an output are then concatenated, a copy of the packed bytes only).
+    cols / P`` columns, ``P`` the most lanes any output has (:func:`slice_count`), and ``fn``
+    runs once per slice for all outputs: word ``c W + j`` of an output of ``per`` lanes holds
+    the codes of slices ``c, c + P / per, ...`` at column ``j``, so every output is built from
+    ``(rows, W)`` pieces and the whole encoding is one loop over ``(rows, W)`` that reads the
+    input once (the pieces of an output are then concatenated, a copy of the packed words only).
     """
     extra = [] if pos is None else [pos]
     if not packed:
@@ -203,10 +243,10 @@ def _lanes(
         (bits,) = out_bits
         if bits is None:
             return tuple(fn(*views, *params, *extra))
-        per = 8 // bits
+        per = WORD_BITS // bits
         width = views[0].shape[1] // per
         return (_fold_slices([_slice_codes(fn, views, params, pos, lane, width)[0] for lane in range(per)], bits),)
-    slices = max(8 // bits for bits in out_bits if bits is not None)
+    slices = slice_count(out_bits)
     width = views[0].shape[1] // slices
     codes = [_slice_codes(fn, views, params, pos, s, width) for s in range(slices)]
     outs = []
@@ -214,10 +254,20 @@ def _lanes(
         if bits is None:
             pieces = [c[index] for c in codes]
         else:
-            span = slices // (8 // bits)
+            span = slices // (WORD_BITS // bits)
             pieces = [_fold_slices([c[index] for c in codes[first::span]], bits) for first in range(span)]
         outs.append(torch.cat(pieces, 1) if len(pieces) > 1 else pieces[0])
     return tuple(outs)
+
+
+def slice_count(out_bits: tuple[int | None, ...]) -> int:
+    """The column slices a row is cut into for outputs of ``out_bits`` (see :func:`_lanes`):
+    the most lanes a word of any packed output holds, 1 when none is packed."""
+    count = 1
+    for bits in out_bits:
+        if bits is not None and WORD_BITS // bits > count:
+            count = WORD_BITS // bits
+    return count
 
 
 def _slice_codes(
@@ -230,14 +280,13 @@ def _slice_codes(
 
 
 def _fold_slices(codes: list[Tensor], bits: int) -> Tensor:
-    """ORs the codes of lane ``i`` shifted by ``i * bits`` into uint8."""
+    """ORs the codes of lane ``i`` shifted by ``i * bits`` into int32 words."""
     folded = None
     for lane, code in enumerate(codes):
-        # Shifts in int32: CPU vector units shift 32-bit lanes, not 8-bit ones.
         code = code.to(torch.int32)
         code = code << (lane * bits) if lane else code
         folded = code if folded is None else folded | code
-    return folded.to(torch.uint8)
+    return folded
 
 
 #: per-row statistics computed in the encoding loop: ``(reduce, params)``, see :func:`encode_rows`
@@ -287,16 +336,32 @@ def _encoder(
 
 
 def _decoder(fn: Callable[..., Tensor], in_bits: tuple[int | None, ...], packed: bool) -> Kernel:
-    """The compiled form of a decoding function, its code inputs unfolded first (``packed``)."""
+    """The compiled form of a decoding function; packed code inputs are int32 words laid out
+    as :func:`_lanes` folds them, and ``fn`` runs on each column slice's codes (the lanes are
+    unpacked in the loop that writes the slice's values, not written out as codes first)."""
     key = ("decode", fn, in_bits, packed)
     if key not in _wrapped:
         count = len(in_bits)
+        slices = slice_count(in_bits)
 
         def decode(*args: Tensor) -> Tensor:
-            codes = args[:count]
-            if packed:
-                codes = tuple(c if bits is None else unfold(c, bits) for c, bits in zip(codes, in_bits, strict=True))
-            return fn(*codes, *args[count:])
+            codes, params = args[:count], args[count:]
+            if not packed or slices == 1:
+                return fn(*codes, *params)
+            outs = []
+            for s in range(slices):
+                parts = []
+                for code, bits in zip(codes, in_bits, strict=True):
+                    if bits is None:
+                        width = code.shape[1] // slices
+                        parts.append(code[:, s * width : (s + 1) * width])
+                        continue
+                    span = slices // (WORD_BITS // bits)
+                    width = code.shape[1] // span
+                    piece, lane = s % span, s // span
+                    parts.append(lane_codes(code[:, piece * width : (piece + 1) * width], lane, bits))
+                outs.append(fn(*parts, *params))
+            return torch.cat(outs, 1)
 
         _wrapped[key] = Kernel(decode, f"{fn.__qualname__.split('.')[0]}{'' if packed else '_loose'}")
     return _wrapped[key]
@@ -333,23 +398,27 @@ def encode_rows(
 
     Returns:
         1-D outputs of ``ceil(n * bits / 8)`` bytes (``n`` elements for ``bits=None``), then
-        with ``row_stats`` each statistic, ``ceil(n / group)`` entries. With
-        ``group`` a multiple of 8, whole rows are packed by :func:`fold` (planar) and the last
-        partial row as :func:`gradzip.wire.pack_bits` does; otherwise everything as
-        ``pack_bits`` does.
+        with ``row_stats`` each statistic, ``ceil(n / group)`` entries. With ``group`` a
+        multiple of 32 (:data:`ROW_MULTIPLE`), whole rows are packed into words by :func:`fold`
+        (planar) and sent as the words' bytes, the last partial row as
+        :func:`gradzip.wire.pack_bits` does; otherwise everything as ``pack_bits`` does.
     """
     from gradzip.compressors.elementwise import pack_codes
 
     numel = elementwise[0].numel()
     rows, tail = divmod(numel, group)
     whole = rows * group
-    aligned = group % 8 == 0
+    aligned = group % ROW_MULTIPLE == 0
     main = None
     if rows:
         views = [e[:whole].view(rows, group) for e in elementwise]
         extra = [_first(0), column_numbers(group, elementwise[0].device)] if with_positions else []
         kernel = _encoder(fn, len(elementwise), out_bits, aligned, with_positions, row_stats)
-        main = [o.reshape(-1) for o in kernel(*views, *_row_params(params, 0, rows), *extra)]
+        outputs = kernel(*views, *_row_params(params, 0, rows), *extra)
+        main = [
+            words_to_bytes(o) if aligned and i < len(out_bits) and out_bits[i] is not None else o.reshape(-1)
+            for i, o in enumerate(outputs)
+        ]
     rest = None
     if tail:
         # A short row: eager (the same function, so the same codes), packed as pack_bits does.
@@ -401,7 +470,7 @@ def decode_rows(
     from gradzip.compressors.elementwise import unpack_codes
 
     rows, tail = divmod(numel, group)
-    aligned = group % 8 == 0
+    aligned = group % ROW_MULTIPLE == 0
     total = rows + (1 if tail else 0)
     views = []
     for tensor, bits in codes:
@@ -413,12 +482,16 @@ def decode_rows(
                 flat = padded(flat[:numel], total * group)
             views.append(flat[: total * group].view(total, group))
             continue
-        width = group * bits // 8
+        width = group * bits // WORD_BITS
+        needed = rows * width * 4 + wire.packed_nbytes(tail, bits)
+        if flat.numel() < needed:
+            raise ValueError(f"packed codes hold {flat.numel()} bytes, fewer than the {needed} that {numel} {bits}-bit codes take")
+        words = bytes_to_words(flat[: rows * width * 4]) if rows else flat.new_empty(0).view(torch.int32)
         if tail:
             # Repack the short row the way whole rows are packed, padded to a whole row.
-            last = padded(unpack_codes(flat[rows * width :], bits, tail), group).view(1, group)
-            flat = torch.cat([flat[: rows * width], fold(last, bits).view(-1)])
-        views.append(flat[: total * width].view(total, width))
+            last = padded(unpack_codes(flat[rows * width * 4 :], bits, tail), group).view(1, group)
+            words = torch.cat([words, fold(last, bits).view(-1)])
+        views.append(words.view(total, width))
     kernel = _decoder(fn, tuple(bits for _t, bits in codes), aligned)
     return kernel(*views, *_row_params(params, 0, total)).view(-1)[:numel]
 

@@ -1,10 +1,11 @@
 """Quantizers: a few bits per element plus a few scales.
 
-A ``b``-bit code costs ``b`` bits on the wire: codes are packed eight bits to a byte, per row
-of ``group`` (``bucket``) elements, planar when the row length is a multiple of 8 (byte ``j`` of
-a row holds codes ``j, j + B, ...``, see :func:`gradzip.compressors.fused.fold`; TernGrad and
-natural compression use rows of :data:`gradzip.compressors.fused.BLOCK`), and as
-:func:`gradzip.wire.pack_bits` lays them out otherwise and in a short last row. Arithmetic runs
+A ``b``-bit code costs ``b`` bits on the wire: codes are packed per row of ``group``
+(``bucket``) elements into 32-bit words, planar when the row length is a multiple of 32 (word
+``j`` of a row holds codes ``j, j + W, ...``, sent as its four little-endian bytes, see
+:func:`gradzip.compressors.fused.fold`; TernGrad and natural compression use rows of
+:data:`gradzip.compressors.fused.BLOCK`), and as :func:`gradzip.wire.pack_bits` lays them out
+otherwise and in a short last row. Arithmetic runs
 in fp32 (fp64 for fp64 input, and for fp32 input whose scales sit near the ends of the fp32
 range), so no finite input turns into inf or NaN: zeros, denormals, values near the dtype's
 largest and a single huge outlier all decode to finite values. Stochastic rounding draws its
@@ -666,7 +667,12 @@ class Natural(Compressor):
         int_dtype = _FLOAT_LAYOUT[flat.dtype][0]
         encode = _natural_encoder(flat.dtype)
         signs, exponent = encode_rows(
-            encode, (flat.view(int_dtype),), hash_key(self.seed, step, key), group=BLOCK, out_bits=(1, None), with_positions=True
+            encode,
+            (flat.view(int_dtype),),
+            hash_key(self.seed, step, key),
+            group=BLOCK,
+            out_bits=(1, _exponent_bits(flat.dtype)),
+            with_positions=True,
         )
         return Payload((signs, exponent))
 
@@ -676,9 +682,15 @@ class Natural(Compressor):
         numel = like.numel()
         if numel == 0:
             return torch.empty_like(like, memory_format=torch.contiguous_format)
-        codes = ((signs, 1), (exponent, None))
+        codes = ((signs, 1), (exponent, _exponent_bits(like.dtype)))
         bits = decode_rows(_natural_decoder(like.dtype), codes, (), group=BLOCK, numel=numel)
         return bits.view(like.dtype).view(like.shape)
+
+
+def _exponent_bits(dtype: torch.dtype) -> int | None:
+    """Natural compression's exponents travel as 8-bit codes (packed four to a word, one
+    byte each on the wire), fp64's 11-bit ones as int16 values."""
+    return None if dtype == torch.float64 else 8
 
 
 @cache
@@ -698,7 +710,8 @@ def _natural_encoder(dtype: torch.dtype) -> Callable[..., tuple[Tensor, Tensor]]
         else:
             offset = (dither >> (16 - mantissa_bits)).to(int_dtype)
         exponent = ((magnitude + offset) >> mantissa_bits).clamp(max=(1 << exponent_bits) - 2)
-        return (bits < 0).to(torch.int32), exponent.to(exponent_dtype)
+        packed = _exponent_bits(dtype) is not None
+        return (bits < 0).to(torch.int32), (exponent.to(torch.int32) if packed else exponent.to(exponent_dtype))
 
     return encode
 

@@ -1,7 +1,10 @@
 """Sign codecs: one bit per element plus one scale.
 
-Both send ``sign(x)`` packed eight to a byte and the scale ``||x||_1 / n`` (the mean magnitude),
-and decode ``scale * sign(x)``; with ``group=G`` one scale per group of ``G`` consecutive
+Both send ``sign(x)``, one bit per element, and the scale ``||x||_1 / n`` (the mean magnitude),
+and decode ``scale * sign(x)``. The bits are packed per row of 8192 elements (of ``G`` with
+``group=G``) into 32-bit words, planar within the row, as
+:func:`gradzip.compressors.fused.fold` lays them out (rows whose length is not a multiple of
+32, and a short last row, as :func:`gradzip.wire.pack_bits` does); with ``group=G`` one scale per group of ``G`` consecutive
 elements (the mean magnitude of the group) instead of one for the whole tensor. An exact zero (either sign of zero) is sent as +1, since one bit
 has room for two signs only: it decodes to ``+scale``. An all-zero tensor has scale 0 and decodes
 to exact zeros.
@@ -18,15 +21,13 @@ from torch import Tensor
 from gradzip import wire
 from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload, check_int
-from gradzip.compressors.elementwise import at_least, greater_equal, pack_flags
-from gradzip.compressors.fused import Kernel, reduce_rows
-from gradzip.compressors.quant import grouped
+from gradzip.compressors.fused import BLOCK, decode_rows, encode_rows, reduce_rows
 
 #: elements summed per step (1 MiB of fp32: stays in cache)
 SUM_CHUNK = 1 << 18
 
 
-def mean_magnitude(flat: Tensor, *, nonnegative: Tensor | None = None) -> Tensor:
+def mean_magnitude(flat: Tensor) -> Tensor:
     """``||x||_1 / n`` as a ``(1,)`` tensor in ``flat``'s dtype, 0 for an empty tensor.
 
     Summed in fp32 (fp64 for fp64 input) over cache-sized chunks, the chunk sums in fp64; a
@@ -36,9 +37,6 @@ def mean_magnitude(flat: Tensor, *, nonnegative: Tensor | None = None) -> Tensor
 
     Args:
         flat: 1-D float tensor.
-        nonnegative: optional bool tensor of ``flat``'s shape, set to ``flat >= 0`` chunk by
-            chunk while the chunk is in cache (the sign codecs' bits: one read of ``flat``
-            from memory instead of two).
     """
     numel = flat.numel()
     if numel == 0:
@@ -50,8 +48,6 @@ def mean_magnitude(flat: Tensor, *, nonnegative: Tensor | None = None) -> Tensor
     for start in range(0, numel, chunk):
         part = magnitude[: min(chunk, numel - start)]
         source = flat[start : start + part.numel()]
-        if nonnegative is not None:
-            greater_equal(source, 0, nonnegative[start : start + part.numel()])
         if source.dtype == wide:
             torch.abs(source, out=part)
         else:
@@ -110,46 +106,42 @@ class _ScaledSign(Compressor):
         """Args: x of any shape and floating dtype. Returns: ``Payload((sign bits, scales))``:
         one scale ``(1,)``, or ``(ceil(n / group),)`` with ``group``."""
         flat = x.reshape(-1)
-        if self.group:
-            return Payload((pack_flags(at_least(flat, 0)), group_mean_magnitudes(flat, self.group)))
-        # NaN compares false either way; ``>= 0`` sends both zeros as +1.
-        nonnegative = torch.empty(flat.shape, dtype=torch.bool, device=flat.device)
-        scale = mean_magnitude(flat, nonnegative=nonnegative)
-        return Payload((pack_flags(nonnegative), scale))
+        scales = group_mean_magnitudes(flat, self.group) if self.group else mean_magnitude(flat)
+        if flat.numel() == 0:
+            return Payload((torch.empty(0, dtype=torch.uint8, device=flat.device), scales))
+        (signs,) = encode_rows(_nonnegative, (flat,), (), group=self._row(flat.numel()), out_bits=(1,))
+        return Payload((signs, scales))
 
     def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
-        """Returns: ``+scale`` where the bit is 1, ``-scale`` where it is 0, shaped as ``like``."""
-        packed, scale = payload.tensors
-        if self.group:
-            return self._decompress_groups(packed, scale, like)
+        """Returns: ``+scale`` where the bit is 1, ``-scale`` where it is 0, shaped as ``like``.
+
+        Raises:
+            ValueError: if the payload holds fewer sign bytes than ``like`` needs.
+        """
+        packed, scales = payload.tensors
         numel = like.numel()
-        if packed.numel() < wire.packed_nbytes(numel, 1):
-            raise ValueError(f"packed holds {packed.numel()} bytes, fewer than the {wire.packed_nbytes(numel, 1)} needed for {numel} signs")
-        codes = packed.reshape(-1)[: wire.packed_nbytes(numel, 1)]
-        values = _decode_signs(codes, scale.to(like.dtype).reshape(()))
-        return values.view(-1)[:numel].view(like.shape)
+        if numel == 0:
+            return torch.empty_like(like, memory_format=torch.contiguous_format)
+        scales = scales.to(like.dtype).reshape(-1)
+        params = (scales,) if self.group else (scales.reshape(()),)
+        values = decode_rows(_signed_scale, ((packed.reshape(-1), 1),), params, group=self._row(numel), numel=numel)
+        return values.view(like.shape)
 
-    def _decompress_groups(self, packed: Tensor, scales: Tensor, like: Tensor) -> Tensor:
-        numel = like.numel()
-        signs = wire.unpack_lookup(packed, 1, numel, torch.tensor([-1.0, 1.0], dtype=like.dtype, device=like.device))
-        scales = scales.to(like.dtype)
-        for offset, rows in grouped(signs, self.group):
-            first = offset // self.group
-            rows.mul_(scales[first : first + rows.shape[0]].view(-1, 1))
-        return signs.view(like.shape)
+    def _row(self, numel: int) -> int:
+        """Elements per row of packed bits: a scale's group (no longer than the tensor, so that
+        a group larger than it is not padded out), or BLOCK with one scale."""
+        return min(self.group, numel) if self.group else BLOCK
 
 
-def _signs_to_values(packed: Tensor, scale: Tensor) -> Tensor:
-    """``(m,)`` bytes of sign bits (element ``8 j + i`` in bit ``i`` of byte ``j``) and a 0-d
-    scale to ``(m, 8)`` values ``+scale`` (bit 1) or ``-scale`` (bit 0)."""
-    shifts = torch.arange(8, dtype=torch.int32, device=packed.device)
-    bits = (packed.to(torch.int32).view(-1, 1) >> shifts) & 1
-    return torch.where(bits != 0, scale, -scale)
+def _nonnegative(x: Tensor) -> tuple[Tensor]:
+    """The sign bit sent: 1 for ``x >= 0`` (both zeros), 0 below zero and for NaN."""
+    return ((x >= 0).to(torch.int32),)
 
 
-#: compiled, the sign decoder writes each output vector straight from its byte (a table gather
-#: took about twice as long)
-_decode_signs = Kernel(_signs_to_values, "sign_decoder")
+def _signed_scale(code: Tensor, scale: Tensor) -> Tensor:
+    """``+scale`` for bit 1, ``-scale`` for bit 0: ``(2 b - 1) * scale`` is exact, and as
+    arithmetic it runs in vectors where a select on the bit did not."""
+    return (code.to(scale.dtype) * 2 - 1) * scale
 
 
 @register

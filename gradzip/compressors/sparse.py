@@ -95,7 +95,7 @@ def _at_least_mask(bits: Tensor, limit: Tensor, out: Tensor) -> None:
     magnitude = bits & 0x7FFFFFFF
     at_least = (limit - 1 - magnitude) >> 31
     not_nan = (magnitude - 0x7F800001) >> 31
-    out.copy_((at_least & not_nan & 1).to(torch.uint8))
+    out.copy_(fused.to_uint8(at_least & not_nan & 1))
 
 
 _at_least = fused.Kernel(_at_least_mask, "topk_candidates")
