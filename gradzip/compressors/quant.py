@@ -664,11 +664,10 @@ class Natural(Compressor):
         numel = flat.numel()
         if numel == 0:
             return Payload((torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=self.exponent_dtype(flat.dtype))))
-        int_dtype = _FLOAT_LAYOUT[flat.dtype][0]
         encode = _natural_encoder(flat.dtype)
         signs, exponent = encode_rows(
             encode,
-            (flat.view(int_dtype),),
+            (flat,),
             hash_key(self.seed, step, key),
             group=BLOCK,
             out_bits=(1, _exponent_bits(flat.dtype)),
@@ -683,8 +682,8 @@ class Natural(Compressor):
         if numel == 0:
             return torch.empty_like(like, memory_format=torch.contiguous_format)
         codes = ((signs, 1), (exponent, _exponent_bits(like.dtype)))
-        bits = decode_rows(_natural_decoder(like.dtype), codes, (), group=BLOCK, numel=numel)
-        return bits.view(like.dtype).view(like.shape)
+        values = decode_rows(_natural_decoder(like.dtype), codes, (), group=BLOCK, numel=numel)
+        return values.view(like.shape)
 
 
 def _exponent_bits(dtype: torch.dtype) -> int | None:
@@ -699,7 +698,9 @@ def _natural_encoder(dtype: torch.dtype) -> Callable[..., tuple[Tensor, Tensor]]
     int_dtype, mantissa_bits, exponent_bits = _FLOAT_LAYOUT[dtype]
     exponent_dtype = Natural.exponent_dtype(dtype)
 
-    def encode(bits: Tensor, key_low: Tensor, key_high: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+    def encode(x: Tensor, key_low: Tensor, key_high: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        # The bits viewed in the loop: the kernel loads floats (see fused.float_bits).
+        bits = x.view(int_dtype)
         magnitude = bits & ((1 << (mantissa_bits + exponent_bits)) - 1)
         # Adding a uniform integer in [0, 2**M) to the magnitude bits carries into the exponent
         # with probability mantissa / 2**M: exactly the rounding-up probability.
@@ -718,10 +719,11 @@ def _natural_encoder(dtype: torch.dtype) -> Callable[..., tuple[Tensor, Tensor]]
 
 @cache
 def _natural_decoder(dtype: torch.dtype) -> Callable[..., Tensor]:
-    """Natural compression's decoding loop: ``(signs, exponents) -> bits of sign * 2**exponent``."""
+    """Natural compression's decoding loop: ``(signs, exponents) -> sign * 2**exponent``,
+    assembled as the value's bits (stored as floats: see fused.float_bits)."""
     int_dtype, mantissa_bits, exponent_bits = _FLOAT_LAYOUT[dtype]
 
     def decode(negative: Tensor, exponent: Tensor) -> Tensor:
-        return (exponent.to(int_dtype) << mantissa_bits) | (negative.to(int_dtype) << (mantissa_bits + exponent_bits))
+        return ((exponent.to(int_dtype) << mantissa_bits) | (negative.to(int_dtype) << (mantissa_bits + exponent_bits))).view(dtype)
 
     return decode
