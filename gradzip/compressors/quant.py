@@ -29,6 +29,7 @@ from gradzip.compressors.base import Compressor, Payload, check_int
 from gradzip.compressors.dither import hash_key, hashed_dither
 from gradzip.compressors.fused import (
     BLOCK,
+    WORD_BITS,
     Kernel,
     abs_max_rows,
     decode_rows,
@@ -369,7 +370,7 @@ class TernGrad(Compressor):
                 group=BLOCK,
                 out_bits=(2,),
                 with_positions=True,
-                row_stats=(_abs_max_by_quarters, _unchanged_params),
+                row_stats=(_abs_max_by_lanes, _unchanged_params),
             )
             scaler = torch.minimum(row_max.amax().to(work), bound).reshape(1)
             if bool(scaler == bound):
@@ -404,16 +405,23 @@ def _terngrad_factor(scaler: Tensor, work: torch.dtype) -> Tensor:
     return (2.0**16 / scaler.double()).clamp(max=torch.finfo(work).max).to(work).reshape(())
 
 
-def _abs_max_by_quarters(rows: Tensor) -> tuple[Tensor]:
+def _abs_max_by_lanes(rows: Tensor) -> tuple[Tensor]:
     """Per-row ``max |x|`` of a ``(rows, cols)`` view as a ``(rows, 1)`` column, reduced over
-    the four column quarters that the 2-bit fold encodes as its lanes: with loops of one
-    length, the compiler puts the reduction in the encoding loop (one read of the tensor)."""
-    width = rows.shape[1] // 4
+    the 16 column slices that the 2-bit fold encodes as the lanes of its words: with loops of
+    one length, the compiler puts the reduction in the encoding loop (one read of the tensor)."""
+    return _abs_max_by_slices(rows, WORD_BITS // 2)
+
+
+def _abs_max_by_slices(rows: Tensor, slices: int) -> tuple[Tensor]:
+    """Per-row ``max |x|`` as a ``(rows, 1)`` column, over ``slices`` equal column slices (the
+    last takes the remainder); max is exact in any order."""
+    width = rows.shape[1] // slices
     if width == 0:
         return (rows.abs().amax(1, keepdim=True),)
-    ends = (width, 2 * width, 3 * width, rows.shape[1])
-    quarters = [rows[:, q * width : ends[q]].abs().amax(1, keepdim=True) for q in range(4)]
-    return (torch.maximum(torch.maximum(quarters[0], quarters[1]), torch.maximum(quarters[2], quarters[3])),)
+    parts = [rows[:, i * width : rows.shape[1] if i == slices - 1 else (i + 1) * width].abs().amax(1, keepdim=True) for i in range(slices)]
+    while len(parts) > 1:
+        parts = [torch.maximum(parts[i], parts[i + 1]) if i + 1 < len(parts) else parts[i] for i in range(0, len(parts), 2)]
+    return (parts[0],)
 
 
 def _unchanged_params(_statistic: Tensor, *params: Tensor) -> tuple[Tensor, ...]:
