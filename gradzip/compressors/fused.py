@@ -173,13 +173,6 @@ def bytes_to_words(packed: Tensor) -> Tensor:
     return packed.view(torch.int32)
 
 
-def to_uint8(codes: Tensor) -> Tensor:
-    """Integer codes in ``[0, 256)`` as uint8, through int16: the same bytes as
-    ``codes.to(torch.uint8)``, but compiled for AVX2 inductor converts 32-bit lanes to 8-bit
-    ones several times slower than through 16-bit lanes."""
-    return codes.to(torch.int16).to(torch.uint8)
-
-
 def padded(flat: Tensor, size: int) -> Tensor:
     """``flat`` followed by zeros up to ``size`` elements (a copy; for short tails only)."""
     out = flat.new_zeros(size)
