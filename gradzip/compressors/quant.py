@@ -407,14 +407,10 @@ def _terngrad_factor(scaler: Tensor, work: torch.dtype) -> Tensor:
 
 def _abs_max_by_lanes(rows: Tensor) -> tuple[Tensor]:
     """Per-row ``max |x|`` of a ``(rows, cols)`` view as a ``(rows, 1)`` column, reduced over
-    the 16 column slices that the 2-bit fold encodes as the lanes of its words: with loops of
-    one length, the compiler puts the reduction in the encoding loop (one read of the tensor)."""
-    return _abs_max_by_slices(rows, WORD_BITS // 2)
-
-
-def _abs_max_by_slices(rows: Tensor, slices: int) -> tuple[Tensor]:
-    """Per-row ``max |x|`` as a ``(rows, 1)`` column, over ``slices`` equal column slices (the
-    last takes the remainder); max is exact in any order."""
+    the 16 column slices that the 2-bit fold encodes as the lanes of its words (the last takes
+    any remainder): with loops of one length, the compiler puts the reduction in the encoding
+    loop (one read of the tensor). Max is exact in any order."""
+    slices = WORD_BITS // 2
     width = rows.shape[1] // slices
     if width == 0:
         return (rows.abs().amax(1, keepdim=True),)
@@ -705,6 +701,7 @@ def _natural_encoder(dtype: torch.dtype) -> Callable[..., tuple[Tensor, Tensor]]
     """Natural compression's encoding loop: ``(bits of x, dither int16) -> (signs, exponents)``."""
     int_dtype, mantissa_bits, exponent_bits = _FLOAT_LAYOUT[dtype]
     exponent_dtype = Natural.exponent_dtype(dtype)
+    packed = _exponent_bits(dtype) is not None
 
     def encode(x: Tensor, key_low: Tensor, key_high: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
         # The bits viewed in the loop: the kernel loads floats (see fused.float_bits).
@@ -719,7 +716,6 @@ def _natural_encoder(dtype: torch.dtype) -> Callable[..., tuple[Tensor, Tensor]]
         else:
             offset = (dither >> (16 - mantissa_bits)).to(int_dtype)
         exponent = ((magnitude + offset) >> mantissa_bits).clamp(max=(1 << exponent_bits) - 2)
-        packed = _exponent_bits(dtype) is not None
         return (bits < 0).to(torch.int32), (exponent.to(torch.int32) if packed else exponent.to(exponent_dtype))
 
     return encode
