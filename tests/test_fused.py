@@ -1,12 +1,20 @@
-"""Compiled codec kernels (``gradzip.compressors.fused``) against their eager runs, bit for bit."""
+"""Compiled codec kernels (``gradzip.compressors.fused``) against their eager runs, bit for bit.
+
+The native loops, which take over some of these kernels on fp32 CPU tensors, are off here
+(``tests/test_native.py`` checks them), so that the compiled kernels run."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gradzip.compressors import build, fused
+from gradzip.compressors import build, fused, native
 from gradzip.compressors.dither import hash_key, hashed_dither
+
+
+@pytest.fixture(autouse=True)
+def _compiled_kernels_only(monkeypatch):
+    monkeypatch.setenv(native.ENV, "0")
 
 #: (spec, numel, kernels that must have run compiled): whole rows plus a short last row; the
 #: uniform group is not a multiple of 32

@@ -391,6 +391,7 @@ def encode_rows(
     out_bits: tuple[int | None, ...],
     with_positions: bool = False,
     row_stats: RowStats | None = None,
+    native: Callable[[Tensor, list[Tensor], int], tuple[Tensor, ...] | None] | None = None,
 ) -> tuple[Tensor, ...]:
     """Encode rows of ``group`` elements with ``fn``, compiled, and pack its codes.
 
@@ -410,6 +411,10 @@ def encode_rows(
             first input and returns ``(rows, 1)`` statistics (maxima, minima: exact in any
             order), ``make_params(*statistics, *params)`` returns the parameters ``fn`` takes.
             ``params`` are then 0-d only.
+        native: a loop of :mod:`gradzip.compressors.native` computing what the compiled
+            ``fn`` computes on the whole rows, tried first when ``group`` is a multiple of 32:
+            ``(input (rows, group), row parameters, first position) -> outputs`` as the
+            compiled kernel returns them, or None where it cannot run.
 
     Returns:
         1-D outputs of ``ceil(n * bits / 8)`` bytes (``n`` elements for ``bits=None``), then
@@ -428,8 +433,11 @@ def encode_rows(
     if rows:
         views = [e[:whole].view(rows, group) for e in elementwise]
         extra = [_first(0), column_numbers(group, elementwise[0].device)] if with_positions else []
-        kernel = _encoder(fn, len(elementwise), out_bits, aligned, with_positions, row_stats)
-        outputs = kernel(*views, *_row_params(params, 0, rows), *extra)
+        row_params = _row_params(params, 0, rows)
+        outputs = native(views[0], row_params, 0) if native is not None and aligned else None
+        if outputs is None:
+            kernel = _encoder(fn, len(elementwise), out_bits, aligned, with_positions, row_stats)
+            outputs = kernel(*views, *row_params, *extra)
         main = [
             words_to_bytes(o) if aligned and i < len(out_bits) and out_bits[i] is not None else o.reshape(-1)
             for i, o in enumerate(outputs)
@@ -467,6 +475,7 @@ def decode_rows(
     *,
     group: int,
     numel: int,
+    native: Callable[[list[Tensor], list[Tensor], int], Tensor | None] | None = None,
 ) -> Tensor:
     """Decode what :func:`encode_rows` packed: ``fn`` over ``ceil(numel / group)`` rows, compiled.
 
@@ -477,6 +486,10 @@ def decode_rows(
         params: 1-D tensors of one entry per row, or 0-d tensors.
         group: elements per row.
         numel: elements to decode.
+        native: a loop of :mod:`gradzip.compressors.native` computing what the compiled ``fn``
+            computes, tried first when ``group`` is a multiple of 32 and every code tensor is
+            packed: ``(int32 words (rows, group * bits / 32) per code tensor, row parameters,
+            group) -> (rows, group)`` values, or None where it cannot run.
 
     Returns:
         ``(numel,)`` values (contiguous). A short last row is padded in its codes (a copy of
@@ -506,9 +519,16 @@ def decode_rows(
             # Repack the short row the way whole rows are packed, padded to a whole row.
             last = padded(unpack_codes(flat[rows * width * 4 :], bits, tail), group).view(1, group)
             words = torch.cat([words, fold(last, bits).view(-1)])
-        views.append(float_bits(words.view(total, width)))
-    kernel = _decoder(fn, tuple(bits for _t, bits in codes), aligned)
-    return kernel(*views, *_row_params(params, 0, total)).view(-1)[:numel]
+        views.append(words.view(total, width))
+    row_params = _row_params(params, 0, total)
+    values = None
+    if native is not None and aligned and all(bits is not None for _t, bits in codes):
+        values = native(views, row_params, group)
+    if values is None:
+        kernel = _decoder(fn, tuple(bits for _t, bits in codes), aligned)
+        views = [v if bits is None or not aligned else float_bits(v) for v, (_t, bits) in zip(views, codes, strict=True)]
+        values = kernel(*views, *row_params)
+    return values.view(-1)[:numel]
 
 
 def reduce_rows(kernel: Callable[..., object], flat: Tensor, *, group: int) -> tuple[Tensor, ...]:

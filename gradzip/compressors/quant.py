@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from gradzip import wire
-from gradzip.compressors import register
+from gradzip.compressors import native, register
 from gradzip.compressors.base import Compressor, Payload, check_int
 from gradzip.compressors.dither import hash_key, hashed_dither
 from gradzip.compressors.fused import (
@@ -106,13 +106,18 @@ def _fits_fp32(scales: Tensor, low: float) -> bool:
 
 
 def _std(flat: Tensor) -> float:
-    """The population standard deviation of ``flat`` from its sum and sum of squares (two
-    vectorised reductions; ``torch.std`` runs several times slower on CPU). Where the mean
-    dwarfs the spread, so that the difference of moments loses its digits, ``torch.std``.
-    Returns inf where the squares overflow."""
+    """The population standard deviation of ``flat`` from its sum and sum of squares, both
+    accumulated in fp64 (one native pass on fp32 CPU tensors, else two reductions;
+    ``torch.std`` runs several times slower on CPU). Where the mean dwarfs the spread, so
+    that the difference of moments loses its digits, ``torch.std``. Returns inf where the
+    squares overflow fp64."""
     numel = flat.numel()
-    mean = float(flat.sum()) / numel
-    mean_square = float(torch.dot(flat, flat)) / numel if flat.is_floating_point() else float("nan")
+    sums = native.moments(flat)
+    if sums is None:
+        wide = flat.to(torch.float64)
+        sums = float(wide.sum()), float(torch.dot(wide, wide))
+    mean = sums[0] / numel
+    mean_square = sums[1] / numel
     variance = mean_square - mean * mean
     if not math.isfinite(mean_square):
         return float("inf")
@@ -222,6 +227,7 @@ class QSGD(Compressor):
                 out_bits=(1, self.bits),
                 with_positions=True,
                 row_stats=(_abs_max_column, _qsgd_params(self.levels, torch.float32)),
+                native=native.qsgd_encoder(self.levels, self.bits),
             )
             if _fits_fp32(scales, low=self.levels * 2.0**-100):
                 return Payload((signs, levels, scales))
@@ -244,9 +250,11 @@ class QSGD(Compressor):
         work = compute_dtype(like.dtype)
         if work == torch.float32 and not _fits_fp32(scales, low=self.levels * 2.0**-100):
             work = torch.float64
-        decode = _qsgd_decoder(self.levels, work, like.dtype, self.norm == "l2")
+        clamp = self.norm == "l2"
+        decode = _qsgd_decoder(self.levels, work, like.dtype, clamp)
         codes = ((signs, 1), (packed, self.bits))
-        values = decode_rows(decode, codes, (scales.to(work),), group=self.bucket, numel=numel)
+        fast = native.qsgd_decoder(self.levels, self.bits) if like.dtype == work == torch.float32 and not clamp else None
+        values = decode_rows(decode, codes, (scales.to(work),), group=self.bucket, numel=numel, native=fast)
         return values.view(like.shape)
 
 
@@ -371,12 +379,16 @@ class TernGrad(Compressor):
                 out_bits=(2,),
                 with_positions=True,
                 row_stats=(_abs_max_by_lanes, _unchanged_params),
+                native=native.terngrad_encoder(with_max=True),
             )
             scaler = torch.minimum(row_max.amax().to(work), bound).reshape(1)
             if bool(scaler == bound):
                 return Payload((codes, scaler))
         else:
-            scaler = torch.minimum(reduce_rows(abs_max_rows, flat, group=numel)[0].to(work), bound).reshape(1)
+            top = native.abs_max(flat)
+            if top is None:
+                top = reduce_rows(abs_max_rows, flat, group=numel)[0]
+            scaler = torch.minimum(top.to(work), bound).reshape(1)
         (codes,) = encode_rows(
             encode,
             (flat,),
@@ -384,6 +396,7 @@ class TernGrad(Compressor):
             group=BLOCK,
             out_bits=(2,),
             with_positions=True,
+            native=native.terngrad_encoder(with_max=False),
         )
         return Payload((codes, scaler))
 
@@ -394,7 +407,8 @@ class TernGrad(Compressor):
         if numel == 0:
             return torch.empty_like(like, memory_format=torch.contiguous_format)
         decode = _terngrad_decoder(scaler.dtype, like.dtype)
-        values = decode_rows(decode, ((packed, 2),), (scaler.reshape(()),), group=BLOCK, numel=numel)
+        fast = native.terngrad_decode if like.dtype == scaler.dtype == torch.float32 else None
+        values = decode_rows(decode, ((packed, 2),), (scaler.reshape(()),), group=BLOCK, numel=numel, native=fast)
         return values.view(like.shape)
 
 
@@ -676,6 +690,7 @@ class Natural(Compressor):
             group=BLOCK,
             out_bits=(1, _exponent_bits(flat.dtype)),
             with_positions=True,
+            native=native.natural_encode if flat.dtype == torch.float32 else None,
         )
         return Payload((signs, exponent))
 
@@ -686,7 +701,8 @@ class Natural(Compressor):
         if numel == 0:
             return torch.empty_like(like, memory_format=torch.contiguous_format)
         codes = ((signs, 1), (exponent, _exponent_bits(like.dtype)))
-        values = decode_rows(_natural_decoder(like.dtype), codes, (), group=BLOCK, numel=numel)
+        fast = native.natural_decode if like.dtype == torch.float32 else None
+        values = decode_rows(_natural_decoder(like.dtype), codes, (), group=BLOCK, numel=numel, native=fast)
         return values.view(like.shape)
 
 

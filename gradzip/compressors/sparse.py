@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from gradzip import wire
-from gradzip.compressors import fused, register
+from gradzip.compressors import fused, native, register
 from gradzip.compressors.base import Compressor, Payload, check_int, check_ratio, kept_count, seeded_generator
 from gradzip.compressors.elementwise import flatnonzero, greater_equal, sparse_flatnonzero, top_positions
 
@@ -40,17 +40,23 @@ def _finite_max(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).max
 
 
-def candidates_at_least(flat: Tensor, threshold: float) -> Tensor:
+def candidates_at_least(flat: Tensor, threshold: float, *, expected: int = 0) -> Tensor:
     """Indices (int64, ascending) of the elements with ``|x| >= threshold``.
 
-    One pass over ``flat`` in cache-sized chunks: ``abs`` and the comparison write into two
-    small scratch buffers that stay in cache; no tensor of ``numel`` elements is allocated.
+    One pass over ``flat``: on fp32 CPU tensors the native loop (:func:`gradzip.compressors.
+    native.at_least`) writes the positions as it finds them; otherwise in cache-sized chunks,
+    ``abs`` and the comparison writing into two small scratch buffers that stay in cache.
 
     Args:
         flat: 1-D floating tensor.
         threshold: a finite number >= 0.
+        expected: about how many will pass (room made for them up front).
     """
     numel = flat.numel()
+    if numel > SCAN_CHUNK:
+        found = native.at_least(flat, threshold, expected=expected + expected // 4)
+        if found is not None:
+            return found
     if fused.enabled() and numel > SCAN_CHUNK and flat.dtype == torch.float32 and flat.device.type == "cpu":
         # One compiled pass writes a byte per element (0 or 1: valid bools); the nonzero ones are
         # found word by word (see sparse_flatnonzero).
@@ -243,7 +249,7 @@ class TopK(Sparsifier):
         for _attempt in range(4):
             if not 0 < threshold < math.inf:
                 break
-            candidates = candidates_at_least(flat, threshold)
+            candidates = candidates_at_least(flat, threshold, expected=k + k // 4)
             if candidates.numel() >= k:
                 return largest_among(flat, candidates, k)
             # Too few passed (a 4-sigma miss): lower the bar and scan again.
@@ -300,13 +306,13 @@ class DGC(Sparsifier):
         if threshold <= 0:
             # More than 1 - ratio of the sample is zero: send the nonzero elements, up to k.
             threshold = torch.finfo(flat.dtype).tiny * torch.finfo(flat.dtype).eps
-        candidates = candidates_at_least(flat, threshold)
+        candidates = candidates_at_least(flat, threshold, expected=k)
         for _adaptation in range(DGC_ADAPT_ITERS):
             if candidates.numel() >= DGC_LOWER_BOUND * k:
                 break
             # The sample overestimated the threshold: lower it as the authors' code does.
             threshold *= DGC_LOWER_BOUND
-            candidates = candidates_at_least(flat, threshold)
+            candidates = candidates_at_least(flat, threshold, expected=k)
         return largest_among(flat, candidates, k)
 
 
@@ -346,7 +352,7 @@ class Threshold(Sparsifier):
         if self.tau == 0:
             # Every element passes: the capacity decides, as Top-K.
             return torch.topk(flat.abs(), k, sorted=False).indices, None
-        return largest_among(flat, candidates_at_least(flat, self.tau), k)
+        return largest_among(flat, candidates_at_least(flat, self.tau, expected=k), k)
 
 
 @register

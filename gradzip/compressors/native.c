@@ -1,0 +1,386 @@
+/* Native CPU loops of the codecs whose compiled torch form is compute-bound: QSGD, TernGrad,
+ * natural compression, and the candidate scan of the sparsifiers.
+ *
+ * Each function computes the operations of its codec's torch function (quant.py, sparse.py)
+ * in the same order and in the same IEEE single precision: the library is built with
+ * -ffp-contract=off and without fast-math, so the bytes equal those of the eager torch run
+ * (tests/test_native.py compares them). Codes are written in the word layout of fused.fold:
+ * a row of G elements is cut into P column slices of W = G / P columns, and word j of an
+ * output's piece holds the codes of its slices at column j, the first in the lowest bits.
+ *
+ * The loops take 8 columns at a time in GCC/Clang vector types (one AVX2 register, two SSE
+ * ones): a chunk reads column j..j+7 of every slice and writes words j..j+7 of every piece.
+ * QSGD's columns left over at the end of a row (W not a multiple of 8) go through the same
+ * chunk function on a zero-padded copy; TernGrad's and natural compression's rows (G = 8192)
+ * always hold whole chunks.
+ */
+#include <stdint.h>
+#include <string.h>
+
+#define INLINE static inline __attribute__((always_inline))
+#define LANES 8
+
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+typedef uint32_t vu __attribute__((vector_size(32)));
+
+#define SPLAT(T, a) ((T){(a), (a), (a), (a), (a), (a), (a), (a)})
+
+static const vu IOTA = {0, 1, 2, 3, 4, 5, 6, 7};
+
+INLINE vf load_f(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+INLINE vu load_u(const uint32_t *p) {
+    vu v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+INLINE void store_f(float *p, vf v) { memcpy(p, &v, sizeof v); }
+INLINE void store_u(uint32_t *p, vu v) { memcpy(p, &v, sizeof v); }
+
+#if defined(__AVX__)
+#include <immintrin.h>
+/* where mask (all ones or zeros per lane) take a, else b */
+INLINE vf select_f(vi mask, vf a, vf b) { return (vf)_mm256_blendv_ps((__m256)b, (__m256)a, (__m256)mask); }
+/* one bit per lane of a comparison result */
+INLINE uint32_t lane_bits(vi mask) { return (uint32_t)_mm256_movemask_ps((__m256)mask); }
+#else
+INLINE vf select_f(vi mask, vf a, vf b) { return (vf)(((vu)mask & (vu)a) | (~(vu)mask & (vu)b)); }
+INLINE uint32_t lane_bits(vi mask) {
+    uint32_t out = 0;
+    for (int l = 0; l < LANES; l++) out |= (uint32_t)(mask[l] != 0) << l;
+    return out;
+}
+#endif
+
+INLINE vf abs_f(vf v) { return (vf)((vu)v & SPLAT(vu, 0x7FFFFFFFu)); }
+
+/* dither.hashed_dither: lowbias32 of position + key_low with key_high mixed in, high 16 bits. */
+INLINE vu dither16(vu position, uint32_t key_low, uint32_t key_high) {
+    vu h = position + SPLAT(vu, key_low);
+    h ^= h >> 16;
+    h = (h * SPLAT(vu, 0x7FEB352Du)) ^ SPLAT(vu, key_high);
+    h ^= h >> 15;
+    h *= SPLAT(vu, 0x846CA68Bu);
+    return h >> 16;
+}
+
+/* dither + 0.5 as floats, as the quantizers add it */
+INLINE vf dither_f(vu position, uint32_t key_low, uint32_t key_high) {
+    return __builtin_convertvector((vi)dither16(position, key_low, key_high), vf) + SPLAT(vf, 0.5f);
+}
+
+/* max |x| over n floats, NaN if any is NaN (torch's amax). Four running maxima, so that the
+ * loop is not bound by the latency of one compare-and-select chain. */
+static float abs_max(const float *x, int64_t n) {
+    vf top[4] = {SPLAT(vf, 0.0f), SPLAT(vf, 0.0f), SPLAT(vf, 0.0f), SPLAT(vf, 0.0f)};
+    vi nan = SPLAT(vi, 0);
+    int64_t i = 0;
+    for (; i + 4 * LANES <= n; i += 4 * LANES) {
+        for (int k = 0; k < 4; k++) {
+            const vf a = abs_f(load_f(x + i + k * LANES));
+            top[k] = select_f(a > top[k], a, top[k]);
+            nan |= a != a;
+        }
+    }
+    for (; i + LANES <= n; i += LANES) {
+        const vf a = abs_f(load_f(x + i));
+        top[0] = select_f(a > top[0], a, top[0]);
+        nan |= a != a;
+    }
+    float best = 0.0f;
+    int any_nan = 0;
+    for (int k = 0; k < 4; k++) {
+        for (int l = 0; l < LANES; l++) best = top[k][l] > best ? top[k][l] : best;
+    }
+    for (int l = 0; l < LANES; l++) any_nan |= nan[l] != 0;
+    for (; i < n; i++) {
+        const float a = x[i] < 0.0f ? -x[i] : x[i];
+        best = a > best ? a : best;
+        any_nan |= a != a;
+    }
+    return any_nan ? __builtin_nanf("") : best;
+}
+
+/* max |x| of n floats, exported (TernGrad without clipping) */
+float gz_abs_max(const float *x, int64_t n) { return abs_max(x, n); }
+
+/* ---- QSGD, norm=max (quant._qsgd_params, _qsgd_encoder, _qsgd_decoder) ---------------------- */
+
+/* 32 slices of W = G / 32 columns; signs one piece, levels `bits` pieces. */
+INLINE void qsgd_chunk(const float *x, int64_t stride, vu position, uint32_t slice_span, float inverse, float L,
+                       const int bits, uint32_t key_low, uint32_t key_high, uint32_t *signs, uint32_t *codes,
+                       int64_t out_stride) {
+    vu negative = SPLAT(vu, 0);
+    vu piece[8];
+    for (int p = 0; p < 8; p++) piece[p] = SPLAT(vu, 0);
+#pragma GCC unroll 32
+    for (int s = 0; s < 32; s++) {
+        const vf v = load_f(x + s * stride);
+        negative |= ((vu)(v < SPLAT(vf, 0.0f)) & SPLAT(vu, 1u)) << s;
+        const vf dither = dither_f(position + SPLAT(vu, (uint32_t)s * slice_span), key_low, key_high);
+        const vf units = abs_f(v) * SPLAT(vf, inverse) + dither;
+        vf level = units * SPLAT(vf, 1.0f / 65536.0f);
+        level = select_f(level > SPLAT(vf, L), SPLAT(vf, L), level);
+        piece[s % bits] |= (vu)__builtin_convertvector(level, vi) << ((s / bits) * bits);
+    }
+    store_u(signs, negative);
+    for (int p = 0; p < bits; p++) store_u(codes + p * out_stride, piece[p]);
+}
+
+INLINE void qsgd_encode_rows(const float *restrict x, int64_t rows, int64_t G, int32_t levels, const int bits,
+                             uint32_t first, uint32_t key_low, uint32_t key_high, uint32_t *restrict signs,
+                             uint32_t *restrict codes, float *restrict scales) {
+    const int64_t W = G / 32;
+    const float L = (float)levels;
+    const float tiny = 1.1754943508222875e-38f * 1024.0f;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * G;
+        const float scale = abs_max(xr, G);
+        scales[r] = scale;
+        float inverse = scale >= tiny ? L / (scale > tiny ? scale : tiny) : 0.0f;
+        inverse = inverse * 65536.0f;
+        const vu base = SPLAT(vu, first + (uint32_t)(r * G)) + IOTA;
+        uint32_t *sr = signs + r * W;
+        uint32_t *cr = codes + r * W * bits;
+        int64_t j = 0;
+        for (; j + LANES <= W; j += LANES)
+            qsgd_chunk(xr + j, W, base + SPLAT(vu, (uint32_t)j), (uint32_t)W, inverse, L, bits, key_low, key_high,
+                       sr + j, cr + j, W);
+        if (j < W) {
+            float tx[32 * LANES] = {0};
+            uint32_t ts[LANES], tc[8 * LANES];
+            const int64_t rem = W - j;
+            for (int s = 0; s < 32; s++) memcpy(tx + s * LANES, xr + s * W + j, rem * sizeof(float));
+            qsgd_chunk(tx, LANES, base + SPLAT(vu, (uint32_t)j), (uint32_t)W, inverse, L, bits, key_low, key_high, ts,
+                       tc, LANES);
+            memcpy(sr + j, ts, rem * sizeof(uint32_t));
+            for (int p = 0; p < bits; p++) memcpy(cr + p * W + j, tc + p * LANES, rem * sizeof(uint32_t));
+        }
+    }
+}
+
+void gz_qsgd_encode(const float *x, int64_t rows, int64_t G, int32_t levels, int32_t bits, uint32_t first,
+                    uint32_t key_low, uint32_t key_high, uint32_t *signs, uint32_t *codes, float *scales) {
+    switch (bits) {
+    case 1: qsgd_encode_rows(x, rows, G, levels, 1, first, key_low, key_high, signs, codes, scales); break;
+    case 2: qsgd_encode_rows(x, rows, G, levels, 2, first, key_low, key_high, signs, codes, scales); break;
+    case 4: qsgd_encode_rows(x, rows, G, levels, 4, first, key_low, key_high, signs, codes, scales); break;
+    default: qsgd_encode_rows(x, rows, G, levels, 8, first, key_low, key_high, signs, codes, scales); break;
+    }
+}
+
+INLINE void qsgd_decode_chunk(const uint32_t *signs, const uint32_t *codes, int64_t code_stride, float step,
+                              float scale, const int bits, float *out, int64_t out_stride) {
+    const vu negative = load_u(signs);
+    const vu mask = SPLAT(vu, (1u << bits) - 1u);
+#pragma GCC unroll 32
+    for (int s = 0; s < 32; s++) {
+        const vu level = (load_u(codes + (s % bits) * code_stride) >> ((s / bits) * bits)) & mask;
+        const vf m = __builtin_convertvector((vi)level, vf) * SPLAT(vf, step);
+        const vi is_negative = (vi)((negative >> s) & SPLAT(vu, 1u)) != SPLAT(vi, 0);
+        store_f(out + s * out_stride, select_f(is_negative, -m, m) * SPLAT(vf, scale));
+    }
+}
+
+INLINE void qsgd_decode_rows(const uint32_t *restrict signs, const uint32_t *restrict codes,
+                             const float *restrict scales, int64_t rows, int64_t G, int32_t levels, const int bits,
+                             float *restrict out) {
+    const int64_t W = G / 32;
+    const float step = (float)(1.0 / (double)levels);
+    for (int64_t r = 0; r < rows; r++) {
+        const uint32_t *sr = signs + r * W;
+        const uint32_t *cr = codes + r * W * bits;
+        float *orow = out + r * G;
+        int64_t j = 0;
+        for (; j + LANES <= W; j += LANES) qsgd_decode_chunk(sr + j, cr + j, W, step, scales[r], bits, orow + j, W);
+        if (j < W) {
+            uint32_t ts[LANES] = {0}, tc[8 * LANES] = {0};
+            float to[32 * LANES];
+            const int64_t rem = W - j;
+            memcpy(ts, sr + j, rem * sizeof(uint32_t));
+            for (int p = 0; p < bits; p++) memcpy(tc + p * LANES, cr + p * W + j, rem * sizeof(uint32_t));
+            qsgd_decode_chunk(ts, tc, LANES, step, scales[r], bits, to, LANES);
+            for (int s = 0; s < 32; s++) memcpy(orow + s * W + j, to + s * LANES, rem * sizeof(float));
+        }
+    }
+}
+
+void gz_qsgd_decode(const uint32_t *signs, const uint32_t *codes, const float *scales, int64_t rows, int64_t G,
+                    int32_t levels, int32_t bits, float *out) {
+    switch (bits) {
+    case 1: qsgd_decode_rows(signs, codes, scales, rows, G, levels, 1, out); break;
+    case 2: qsgd_decode_rows(signs, codes, scales, rows, G, levels, 2, out); break;
+    case 4: qsgd_decode_rows(signs, codes, scales, rows, G, levels, 4, out); break;
+    default: qsgd_decode_rows(signs, codes, scales, rows, G, levels, 8, out); break;
+    }
+}
+
+/* ---- TernGrad (quant._terngrad_encoder, _terngrad_decoder): 2-bit codes, 16 slices ---------- */
+
+void gz_terngrad_encode(const float *restrict x, int64_t rows, int64_t G, float factor, float bound, uint32_t first,
+                        uint32_t key_low, uint32_t key_high, uint32_t *restrict codes, float *restrict row_max) {
+    const int64_t W = G / 16;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * G;
+        vf top = SPLAT(vf, 0.0f);
+        vi nan = SPLAT(vi, 0);
+        uint32_t *cr = codes + r * W;
+        const vu base = SPLAT(vu, first + (uint32_t)(r * G)) + IOTA;
+        /* slice by slice: the input is read in order, the row's words stay in cache */
+#pragma GCC unroll 16
+        for (int s = 0; s < 16; s++) {
+            for (int64_t j = 0; j + LANES <= W; j += LANES) {
+                const vf v = load_f(xr + s * W + j);
+                const vf a = abs_f(v);
+                top = select_f(a > top, a, top);
+                nan |= a != a;
+                /* torch.minimum(|g|, bound): NaN stays NaN */
+                const vf m = select_f(a > SPLAT(vf, bound), SPLAT(vf, bound), a);
+                const vf dither = dither_f(base + SPLAT(vu, (uint32_t)(s * W + j)), key_low, key_high);
+                const vu keep = (vu)(dither < m * SPLAT(vf, factor)) & SPLAT(vu, 1u);
+                const vu negative = (vu)(v < SPLAT(vf, 0.0f)) & SPLAT(vu, 1u);
+                const vu code = (keep << negative) << (2 * s);
+                store_u(cr + j, s ? load_u(cr + j) | code : code);
+            }
+        }
+        if (row_max) {
+            float best = 0.0f;
+            int any_nan = 0;
+            for (int l = 0; l < LANES; l++) {
+                best = top[l] > best ? top[l] : best;
+                any_nan |= nan[l] != 0;
+            }
+            row_max[r] = any_nan ? __builtin_nanf("") : best;
+        }
+    }
+}
+
+void gz_terngrad_decode(const uint32_t *restrict codes, int64_t rows, int64_t G, float scaler, float *restrict out) {
+    const int64_t W = G / 16;
+    for (int64_t r = 0; r < rows; r++) {
+#pragma GCC unroll 16
+        for (int s = 0; s < 16; s++) {
+            for (int64_t j = 0; j + LANES <= W; j += LANES) {
+                const vu code = (load_u(codes + r * W + j) >> (2 * s)) & SPLAT(vu, 3u);
+                const vf value = select_f((vi)(code == SPLAT(vu, 1u)), SPLAT(vf, scaler),
+                                          select_f((vi)(code == SPLAT(vu, 2u)), SPLAT(vf, -scaler), SPLAT(vf, 0.0f)));
+                store_f(out + r * G + s * W + j, value);
+            }
+        }
+    }
+}
+
+/* ---- natural compression, fp32 (quant._natural_encoder, _natural_decoder) ------------------- */
+/* Signs 1 bit (32 slices, one piece), exponents 8 bits (8 pieces of 4 lanes). */
+
+void gz_natural_encode(const float *restrict x, int64_t rows, int64_t G, uint32_t first, uint32_t key_low,
+                       uint32_t key_high, uint32_t *restrict signs, uint32_t *restrict exponents) {
+    const int64_t W = G / 32;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * G;
+        uint32_t *sr = signs + r * W;
+        uint32_t *er = exponents + r * W * 8;
+        const vu base = SPLAT(vu, first + (uint32_t)(r * G)) + IOTA;
+        /* slice by slice: the input is read in order, the row's words stay in cache */
+#pragma GCC unroll 32
+        for (int s = 0; s < 32; s++) {
+            for (int64_t j = 0; j + LANES <= W; j += LANES) {
+                const vu bits = (vu)load_f(xr + s * W + j);
+                const vu position = base + SPLAT(vu, (uint32_t)(s * W + j));
+                const vu offset = (dither16(position, key_low, key_high) << 7) + SPLAT(vu, 64u);
+                /* int32 arithmetic as in torch: a wrapping sum, an arithmetic shift, at most 254 */
+                vi exponent = (vi)((bits & SPLAT(vu, 0x7FFFFFFFu)) + offset) >> 23;
+                exponent = (vi)select_f(exponent > SPLAT(vi, 254), (vf)SPLAT(vi, 254), (vf)exponent);
+                const vu negative = (bits >> 31) << s;
+                const vu code = (vu)exponent << ((s / 8) * 8);
+                uint32_t *piece = er + (s % 8) * W + j;
+                store_u(sr + j, s ? load_u(sr + j) | negative : negative);
+                store_u(piece, s < 8 ? code : load_u(piece) | code);
+            }
+        }
+    }
+}
+
+void gz_natural_decode(const uint32_t *restrict signs, const uint32_t *restrict exponents, int64_t rows, int64_t G,
+                       uint32_t *restrict out) {
+    const int64_t W = G / 32;
+    for (int64_t r = 0; r < rows; r++) {
+        /* slice by slice: the output is written in order, the row's codes stay in cache */
+#pragma GCC unroll 32
+        for (int s = 0; s < 32; s++) {
+            for (int64_t j = 0; j + LANES <= W; j += LANES) {
+                const vu negative = load_u(signs + r * W + j);
+                const vu exponent = (load_u(exponents + r * W * 8 + (s % 8) * W + j) >> ((s / 8) * 8)) & SPLAT(vu, 0xFFu);
+                store_u(out + r * G + s * W + j, (exponent << 23) | (((negative >> s) & SPLAT(vu, 1u)) << 31));
+            }
+        }
+    }
+}
+
+/* ---- the sparsifiers' candidate scan (sparse.candidates_at_least) ---------------------------- */
+
+/* Writes the positions of the elements with |x| >= threshold (NaN excluded), ascending, into
+ * out while there is room (capacity), and returns how many there are. */
+int64_t gz_at_least(const float *restrict x, int64_t n, float threshold, int64_t *restrict out, int64_t capacity) {
+    int64_t count = 0;
+    int64_t i = 0;
+    const vf t = SPLAT(vf, threshold);
+    for (; i + LANES <= n; i += LANES) {
+        uint32_t hits = lane_bits(abs_f(load_f(x + i)) >= t);
+        while (hits) {
+            if (count < capacity) out[count] = i + __builtin_ctz(hits);
+            count++;
+            hits &= hits - 1;
+        }
+    }
+    for (; i < n; i++) {
+        float a = x[i];
+        a = a < 0.0f ? -a : a;
+        if (a >= threshold) {
+            if (count < capacity) out[count] = i;
+            count++;
+        }
+    }
+    return count;
+}
+
+/* ---- TernGrad's standard deviation (quant._std) ---------------------------------------------- */
+
+/* The sum and the sum of squares of n floats, accumulated in double in 8 lanes (lane l takes
+ * elements l, l + 8, ...; the lanes are added in order at the end, then the remainder). */
+void gz_moments(const float *restrict x, int64_t n, double *restrict out) {
+    typedef double vd __attribute__((vector_size(32)));
+    vd sum_lo = {0, 0, 0, 0}, sum_hi = {0, 0, 0, 0}, sq_lo = {0, 0, 0, 0}, sq_hi = {0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        const vf v = load_f(x + i);
+        const vd lo = __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3), vd);
+        const vd hi = __builtin_convertvector(__builtin_shufflevector(v, v, 4, 5, 6, 7), vd);
+        sum_lo += lo;
+        sum_hi += hi;
+        sq_lo += lo * lo;
+        sq_hi += hi * hi;
+    }
+    double sum = 0.0, squares = 0.0;
+    for (int l = 0; l < 4; l++) {
+        sum += sum_lo[l];
+        squares += sq_lo[l];
+    }
+    for (int l = 0; l < 4; l++) {
+        sum += sum_hi[l];
+        squares += sq_hi[l];
+    }
+    for (; i < n; i++) {
+        const double v = x[i];
+        sum += v;
+        squares += v * v;
+    }
+    out[0] = sum;
+    out[1] = squares;
+}

@@ -1,0 +1,164 @@
+"""Native codec loops (``gradzip.compressors.native``) against the eager torch codecs, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gradzip.compressors import build, fused, native
+from gradzip.compressors.dither import hash_key
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the native loops are unavailable")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _run(spec: str, x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    codec = build(spec)
+    payload = codec.compress(x, step=3, key="layer")
+    return payload.tensors, codec.decompress(payload, like=x)
+
+
+def _native_equals_eager(spec: str, x: torch.Tensor, monkeypatch) -> tuple[torch.Tensor, ...]:
+    """Runs ``spec`` eagerly, then with the native loops on (compiled kernels off where the
+    loops take over: a kernel compiled in the second run means a loop did not run), and
+    asserts the same bytes. Returns the payload."""
+    monkeypatch.setenv(fused.ENV, "0")
+    eager_payload, eager_out = _run(spec, x)
+    monkeypatch.setenv(fused.ENV, "1")
+    monkeypatch.setattr(fused, "compile_seconds", {})
+    payload, out = _run(spec, x)
+    assert not fused.compile_seconds, f"compiled instead of native: {sorted(fused.compile_seconds)}"
+    assert len(payload) == len(eager_payload)
+    for got, want in zip(payload, eager_payload, strict=True):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(_bits(out), _bits(eager_out))
+    return payload
+
+
+def _gradient_like(numel: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen) * 1e-2
+
+
+@pytest.mark.parametrize(
+    ("spec", "numel"),
+    [
+        # bucket 64: 2 columns per slice, all in the zero-padded remainder of a vector step
+        ("qsgd:bits=4,bucket=64", 64 * 5 + 13),
+        ("qsgd:bits=1,bucket=512", 512 * 6 + 1),
+        ("qsgd:bits=2,bucket=256", 256 * 9),
+        # bucket 288: 9 columns per slice, one whole vector step and a remainder of one
+        ("qsgd:bits=8,bucket=288", 288 * 7 + 100),
+        ("terngrad", 2 * fused.BLOCK + 5),
+        ("terngrad:clip=0", 3 * fused.BLOCK),
+        ("natural", 2 * fused.BLOCK + 5),
+        ("topk:ratio=0.01", 300_007),
+        ("dgc:ratio=0.01", 300_007),
+        ("threshold:tau=0.015", 300_007),
+    ],
+)
+def test_native_equals_eager(spec, numel, monkeypatch):
+    payload = _native_equals_eager(spec, _gradient_like(numel, numel), monkeypatch)
+    assert sum(t.numel() * t.element_size() for t in payload) == build(spec).payload_nbytes(numel)
+
+
+def test_terngrad_without_an_element_at_the_bound(monkeypatch):
+    """The scaler is max |g| (from the first pass's row maxima), the codes recomputed for it."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.rand(3 * fused.BLOCK + 5, generator=gen) * 2 - 1
+    payload = _native_equals_eager("terngrad", x, monkeypatch)
+    assert float(payload[1]) == float(x.abs().max())
+
+
+@pytest.mark.parametrize("spec", ["natural", "qsgd:bits=4,bucket=512", "terngrad:clip=0"])
+def test_extreme_values_equal_eager(spec, monkeypatch):
+    """Zeros, subnormals, the largest floats and a run of exact powers of two: the same bytes."""
+    x = _gradient_like(2 * fused.BLOCK, 5)
+    x[:100] = 0.0
+    x[100:200] = torch.finfo(torch.float32).tiny / 7
+    x[200:210] = torch.finfo(torch.float32).max
+    x[210:220] = -torch.finfo(torch.float32).max
+    x[300:400] = 2.0 ** torch.arange(-50, 50, dtype=torch.float32)
+    if spec.startswith("qsgd"):
+        # values near the top of fp32 send QSGD to its fp64 path; keep its buckets in the frame
+        x[200:220] = 1e30
+    _native_equals_eager(spec, x, monkeypatch)
+
+
+def test_natural_keeps_nan_and_inf_bits_as_eager(monkeypatch):
+    x = _gradient_like(fused.BLOCK, 6)
+    x[7], x[8], x[9] = float("nan"), float("inf"), -float("inf")
+    _native_equals_eager("natural", x, monkeypatch)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    bits=st.sampled_from([1, 2, 4, 8]),
+    words=st.integers(1, 24),
+    rows=st.integers(1, 9),
+    tail=st.integers(0, 40),
+    seed=st.integers(0, 2**16),
+)
+def test_qsgd_native_equals_eager_for_any_bucket(bits, words, rows, tail, seed, monkeypatch):
+    """Buckets of any multiple of 32: whole vector steps, remainders, or both."""
+    bucket = 32 * words
+    _native_equals_eager(f"qsgd:bits={bits},bucket={bucket}", _gradient_like(bucket * rows + tail, seed), monkeypatch)
+
+
+def test_candidate_scan_finds_exactly_the_positions_at_or_above_the_threshold(monkeypatch):
+    monkeypatch.setenv(fused.ENV, "1")
+    x = _gradient_like(100_003, 3)
+    x[17] = float("nan")
+    threshold = float(x.abs().nan_to_num(0).quantile(0.98))
+    want = torch.nonzero(x.abs() >= threshold).view(-1)
+    # room for fewer than pass: the scan is repeated with room for all
+    got = native.at_least(x, threshold, expected=10)
+    assert got is not None and torch.equal(got, want)
+    assert native.at_least(x, float("inf"), expected=10).numel() == 0
+
+
+def test_moments_match_fp64_sums(monkeypatch):
+    monkeypatch.setenv(fused.ENV, "1")
+    x = _gradient_like(1_000_003, 4) + 0.25
+    total, squares = native.moments(x)
+    wide = x.double()
+    assert total == pytest.approx(float(wide.sum()), rel=1e-12)
+    assert squares == pytest.approx(float((wide * wide).sum()), rel=1e-12)
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    x = _gradient_like(4 * 512, 2).view(4, 512)
+    monkeypatch.setenv(fused.ENV, "1")
+    keys = list(hash_key(0, 1, "k"))
+    assert native.qsgd_encoder(15, 4)(x, keys, 0) is not None
+    monkeypatch.setenv(native.ENV, "0")
+    assert native.qsgd_encoder(15, 4)(x, keys, 0) is None
+    monkeypatch.setenv(native.ENV, "1")
+    monkeypatch.setenv(fused.ENV, "0")
+    assert native.qsgd_encoder(15, 4)(x, keys, 0) is None
+    # other dtypes, other devices' layouts, non-contiguous inputs: not for the loops
+    monkeypatch.setenv(fused.ENV, "1")
+    assert native.qsgd_encoder(15, 4)(x.double(), keys, 0) is None
+    assert native.qsgd_encoder(15, 4)(x.t().contiguous().t(), keys, 0) is None
+
+
+def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setattr(native, "_compiler", lambda: ["false"])
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv(fused.ENV, "1")
+    with pytest.warns(UserWarning, match="native codec loops unavailable"):
+        assert native.library() is None
+    assert native.library() is None
+    x = _gradient_like(2 * fused.BLOCK, 9)
+    monkeypatch.setenv(native.ENV, "1")
+    codec = build("natural")
+    out = codec.decompress(codec.compress(x, step=0, key=0), like=x)
+    assert out.shape == x.shape and bool(torch.isfinite(out).all())
