@@ -58,6 +58,8 @@ def _gradient_like(numel: int, seed: int) -> torch.Tensor:
         ("terngrad", 2 * fused.BLOCK + 5),
         ("terngrad:clip=0", 3 * fused.BLOCK),
         ("natural", 2 * fused.BLOCK + 5),
+        ("signsgd", 2 * fused.BLOCK + 5),
+        ("efsignsgd", 3 * fused.BLOCK),
         ("topk:ratio=0.01", 300_007),
         ("dgc:ratio=0.01", 300_007),
         ("threshold:tau=0.015", 300_007),
@@ -118,9 +120,11 @@ def test_candidate_scan_finds_exactly_the_positions_at_or_above_the_threshold(mo
     threshold = float(x.abs().nan_to_num(0).quantile(0.98))
     want = torch.nonzero(x.abs() >= threshold).view(-1)
     # room for fewer than pass: the scan is repeated with room for all
-    got = native.at_least(x, threshold, expected=10)
-    assert got is not None and torch.equal(got, want)
-    assert native.at_least(x, float("inf"), expected=10).numel() == 0
+    found = native.at_least(x, threshold, expected=10)
+    assert found is not None
+    positions, values = found
+    assert torch.equal(positions, want) and torch.equal(values, x[want])
+    assert native.at_least(x, float("inf"), expected=10)[0].numel() == 0
 
 
 def test_moments_match_fp64_sums(monkeypatch):
@@ -162,3 +166,30 @@ def test_a_failed_build_warns_once_and_falls_back(monkeypatch, tmp_path):
     codec = build("natural")
     out = codec.decompress(codec.compress(x, step=0, key=0), like=x)
     assert out.shape == x.shape and bool(torch.isfinite(out).all())
+
+
+@pytest.mark.parametrize(
+    ("spec", "numel"),
+    [
+        ("uniform:bits=8", 64 * 300 + 17),
+        ("uniform:bits=4,rounding=stochastic", 64 * 300),
+        ("uniform:bits=8,group=96,rounding=stochastic", 96 * 40 + 95),
+        ("uniform:bits=2,group=128", 128 * 33 + 1),
+    ],
+)
+def test_uniform_native_equals_eager(spec, numel, monkeypatch):
+    payload = _native_equals_eager(spec, _gradient_like(numel, numel), monkeypatch)
+    assert sum(t.numel() * t.element_size() for t in payload) == build(spec).payload_nbytes(numel)
+
+
+def test_uniform_with_nan_and_huge_groups_equals_eager(monkeypatch):
+    """A NaN group and groups near the top of fp32 (the frame sends those to fp64: compiled)."""
+    x = _gradient_like(64 * 50, 11)
+    x[70] = float("nan")
+    monkeypatch.setenv(fused.ENV, "0")
+    eager_payload, eager_out = _run("uniform:bits=8", x)
+    monkeypatch.setenv(fused.ENV, "1")
+    payload, out = _run("uniform:bits=8", x)
+    for got, want in zip(payload, eager_payload, strict=True):
+        assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(_bits(out), _bits(eager_out))

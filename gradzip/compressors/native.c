@@ -325,25 +325,33 @@ void gz_natural_decode(const uint32_t *restrict signs, const uint32_t *restrict 
 
 /* ---- the sparsifiers' candidate scan (sparse.candidates_at_least) ---------------------------- */
 
-/* Writes the positions of the elements with |x| >= threshold (NaN excluded), ascending, into
- * out while there is room (capacity), and returns how many there are. */
-int64_t gz_at_least(const float *restrict x, int64_t n, float threshold, int64_t *restrict out, int64_t capacity) {
+/* Writes the positions of the elements with |x| >= threshold (NaN excluded), ascending, and
+ * their values into positions and values while there is room (capacity), and returns how
+ * many there are. */
+int64_t gz_at_least(const float *restrict x, int64_t n, float threshold, int64_t *restrict positions,
+                    float *restrict values, int64_t capacity) {
     int64_t count = 0;
     int64_t i = 0;
     const vf t = SPLAT(vf, threshold);
     for (; i + LANES <= n; i += LANES) {
         uint32_t hits = lane_bits(abs_f(load_f(x + i)) >= t);
         while (hits) {
-            if (count < capacity) out[count] = i + __builtin_ctz(hits);
+            const int64_t at = i + __builtin_ctz(hits);
+            if (count < capacity) {
+                positions[count] = at;
+                values[count] = x[at];
+            }
             count++;
             hits &= hits - 1;
         }
     }
     for (; i < n; i++) {
-        float a = x[i];
-        a = a < 0.0f ? -a : a;
+        const float a = x[i] < 0.0f ? -x[i] : x[i];
         if (a >= threshold) {
-            if (count < capacity) out[count] = i;
+            if (count < capacity) {
+                positions[count] = i;
+                values[count] = x[i];
+            }
             count++;
         }
     }
@@ -383,4 +391,194 @@ void gz_moments(const float *restrict x, int64_t n, double *restrict out) {
     }
     out[0] = sum;
     out[1] = squares;
+}
+
+/* ---- the uniform quantizer (quant.Uniform: _min_max, _frame_statistics, _uniform_params,
+ * _uniform_encoder, _uniform_decode_params, _uniform_decoder) ----------------------------------- */
+
+/* torch.maximum / torch.minimum: NaN from either side */
+INLINE vf maximum_f(vf a, vf b) { return select_f((a != a) | (b != b), a + b, select_f(a > b, a, b)); }
+INLINE vf minimum_f(vf a, vf b) { return select_f((a != a) | (b != b), a + b, select_f(a < b, a, b)); }
+
+/* Per group of G consecutive floats (the last may be shorter): minimum and maximum, both NaN
+ * for a group holding a NaN. */
+void gz_min_max(const float *restrict x, int64_t n, int64_t G, float *restrict low, float *restrict high) {
+    for (int64_t start = 0, g = 0; start < n; start += G, g++) {
+        const int64_t size = n - start < G ? n - start : G;
+        const float *xr = x + start;
+        float lo = xr[0], hi = xr[0];
+        int64_t i = 0;
+        if (size >= LANES) {
+            vf vlo = load_f(xr), vhi = vlo;
+            vi nan = vlo != vlo;
+            for (i = LANES; i + LANES <= size; i += LANES) {
+                const vf v = load_f(xr + i);
+                vlo = select_f(v < vlo, v, vlo);
+                vhi = select_f(v > vhi, v, vhi);
+                nan |= v != v;
+            }
+            lo = vlo[0];
+            hi = vhi[0];
+            for (int l = 1; l < LANES; l++) {
+                lo = vlo[l] < lo ? vlo[l] : lo;
+                hi = vhi[l] > hi ? vhi[l] : hi;
+            }
+            for (int l = 0; l < LANES; l++) {
+                if (nan[l]) lo = hi = __builtin_nanf("");
+            }
+        }
+        for (; i < size; i++) {
+            const float v = xr[i];
+            if (v != v || lo != lo) {
+                lo = hi = __builtin_nanf("");
+            } else {
+                lo = v < lo ? v : lo;
+                hi = v > hi ? v : hi;
+            }
+        }
+        low[g] = lo;
+        high[g] = hi;
+    }
+}
+
+/* _frame_statistics: max(|low|, |high|), then the largest and the smallest nonzero spread
+ * high - low in double (inf if none is nonzero); NaN propagates into the maxima. */
+void gz_frame(const float *restrict low, const float *restrict high, int64_t n, double *restrict out) {
+    double top = 0.0, spread_top = 0.0, spread_bottom = __builtin_inf();
+    int nan_top = 0, nan_spread = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const double lo = low[i], hi = high[i];
+        const double a = lo < 0 ? -lo : lo, b = hi < 0 ? -hi : hi;
+        nan_top |= a != a || b != b;
+        top = a > top ? a : top;
+        top = b > top ? b : top;
+        double spread = hi - lo;
+        spread = spread < 0 ? -spread : spread;
+        nan_spread |= spread != spread;
+        spread_top = spread > spread_top ? spread : spread_top;
+        if (spread > 0 && spread < spread_bottom) spread_bottom = spread;
+    }
+    out[0] = nan_top ? __builtin_nan("") : top;
+    out[1] = nan_spread ? __builtin_nan("") : spread_top;
+    out[2] = spread_bottom;
+}
+
+/* _uniform_params in fp32: per group, the offset and the inverse step (in units of 1 / unit) */
+void gz_uniform_params(const float *restrict low, const float *restrict high, int64_t n, float prescale, int32_t steps,
+                       float unit, int32_t nearest, float *restrict offset, float *restrict inverse) {
+    const float tiny = 1.1754943508222875e-38f * 1024.0f;
+    for (int64_t i = 0; i < n; i++) {
+        const float low_w = low[i] * prescale, high_w = high[i] * prescale;
+        const float spread = high_w - low_w;
+        float inv = spread >= tiny ? (float)steps / (spread > tiny ? spread : tiny) : 0.0f;
+        inv = inv * unit;
+        float off = -low_w * inv;
+        if (nearest) off = off + 0.5f;
+        offset[i] = off;
+        inverse[i] = inv;
+    }
+}
+
+/* _uniform_decode_params in fp32: per group, the prescaled minimum, step and maximum */
+void gz_uniform_decode_params(const float *restrict low, const float *restrict high, int64_t n, float prescale,
+                              int32_t steps, float *restrict low_w, float *restrict step, float *restrict high_w) {
+    for (int64_t i = 0; i < n; i++) {
+        const float lo = low[i] * prescale, hi = high[i] * prescale;
+        low_w[i] = lo;
+        step[i] = (hi - lo) / (float)steps;
+        high_w[i] = hi;
+    }
+}
+
+/* _uniform_encoder: rows of G elements, `bits`-bit codes in one output of 32 / bits lanes
+ * (W = G * bits / 32 columns per lane, a multiple of 8). */
+void gz_uniform_encode(const float *restrict x, int64_t rows, int64_t G, float prescale, const float *restrict offset,
+                       const float *restrict inverse, int32_t steps, int32_t bits, int32_t stochastic, uint32_t first,
+                       uint32_t key_low, uint32_t key_high, uint32_t *restrict codes) {
+    const int lanes = 32 / bits;
+    const int64_t W = G / lanes;
+    const float unit = stochastic ? 65536.0f : 1.0f;
+    const float top = (float)((double)(steps + 1) * (double)unit - 1.0);
+    const float scale = stochastic ? 1.0f / 65536.0f : 1.0f;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * G;
+        uint32_t *cr = codes + r * W;
+        const vu base = SPLAT(vu, first + (uint32_t)(r * G)) + IOTA;
+        for (int l = 0; l < lanes; l++) {
+            for (int64_t j = 0; j + LANES <= W; j += LANES) {
+                vf units = (load_f(xr + l * W + j) * SPLAT(vf, prescale)) * SPLAT(vf, inverse[r]) + SPLAT(vf, offset[r]);
+                if (stochastic) units = units + dither_f(base + SPLAT(vu, (uint32_t)(l * W + j)), key_low, key_high);
+                /* clamp(0, top): NaN stays NaN */
+                units = select_f(units < SPLAT(vf, 0.0f), SPLAT(vf, 0.0f), units);
+                units = select_f(units > SPLAT(vf, top), SPLAT(vf, top), units);
+                const vu code = (vu)__builtin_convertvector(units * SPLAT(vf, scale), vi) << (l * bits);
+                store_u(cr + j, l ? load_u(cr + j) | code : code);
+            }
+        }
+    }
+}
+
+/* _uniform_decoder */
+void gz_uniform_decode(const uint32_t *restrict codes, int64_t rows, int64_t G, const float *restrict low_w,
+                       const float *restrict step, const float *restrict high_w, float unscale, int32_t bits,
+                       float *restrict out) {
+    const int lanes = 32 / bits;
+    const int64_t W = G / lanes;
+    const uint32_t mask = (1u << bits) - 1u;
+    for (int64_t r = 0; r < rows; r++) {
+        const uint32_t *cr = codes + r * W;
+        float *orow = out + r * G;
+        for (int l = 0; l < lanes; l++) {
+            for (int64_t j = 0; j + LANES <= W; j += LANES) {
+                const vu code = (load_u(cr + j) >> (l * bits)) & SPLAT(vu, mask);
+                vf v = __builtin_convertvector((vi)code, vf) * SPLAT(vf, step[r]) + SPLAT(vf, low_w[r]);
+                v = minimum_f(maximum_f(v, SPLAT(vf, low_w[r])), SPLAT(vf, high_w[r])) * SPLAT(vf, unscale);
+                store_f(orow + l * W + j, v);
+            }
+        }
+    }
+}
+
+/* ---- the sign codecs with one scale (sign._nonnegative, sign._signed_scale, mean_magnitude) --- */
+
+/* Sign bits (x >= 0: 1, below zero and NaN: 0) of rows of G elements in 32 slices of W = G / 32
+ * columns, one piece; returns the sum of |x| over the rows, accumulated in double. */
+double gz_sign_encode(const float *restrict x, int64_t rows, int64_t G, uint32_t *restrict signs) {
+    typedef double vd __attribute__((vector_size(32)));
+    const int64_t W = G / 32;
+    vd lo = {0, 0, 0, 0}, hi = {0, 0, 0, 0};
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * G;
+        uint32_t *sr = signs + r * W;
+#pragma GCC unroll 32
+        for (int s = 0; s < 32; s++) {
+            for (int64_t j = 0; j + LANES <= W; j += LANES) {
+                const vf v = load_f(xr + s * W + j);
+                const vf a = abs_f(v);
+                lo += __builtin_convertvector(__builtin_shufflevector(a, a, 0, 1, 2, 3), vd);
+                hi += __builtin_convertvector(__builtin_shufflevector(a, a, 4, 5, 6, 7), vd);
+                const vu bit = ((vu)(v >= SPLAT(vf, 0.0f)) & SPLAT(vu, 1u)) << s;
+                store_u(sr + j, s ? load_u(sr + j) | bit : bit);
+            }
+        }
+    }
+    double total = 0.0;
+    for (int l = 0; l < 4; l++) total += lo[l];
+    for (int l = 0; l < 4; l++) total += hi[l];
+    return total;
+}
+
+/* (2 b - 1) * scale for the sign bits of rows of G elements */
+void gz_sign_decode(const uint32_t *restrict signs, int64_t rows, int64_t G, float scale, float *restrict out) {
+    const int64_t W = G / 32;
+    for (int64_t r = 0; r < rows; r++) {
+#pragma GCC unroll 32
+        for (int s = 0; s < 32; s++) {
+            for (int64_t j = 0; j + LANES <= W; j += LANES) {
+                const vu bit = (load_u(signs + r * W + j) >> s) & SPLAT(vu, 1u);
+                const vf unit = __builtin_convertvector((vi)bit, vf) * SPLAT(vf, 2.0f) - SPLAT(vf, 1.0f);
+                store_f(out + r * G + s * W + j, unit * SPLAT(vf, scale));
+            }
+        }
+    }
 }

@@ -66,13 +66,21 @@ _SIGNATURES = {
     "gz_terngrad_decode": (_P, _I64, _I64, _F32, _P),
     "gz_natural_encode": (_P, _I64, _I64, _U32, _U32, _U32, _P, _P),
     "gz_natural_decode": (_P, _P, _I64, _I64, _P),
-    "gz_at_least": (_P, _I64, _F32, _P, _I64),
+    "gz_at_least": (_P, _I64, _F32, _P, _P, _I64),
     "gz_moments": (_P, _I64, _P),
     "gz_abs_max": (_P, _I64),
+    "gz_min_max": (_P, _I64, _I64, _P, _P),
+    "gz_frame": (_P, _P, _I64, _P),
+    "gz_uniform_params": (_P, _P, _I64, _F32, _I32, _F32, _I32, _P, _P),
+    "gz_uniform_decode_params": (_P, _P, _I64, _F32, _I32, _P, _P, _P),
+    "gz_uniform_encode": (_P, _I64, _I64, _F32, _P, _P, _I32, _I32, _I32, _U32, _U32, _U32, _P),
+    "gz_uniform_decode": (_P, _I64, _I64, _P, _P, _P, _F32, _I32, _P),
+    "gz_sign_encode": (_P, _I64, _I64, _P),
+    "gz_sign_decode": (_P, _I64, _I64, _F32, _P),
 }
 
 #: return types other than none
-_RESULTS = {"gz_at_least": _I64, "gz_abs_max": _F32}
+_RESULTS = {"gz_at_least": _I64, "gz_abs_max": _F32, "gz_sign_encode": ctypes.c_double}
 
 
 def enabled() -> bool:
@@ -269,21 +277,22 @@ def natural_decode(codes: list[Tensor], params: list[Tensor], group: int) -> Ten
     return out.view(torch.float32)
 
 
-def at_least(flat: Tensor, threshold: float, *, expected: int) -> Tensor | None:
-    """Positions (int64, ascending) of the elements of a 1-D fp32 tensor with ``|x| >=
-    threshold`` (NaN excluded), found in one pass; room is made for ``expected`` of them and
-    the scan repeated once with room for all if more pass. None where the loop cannot run."""
+def at_least(flat: Tensor, threshold: float, *, expected: int) -> tuple[Tensor, Tensor] | None:
+    """Positions (int64, ascending) and values of the elements of a 1-D fp32 tensor with
+    ``|x| >= threshold`` (NaN excluded), found in one pass; room is made for ``expected`` of
+    them and the scan repeated once with room for all if more pass. None where the loop
+    cannot run."""
     lib = _ready(flat)
     if lib is None or flat.dtype != torch.float32 or flat.dim() != 1:
         return None
     numel = flat.numel()
     capacity = min(numel, max(expected, 1024))
-    out = torch.empty(capacity, dtype=torch.int64)
-    count = lib.gz_at_least(flat.data_ptr(), numel, threshold, out.data_ptr(), capacity)
+    positions, values = torch.empty(capacity, dtype=torch.int64), torch.empty(capacity, dtype=torch.float32)
+    count = lib.gz_at_least(flat.data_ptr(), numel, threshold, positions.data_ptr(), values.data_ptr(), capacity)
     if count > capacity:
-        out = torch.empty(count, dtype=torch.int64)
-        count = lib.gz_at_least(flat.data_ptr(), numel, threshold, out.data_ptr(), count)
-    return out[:count]
+        positions, values = torch.empty(count, dtype=torch.int64), torch.empty(count, dtype=torch.float32)
+        count = lib.gz_at_least(flat.data_ptr(), numel, threshold, positions.data_ptr(), values.data_ptr(), count)
+    return positions[:count], values[:count]
 
 
 def moments(flat: Tensor) -> tuple[float, float] | None:
@@ -305,3 +314,121 @@ def abs_max(flat: Tensor) -> Tensor | None:
     if lib is None or flat.dtype != torch.float32 or flat.dim() != 1 or flat.numel() == 0:
         return None
     return torch.tensor(lib.gz_abs_max(flat.data_ptr(), flat.numel()), dtype=torch.float32)
+
+
+def min_max(flat: Tensor, group: int) -> tuple[Tensor, Tensor] | None:
+    """Per group of ``group`` elements of a 1-D fp32 tensor (the last may be shorter): its
+    minimum and maximum, ``(ceil(n / group),)`` fp32 each, both NaN for a group holding a NaN."""
+    lib = _ready(flat)
+    if lib is None or flat.dtype != torch.float32 or flat.dim() != 1 or flat.numel() == 0:
+        return None
+    count = -(-flat.numel() // group)
+    low, high = torch.empty(count, dtype=torch.float32), torch.empty(count, dtype=torch.float32)
+    lib.gz_min_max(flat.data_ptr(), flat.numel(), group, low.data_ptr(), high.data_ptr())
+    return low, high
+
+
+def frame(low: Tensor, high: Tensor) -> list[float] | None:
+    """The uniform quantizer's frame statistics of fp32 group minima and maxima (see
+    :func:`gradzip.compressors.quant._frame_statistics`), as three floats."""
+    lib = _ready(low, high)
+    if lib is None or low.dtype != torch.float32 or high.dtype != torch.float32:
+        return None
+    out = torch.empty(3, dtype=torch.float64)
+    lib.gz_frame(low.data_ptr(), high.data_ptr(), low.numel(), out.data_ptr())
+    return out.tolist()
+
+
+def uniform_params(low: Tensor, high: Tensor, prescale: float, steps: int, stochastic: bool) -> tuple[Tensor, Tensor] | None:
+    """The uniform quantizer's fp32 encoding parameters per group, ``(offset, inverse)`` (see
+    :func:`gradzip.compressors.quant._uniform_params`)."""
+    lib = _ready(low, high)
+    if lib is None or low.dtype != torch.float32 or high.dtype != torch.float32:
+        return None
+    count = low.numel()
+    offset, inverse = torch.empty(count, dtype=torch.float32), torch.empty(count, dtype=torch.float32)
+    unit = 2.0**16 if stochastic else 1.0
+    lib.gz_uniform_params(low.data_ptr(), high.data_ptr(), count, prescale, steps, unit, not stochastic, offset.data_ptr(), inverse.data_ptr())
+    return offset, inverse
+
+
+def uniform_decode_params(low: Tensor, high: Tensor, prescale: float, steps: int) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The uniform quantizer's fp32 decoding parameters per group, ``(min, step, max)`` prescaled."""
+    lib = _ready(low, high)
+    if lib is None or low.dtype != torch.float32 or high.dtype != torch.float32:
+        return None
+    count = low.numel()
+    out = [torch.empty(count, dtype=torch.float32) for _ in range(3)]
+    lib.gz_uniform_decode_params(low.data_ptr(), high.data_ptr(), count, prescale, steps, *(t.data_ptr() for t in out))
+    return out[0], out[1], out[2]
+
+
+def uniform_encoder(steps: int, bits: int, stochastic: bool) -> Encoder:
+    """The uniform quantizer's fp32 encoding: ``(x (rows, G), [prescale, offset (rows, 1),
+    inverse (rows, 1), key_low, key_high], first) -> (code words (rows, G * bits / 32),)``;
+    for rows of whole vector steps per lane (``G * bits / 32`` a multiple of 8)."""
+
+    def encode(x: Tensor, params: list[Tensor], first: int) -> tuple[Tensor, ...] | None:
+        prescale, offset, inverse, key_low, key_high = params
+        lib = _ready(x, offset, inverse)
+        rows, group = x.shape
+        words = group * bits // 32
+        if lib is None or x.dtype != torch.float32 or offset.dtype != torch.float32 or words % LANES:
+            return None
+        codes = torch.empty(rows, words, dtype=torch.int32)
+        lib.gz_uniform_encode(
+            x.data_ptr(), rows, group, float(prescale), offset.data_ptr(), inverse.data_ptr(), steps, bits,
+            stochastic, _u32(first), _u32(key_low), _u32(key_high), codes.data_ptr(),
+        )  # fmt: skip
+        return (codes,)
+
+    return encode
+
+
+def uniform_decoder(bits: int) -> Decoder:
+    """The uniform quantizer's fp32 decoding: ``([code words], [min, step, max (rows, 1),
+    unscale], G) -> (rows, G)``."""
+
+    def decode(codes: list[Tensor], params: list[Tensor], group: int) -> Tensor | None:
+        (words,) = codes
+        low_w, step, high_w, unscale = params
+        lib = _ready(words, low_w, step, high_w)
+        if lib is None or low_w.dtype != torch.float32 or words.shape[1] % LANES:
+            return None
+        rows = words.shape[0]
+        out = torch.empty(rows, group, dtype=torch.float32)
+        lib.gz_uniform_decode(
+            words.data_ptr(), rows, group, low_w.data_ptr(), step.data_ptr(), high_w.data_ptr(), float(unscale), bits, out.data_ptr()
+        )
+        return out
+
+    return decode
+
+
+def sign_encoder(sums: list[float]) -> Encoder:
+    """The sign codecs' fp32 encoding: ``(x (rows, G), [], first) -> (sign words (rows, G /
+    32),)``, appending the sum of ``|x|`` over the rows (accumulated in fp64) to ``sums``."""
+
+    def encode(x: Tensor, params: list[Tensor], first: int) -> tuple[Tensor, ...] | None:
+        lib = _ready(x)
+        rows, group = x.shape
+        if lib is None or x.dtype != torch.float32 or group % (32 * LANES):
+            return None
+        signs = torch.empty(rows, group // 32, dtype=torch.int32)
+        sums.append(lib.gz_sign_encode(x.data_ptr(), rows, group, signs.data_ptr()))
+        return (signs,)
+
+    return encode
+
+
+def sign_decode(codes: list[Tensor], params: list[Tensor], group: int) -> Tensor | None:
+    """The sign codecs' fp32 decoding with one scale: ``([sign words], [scale 0-d], G) -> (rows, G)``."""
+    (words,) = codes
+    (scale,) = params
+    lib = _ready(words)
+    if lib is None or scale.dtype != torch.float32 or scale.dim() != 0 or group % (32 * LANES):
+        return None
+    rows = words.shape[0]
+    out = torch.empty(rows, group, dtype=torch.float32)
+    lib.gz_sign_decode(words.data_ptr(), rows, group, float(scale), out.data_ptr())
+    return out

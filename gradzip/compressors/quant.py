@@ -514,7 +514,8 @@ class Uniform(Compressor):
         work = compute_dtype(dtype)
         if low.numel() == 0:
             return work, 1.0
-        top, spread_top, spread_bottom = _frame_stats(low, high).tolist()
+        stats = native.frame(low, high)
+        top, spread_top, spread_bottom = stats if stats is not None else _frame_stats(low, high).tolist()
         if work == torch.float32 and not (
             top <= torch.finfo(torch.float32).max / 4
             and spread_top <= torch.finfo(torch.float32).max / 4
@@ -532,18 +533,24 @@ class Uniform(Compressor):
         numel = flat.numel()
         if numel == 0:
             return Payload((torch.empty(0, dtype=torch.uint8, device=flat.device), flat.new_empty(0), flat.new_empty(0)))
-        low, high = reduce_rows(min_max_rows, flat, group=self.group)
+        extremes = native.min_max(flat, self.group)
+        low, high = extremes if extremes is not None else reduce_rows(min_max_rows, flat, group=self.group)
         work, prescale = self._frame(low, high, flat.dtype)
         prescale_w = torch.tensor(prescale, dtype=work)
-        offset_term, inverse = _uniform_params(self.steps, work, self.rounding)(low, high, prescale_w)
-        params = (prescale_w, offset_term, inverse, *hash_key(self.seed, step, key))
+        stochastic = self.rounding == "stochastic"
+        fp32 = work == flat.dtype == torch.float32
+        group_params = native.uniform_params(low, high, prescale, self.steps, stochastic) if fp32 else None
+        if group_params is None:
+            group_params = _uniform_params(self.steps, work, self.rounding)(low, high, prescale_w)
+        params = (prescale_w, *group_params, *hash_key(self.seed, step, key))
         (codes,) = encode_rows(
             _uniform_encoder(self.steps, work, self.rounding),
             (flat,),
             params,
             group=self.group,
             out_bits=(self.bits,),
-            with_positions=self.rounding == "stochastic",
+            with_positions=stochastic,
+            native=native.uniform_encoder(self.steps, self.bits, stochastic) if fp32 else None,
         )
         return Payload((codes, low, high))
 
@@ -554,10 +561,14 @@ class Uniform(Compressor):
         if numel == 0:
             return torch.empty_like(like, memory_format=torch.contiguous_format)
         work, prescale = self._frame(low, high, like.dtype)
-        low_w, step_size, high_w = _uniform_decode_params(self.steps, work)(low, high, torch.tensor(prescale, dtype=work))
+        fp32 = work == like.dtype == torch.float32
+        group_params = native.uniform_decode_params(low, high, prescale, self.steps) if fp32 else None
+        if group_params is None:
+            group_params = _uniform_decode_params(self.steps, work)(low, high, torch.tensor(prescale, dtype=work))
         decode = _uniform_decoder(work, like.dtype)
-        params = (low_w, step_size, high_w, torch.tensor(1 / prescale, dtype=work))
-        return decode_rows(decode, ((packed, self.bits),), params, group=self.group, numel=numel).view(like.shape)
+        params = (*group_params, torch.tensor(1 / prescale, dtype=work))
+        fast = native.uniform_decoder(self.bits) if fp32 else None
+        return decode_rows(decode, ((packed, self.bits),), params, group=self.group, numel=numel, native=fast).view(like.shape)
 
 
 @cache

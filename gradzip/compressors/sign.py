@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from gradzip import wire
-from gradzip.compressors import register
+from gradzip.compressors import native, register
 from gradzip.compressors.base import Compressor, Payload, check_int
 from gradzip.compressors.fused import BLOCK, decode_rows, encode_rows, reduce_rows
 
@@ -30,10 +30,11 @@ SUM_CHUNK = 1 << 18
 def mean_magnitude(flat: Tensor) -> Tensor:
     """``||x||_1 / n`` as a ``(1,)`` tensor in ``flat``'s dtype, 0 for an empty tensor.
 
-    Summed in fp32 (fp64 for fp64 input) over cache-sized chunks, the chunk sums in fp64; a
-    chunk sum that overflows fp32 (values near its top) is redone in fp64, and a total that
-    overflows fp64 (fp64 values near its top) is redone with each term divided by ``n``. The
-    mean is at most the largest magnitude, so it is finite in the input dtype.
+    Summed in fp64 over cache-sized chunks (fp16, bf16 and fp32 magnitudes cannot overflow
+    it); a total that overflows fp64 (fp64 values near its top) is redone with each term
+    divided by ``n``. The mean is at most the largest magnitude, so it is finite in the input
+    dtype. The native sign encoder (:func:`gradzip.compressors.native.sign_encoder`) sums in
+    fp64 too, in another order: the two means agree to about 1e-16 before rounding to fp32.
 
     Args:
         flat: 1-D float tensor.
@@ -52,10 +53,7 @@ def mean_magnitude(flat: Tensor) -> Tensor:
             torch.abs(source, out=part)
         else:
             part.copy_(source).abs_()
-        partial = float(part.sum())
-        if not math.isfinite(partial):
-            partial = float(part.sum(dtype=torch.float64))
-        total += partial
+        total += float(part.sum(dtype=torch.float64))
     if math.isinf(total):
         # fp64 magnitudes near the top of its range: their sum overflows even in fp64, so each
         # chunk is summed divided by n (a second pass, for such tensors only).
@@ -63,9 +61,14 @@ def mean_magnitude(flat: Tensor) -> Tensor:
             float(flat[start : start + chunk].abs().to(torch.float64).div_(numel).sum()) for start in range(0, numel, chunk)
         )
         return torch.tensor(mean, dtype=torch.float64).clamp(max=torch.finfo(flat.dtype).max).to(flat.dtype).reshape(1)
-    total = torch.tensor(total, dtype=torch.float64)
+    return _mean_of(total, numel, flat.dtype)
+
+
+def _mean_of(total: float, numel: int, dtype: torch.dtype) -> Tensor:
+    """``total / numel`` (a finite fp64 sum of magnitudes) as a ``(1,)`` tensor in ``dtype``."""
+    mean = torch.tensor(total, dtype=torch.float64) / numel
     # Rounding in the sum can put the mean a hair above the largest finite value of a half dtype.
-    return (total / numel).clamp(max=torch.finfo(flat.dtype).max).to(flat.dtype).reshape(1)
+    return mean.clamp(max=torch.finfo(dtype).max).to(dtype).reshape(1)
 
 
 def group_mean_magnitudes(flat: Tensor, group: int) -> Tensor:
@@ -106,11 +109,22 @@ class _ScaledSign(Compressor):
         """Args: x of any shape and floating dtype. Returns: ``Payload((sign bits, scales))``:
         one scale ``(1,)``, or ``(ceil(n / group),)`` with ``group``."""
         flat = x.reshape(-1)
-        scales = group_mean_magnitudes(flat, self.group) if self.group else mean_magnitude(flat)
-        if flat.numel() == 0:
-            return Payload((torch.empty(0, dtype=torch.uint8, device=flat.device), scales))
-        (signs,) = encode_rows(_nonnegative, (flat,), (), group=self._row(flat.numel()), out_bits=(1,))
-        return Payload((signs, scales))
+        numel = flat.numel()
+        if numel == 0 or self.group:
+            scales = group_mean_magnitudes(flat, self.group) if self.group else mean_magnitude(flat)
+            if numel == 0:
+                return Payload((torch.empty(0, dtype=torch.uint8, device=flat.device), scales))
+            (signs,) = encode_rows(_nonnegative, (flat,), (), group=self._row(numel), out_bits=(1,))
+            return Payload((signs, scales))
+        # One scale: the native encoder sums the magnitudes of the rows it packs (one read).
+        sums: list[float] = []
+        fast = native.sign_encoder(sums) if flat.dtype == torch.float32 else None
+        (signs,) = encode_rows(_nonnegative, (flat,), (), group=BLOCK, out_bits=(1,), native=fast)
+        if sums:
+            whole = numel - numel % BLOCK
+            total = sums[0] + float(flat[whole:].abs().sum(dtype=torch.float64))
+            return Payload((signs, _mean_of(total, numel, flat.dtype)))
+        return Payload((signs, mean_magnitude(flat)))
 
     def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
         """Returns: ``+scale`` where the bit is 1, ``-scale`` where it is 0, shaped as ``like``.
@@ -124,7 +138,8 @@ class _ScaledSign(Compressor):
             return torch.empty_like(like, memory_format=torch.contiguous_format)
         scales = scales.to(like.dtype).reshape(-1)
         params = (scales,) if self.group else (scales.reshape(()),)
-        values = decode_rows(_signed_scale, ((packed.reshape(-1), 1),), params, group=self._row(numel), numel=numel)
+        fast = native.sign_decode if like.dtype == torch.float32 and not self.group else None
+        values = decode_rows(_signed_scale, ((packed.reshape(-1), 1),), params, group=self._row(numel), numel=numel, native=fast)
         return values.view(like.shape)
 
     def _row(self, numel: int) -> int:

@@ -40,12 +40,14 @@ def _finite_max(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).max
 
 
-def candidates_at_least(flat: Tensor, threshold: float, *, expected: int = 0) -> Tensor:
-    """Indices (int64, ascending) of the elements with ``|x| >= threshold``.
+def candidates_at_least(flat: Tensor, threshold: float, *, expected: int = 0) -> tuple[Tensor, Tensor | None]:
+    """Indices (int64, ascending) of the elements with ``|x| >= threshold``, and their values
+    where the scan read them.
 
     One pass over ``flat``: on fp32 CPU tensors the native loop (:func:`gradzip.compressors.
-    native.at_least`) writes the positions as it finds them; otherwise in cache-sized chunks,
-    ``abs`` and the comparison writing into two small scratch buffers that stay in cache.
+    native.at_least`) writes positions and values as it finds them; otherwise in cache-sized
+    chunks, ``abs`` and the comparison writing into two small scratch buffers that stay in
+    cache (values None: :func:`largest_among` gathers them).
 
     Args:
         flat: 1-D floating tensor.
@@ -62,7 +64,7 @@ def candidates_at_least(flat: Tensor, threshold: float, *, expected: int = 0) ->
         # found word by word (see sparse_flatnonzero).
         mask = _mask_scratch(numel)
         _at_least(flat.contiguous(), torch.tensor(threshold, dtype=torch.float32), mask)
-        return sparse_flatnonzero(mask)
+        return sparse_flatnonzero(mask), None
     chunk = min(SCAN_CHUNK, numel)
     magnitude = torch.empty(chunk, dtype=flat.dtype, device=flat.device)
     mask = torch.empty(chunk, dtype=torch.bool, device=flat.device)
@@ -76,8 +78,8 @@ def candidates_at_least(flat: Tensor, threshold: float, *, expected: int = 0) ->
         if hits.numel():
             found.append(hits.add_(start) if start else hits)
     if not found:
-        return torch.empty(0, dtype=torch.int64, device=flat.device)
-    return (torch.cat(found) if len(found) > 1 else found[0]).to(flat.device)
+        return torch.empty(0, dtype=torch.int64, device=flat.device), None
+    return (torch.cat(found) if len(found) > 1 else found[0]).to(flat.device), None
 
 
 _scratch = threading.local()
@@ -140,11 +142,17 @@ def unselected_positions(selected: Tensor, count: int) -> Tensor:
     return free.nonzero().view(-1)[:count]
 
 
-def largest_among(flat: Tensor, candidates: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def largest_among(flat: Tensor, candidates: tuple[Tensor, Tensor | None], k: int) -> tuple[Tensor, Tensor]:
     """The ``k`` candidates of largest magnitude (all of them if there are at most ``k``) and
-    their values: the candidates' values are gathered once and serve both the selection and
-    the payload (a second gather at the kept positions cost as much as the scan's nonzero)."""
-    values = torch.index_select(flat, 0, candidates)
+    their values: the candidates' values (from the scan, else gathered once) serve both the
+    selection and the payload (a second gather at the kept positions cost as much as the
+    scan's nonzero).
+
+    Args:
+        candidates: positions and values as :func:`candidates_at_least` returns them."""
+    candidates, values = candidates
+    if values is None:
+        values = torch.index_select(flat, 0, candidates)
     if candidates.numel() <= k:
         return candidates, values
     kept = top_positions(values.abs(), k).to(candidates.device)
@@ -250,7 +258,7 @@ class TopK(Sparsifier):
             if not 0 < threshold < math.inf:
                 break
             candidates = candidates_at_least(flat, threshold, expected=k + k // 4)
-            if candidates.numel() >= k:
+            if candidates[0].numel() >= k:
                 return largest_among(flat, candidates, k)
             # Too few passed (a 4-sigma miss): lower the bar and scan again.
             threshold /= 4
@@ -308,7 +316,7 @@ class DGC(Sparsifier):
             threshold = torch.finfo(flat.dtype).tiny * torch.finfo(flat.dtype).eps
         candidates = candidates_at_least(flat, threshold, expected=k)
         for _adaptation in range(DGC_ADAPT_ITERS):
-            if candidates.numel() >= DGC_LOWER_BOUND * k:
+            if candidates[0].numel() >= DGC_LOWER_BOUND * k:
                 break
             # The sample overestimated the threshold: lower it as the authors' code does.
             threshold *= DGC_LOWER_BOUND
