@@ -396,48 +396,58 @@ void gz_moments(const float *restrict x, int64_t n, double *restrict out) {
 /* ---- the uniform quantizer (quant.Uniform: _min_max, _frame_statistics, _uniform_params,
  * _uniform_encoder, _uniform_decode_params, _uniform_decoder) ----------------------------------- */
 
-/* torch.maximum / torch.minimum: NaN from either side */
-INLINE vf maximum_f(vf a, vf b) { return select_f((a != a) | (b != b), a + b, select_f(a > b, a, b)); }
-INLINE vf minimum_f(vf a, vf b) { return select_f((a != a) | (b != b), a + b, select_f(a < b, a, b)); }
+/* lane-wise minimum and maximum reduced across the 8 lanes (torch's amin/amax for non-NaN) */
+INLINE float lanes_min(vf v) {
+    v = select_f(__builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3) < v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3), v);
+    v = select_f(__builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5) < v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5), v);
+    return v[1] < v[0] ? v[1] : v[0];
+}
+
+INLINE float lanes_max(vf v) {
+    v = select_f(__builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3) > v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3), v);
+    v = select_f(__builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5) > v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5), v);
+    return v[1] > v[0] ? v[1] : v[0];
+}
+
+/* the minimum and maximum of n floats (n a multiple of 16), NaN for both if any is NaN */
+INLINE void extremes(const float *restrict x, int64_t n, float *lo_out, float *hi_out) {
+    vf lo0 = load_f(x), hi0 = lo0, lo1 = load_f(x + LANES), hi1 = lo1;
+    vi odd = (lo0 != lo0) | (lo1 != lo1);
+    for (int64_t i = 2 * LANES; i < n; i += 2 * LANES) {
+        const vf a = load_f(x + i), b = load_f(x + i + LANES);
+        lo0 = select_f(a < lo0, a, lo0);
+        hi0 = select_f(a > hi0, a, hi0);
+        lo1 = select_f(b < lo1, b, lo1);
+        hi1 = select_f(b > hi1, b, hi1);
+        odd |= (a != a) | (b != b);
+    }
+    const int nan = lane_bits(odd) != 0;
+    *lo_out = nan ? __builtin_nanf("") : lanes_min(select_f(lo1 < lo0, lo1, lo0));
+    *hi_out = nan ? __builtin_nanf("") : lanes_max(select_f(hi1 > hi0, hi1, hi0));
+}
 
 /* Per group of G consecutive floats (the last may be shorter): minimum and maximum, both NaN
- * for a group holding a NaN. */
+ * for a group holding a NaN. Groups of whole vectors reduce in two running minima and maxima,
+ * then across lanes. */
 void gz_min_max(const float *restrict x, int64_t n, int64_t G, float *restrict low, float *restrict high) {
     for (int64_t start = 0, g = 0; start < n; start += G, g++) {
         const int64_t size = n - start < G ? n - start : G;
         const float *xr = x + start;
-        float lo = xr[0], hi = xr[0];
-        int64_t i = 0;
-        if (size >= LANES) {
-            vf vlo = load_f(xr), vhi = vlo;
-            vi nan = vlo != vlo;
-            for (i = LANES; i + LANES <= size; i += LANES) {
-                const vf v = load_f(xr + i);
-                vlo = select_f(v < vlo, v, vlo);
-                vhi = select_f(v > vhi, v, vhi);
+        float lo, hi;
+        int nan = 0;
+        if (size % (2 * LANES) == 0) {
+            extremes(xr, size, &lo, &hi);
+        } else {
+            lo = hi = xr[0];
+            for (int64_t i = 0; i < size; i++) {
+                const float v = xr[i];
                 nan |= v != v;
-            }
-            lo = vlo[0];
-            hi = vhi[0];
-            for (int l = 1; l < LANES; l++) {
-                lo = vlo[l] < lo ? vlo[l] : lo;
-                hi = vhi[l] > hi ? vhi[l] : hi;
-            }
-            for (int l = 0; l < LANES; l++) {
-                if (nan[l]) lo = hi = __builtin_nanf("");
-            }
-        }
-        for (; i < size; i++) {
-            const float v = xr[i];
-            if (v != v || lo != lo) {
-                lo = hi = __builtin_nanf("");
-            } else {
                 lo = v < lo ? v : lo;
                 hi = v > hi ? v : hi;
             }
         }
-        low[g] = lo;
-        high[g] = hi;
+        low[g] = nan ? __builtin_nanf("") : lo;
+        high[g] = nan ? __builtin_nanf("") : hi;
     }
 }
 
@@ -492,50 +502,89 @@ void gz_uniform_decode_params(const float *restrict low, const float *restrict h
 
 /* _uniform_encoder: rows of G elements, `bits`-bit codes in one output of 32 / bits lanes
  * (W = G * bits / 32 columns per lane, a multiple of 8). */
-void gz_uniform_encode(const float *restrict x, int64_t rows, int64_t G, float prescale, const float *restrict offset,
-                       const float *restrict inverse, int32_t steps, int32_t bits, int32_t stochastic, uint32_t first,
-                       uint32_t key_low, uint32_t key_high, uint32_t *restrict codes) {
+INLINE void uniform_encode_rows(const float *restrict x, int64_t rows, int64_t G, float prescale,
+                                const float *restrict offset, const float *restrict inverse, int32_t steps,
+                                const int bits, const int stochastic, uint32_t first, uint32_t key_low,
+                                uint32_t key_high, uint32_t *restrict codes) {
     const int lanes = 32 / bits;
     const int64_t W = G / lanes;
     const float unit = stochastic ? 65536.0f : 1.0f;
-    const float top = (float)((double)(steps + 1) * (double)unit - 1.0);
-    const float scale = stochastic ? 1.0f / 65536.0f : 1.0f;
+    const vf top = SPLAT(vf, (float)((double)(steps + 1) * (double)unit - 1.0));
+    const vf scale = SPLAT(vf, stochastic ? 1.0f / 65536.0f : 1.0f);
+    const vf zero = SPLAT(vf, 0.0f);
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * G;
         uint32_t *cr = codes + r * W;
+        const vf pre = SPLAT(vf, prescale), inv = SPLAT(vf, inverse[r]), off = SPLAT(vf, offset[r]);
         const vu base = SPLAT(vu, first + (uint32_t)(r * G)) + IOTA;
-        for (int l = 0; l < lanes; l++) {
-            for (int64_t j = 0; j + LANES <= W; j += LANES) {
-                vf units = (load_f(xr + l * W + j) * SPLAT(vf, prescale)) * SPLAT(vf, inverse[r]) + SPLAT(vf, offset[r]);
+        for (int64_t j = 0; j + LANES <= W; j += LANES) {
+            vu word = SPLAT(vu, 0);
+#pragma GCC unroll 32
+            for (int l = 0; l < lanes; l++) {
+                vf units = (load_f(xr + l * W + j) * pre) * inv + off;
                 if (stochastic) units = units + dither_f(base + SPLAT(vu, (uint32_t)(l * W + j)), key_low, key_high);
                 /* clamp(0, top): NaN stays NaN */
-                units = select_f(units < SPLAT(vf, 0.0f), SPLAT(vf, 0.0f), units);
-                units = select_f(units > SPLAT(vf, top), SPLAT(vf, top), units);
-                const vu code = (vu)__builtin_convertvector(units * SPLAT(vf, scale), vi) << (l * bits);
-                store_u(cr + j, l ? load_u(cr + j) | code : code);
+                units = select_f(units < zero, zero, units);
+                units = select_f(units > top, top, units);
+                word |= (vu)__builtin_convertvector(units * scale, vi) << (l * bits);
+            }
+            store_u(cr + j, word);
+        }
+    }
+}
+
+void gz_uniform_encode(const float *x, int64_t rows, int64_t G, float prescale, const float *offset,
+                       const float *inverse, int32_t steps, int32_t bits, int32_t stochastic, uint32_t first,
+                       uint32_t key_low, uint32_t key_high, uint32_t *codes) {
+#define UNIFORM_ENCODE(B, S) \
+    uniform_encode_rows(x, rows, G, prescale, offset, inverse, steps, B, S, first, key_low, key_high, codes)
+    switch (bits * 2 + (stochastic != 0)) {
+    case 2: UNIFORM_ENCODE(1, 0); break;
+    case 3: UNIFORM_ENCODE(1, 1); break;
+    case 4: UNIFORM_ENCODE(2, 0); break;
+    case 5: UNIFORM_ENCODE(2, 1); break;
+    case 8: UNIFORM_ENCODE(4, 0); break;
+    case 9: UNIFORM_ENCODE(4, 1); break;
+    case 16: UNIFORM_ENCODE(8, 0); break;
+    default: UNIFORM_ENCODE(8, 1); break;
+    }
+#undef UNIFORM_ENCODE
+}
+
+/* _uniform_decoder. The fp32 path runs only for finite group extremes (the frame check), so
+ * the clamp to [min, max] meets no NaN and a plain compare-and-select is torch's
+ * maximum/minimum. */
+INLINE void uniform_decode_rows(const uint32_t *restrict codes, int64_t rows, int64_t G, const float *restrict low_w,
+                                const float *restrict step, const float *restrict high_w, float unscale,
+                                const int bits, float *restrict out) {
+    const int lanes = 32 / bits;
+    const int64_t W = G / lanes;
+    const vu mask = SPLAT(vu, (1u << bits) - 1u);
+    for (int64_t r = 0; r < rows; r++) {
+        const uint32_t *cr = codes + r * W;
+        float *orow = out + r * G;
+        const vf lo = SPLAT(vf, low_w[r]), hi = SPLAT(vf, high_w[r]), st = SPLAT(vf, step[r]), un = SPLAT(vf, unscale);
+        for (int64_t j = 0; j + LANES <= W; j += LANES) {
+            const vu word = load_u(cr + j);
+#pragma GCC unroll 32
+            for (int l = 0; l < lanes; l++) {
+                const vu code = (word >> (l * bits)) & mask;
+                vf v = __builtin_convertvector((vi)code, vf) * st + lo;
+                v = select_f(v > lo, v, lo);
+                v = select_f(v < hi, v, hi);
+                store_f(orow + l * W + j, v * un);
             }
         }
     }
 }
 
-/* _uniform_decoder */
-void gz_uniform_decode(const uint32_t *restrict codes, int64_t rows, int64_t G, const float *restrict low_w,
-                       const float *restrict step, const float *restrict high_w, float unscale, int32_t bits,
-                       float *restrict out) {
-    const int lanes = 32 / bits;
-    const int64_t W = G / lanes;
-    const uint32_t mask = (1u << bits) - 1u;
-    for (int64_t r = 0; r < rows; r++) {
-        const uint32_t *cr = codes + r * W;
-        float *orow = out + r * G;
-        for (int l = 0; l < lanes; l++) {
-            for (int64_t j = 0; j + LANES <= W; j += LANES) {
-                const vu code = (load_u(cr + j) >> (l * bits)) & SPLAT(vu, mask);
-                vf v = __builtin_convertvector((vi)code, vf) * SPLAT(vf, step[r]) + SPLAT(vf, low_w[r]);
-                v = minimum_f(maximum_f(v, SPLAT(vf, low_w[r])), SPLAT(vf, high_w[r])) * SPLAT(vf, unscale);
-                store_f(orow + l * W + j, v);
-            }
-        }
+void gz_uniform_decode(const uint32_t *codes, int64_t rows, int64_t G, const float *low_w, const float *step,
+                       const float *high_w, float unscale, int32_t bits, float *out) {
+    switch (bits) {
+    case 1: uniform_decode_rows(codes, rows, G, low_w, step, high_w, unscale, 1, out); break;
+    case 2: uniform_decode_rows(codes, rows, G, low_w, step, high_w, unscale, 2, out); break;
+    case 4: uniform_decode_rows(codes, rows, G, low_w, step, high_w, unscale, 4, out); break;
+    default: uniform_decode_rows(codes, rows, G, low_w, step, high_w, unscale, 8, out); break;
     }
 }
 
