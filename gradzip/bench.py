@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from gradzip.bench_input import bench_input, heavy_tailed_gradient
-from gradzip.compressors import Compressor, build, fused, list_compressors
+from gradzip.compressors import Compressor, build, fused, list_compressors, native
 from gradzip.compressors.spec import split_spec_list
 
 __all__ = ["heavy_tailed_gradient", "measure", "run", "split_specs"]
@@ -137,6 +137,7 @@ def run(args: argparse.Namespace) -> int:
         f"{args.clock} clock; medians of {args.repeats} interleaved repeats; baseline x.abs(); codec "
         "and baseline both allocate their outputs each repeat; kernels "
         + ("compiled (first call of each codec, compilation included, untimed: see 'first s')" if fused.enabled() else "eager (GRADZIP_COMPILE=0)")
+        + f"; {native.status()}"
     )
     if args.json:
         print(json.dumps([{k: row[k] for k in FIELDS} for row in rows], indent=2))

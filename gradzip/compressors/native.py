@@ -159,6 +159,18 @@ def library() -> ctypes.CDLL | None:
         return lib
 
 
+def status() -> str:
+    """One line on the native loops: on (and where the library is), or off and why."""
+    if os.environ.get(ENV, "1") == "0":
+        return f"native loops off ({ENV}=0)"
+    if not fused.enabled():
+        return f"native loops off ({fused.ENV}=0)"
+    lib = library()
+    if lib is None:
+        return f"native loops unavailable ({_state.get('error', 'unknown')})"
+    return f"native loops on ({Path(lib._name).name})"
+
+
 def _ready(*tensors: Tensor) -> ctypes.CDLL | None:
     """The library when every tensor is a contiguous fp32 or int32 CPU tensor and it may run."""
     if not enabled():
@@ -167,6 +179,12 @@ def _ready(*tensors: Tensor) -> ctypes.CDLL | None:
         if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.int32) or not t.is_contiguous():
             return None
     return library()
+
+
+def _fits(t: Tensor, rows: int, cols: int | None = None) -> bool:
+    """Whether ``t`` holds exactly ``rows`` (and ``cols`` per row) elements, the sizes the C
+    loops read: a mismatch is left to the torch kernels (and their errors), never read past."""
+    return t.numel() == rows * (1 if cols is None else cols) and (cols is None or t.shape[-1] == cols)
 
 
 def _u32(value: int | Tensor) -> int:
@@ -207,9 +225,10 @@ def qsgd_decoder(levels: int, bits: int) -> Decoder:
         signs, words = codes
         (scales,) = params
         lib = _ready(signs, words, scales)
-        if lib is None or scales.dtype != torch.float32:
-            return None
         rows = signs.shape[0]
+        shapes_fit = _fits(signs, rows, group // 32) and _fits(words, rows, group * bits // 32) and _fits(scales, rows)
+        if lib is None or scales.dtype != torch.float32 or group % 32 or not shapes_fit:
+            return None
         out = torch.empty(rows, group, dtype=torch.float32)
         lib.gz_qsgd_decode(signs.data_ptr(), words.data_ptr(), scales.data_ptr(), rows, group, levels, bits, out.data_ptr())
         return out
@@ -243,9 +262,9 @@ def terngrad_decode(codes: list[Tensor], params: list[Tensor], group: int) -> Te
     (words,) = codes
     (scaler,) = params
     lib = _ready(words)
-    if lib is None or scaler.dtype != torch.float32 or group % (16 * LANES):
-        return None
     rows = words.shape[0]
+    if lib is None or scaler.dtype != torch.float32 or group % (16 * LANES) or not _fits(words, rows, group // 16):
+        return None
     out = torch.empty(rows, group, dtype=torch.float32)
     lib.gz_terngrad_decode(words.data_ptr(), rows, group, float(scaler), out.data_ptr())
     return out
@@ -269,9 +288,10 @@ def natural_decode(codes: list[Tensor], params: list[Tensor], group: int) -> Ten
     """Natural compression's fp32 decoding: ``([sign words, exponent words], [], G) -> (rows, G)`` fp32."""
     signs, exponents = codes
     lib = _ready(signs, exponents)
-    if lib is None or group % (32 * LANES):
-        return None
     rows = signs.shape[0]
+    shapes_fit = _fits(signs, rows, group // 32) and _fits(exponents, rows, group // 4)
+    if lib is None or group % (32 * LANES) or not shapes_fit:
+        return None
     out = torch.empty(rows, group, dtype=torch.int32)
     lib.gz_natural_decode(signs.data_ptr(), exponents.data_ptr(), rows, group, out.data_ptr())
     return out.view(torch.float32)
@@ -332,7 +352,7 @@ def frame(low: Tensor, high: Tensor) -> list[float] | None:
     """The uniform quantizer's frame statistics of fp32 group minima and maxima (see
     :func:`gradzip.compressors.quant._frame_statistics`), as three floats."""
     lib = _ready(low, high)
-    if lib is None or low.dtype != torch.float32 or high.dtype != torch.float32:
+    if lib is None or low.dtype != torch.float32 or high.dtype != torch.float32 or high.numel() != low.numel():
         return None
     out = torch.empty(3, dtype=torch.float64)
     lib.gz_frame(low.data_ptr(), high.data_ptr(), low.numel(), out.data_ptr())
@@ -343,7 +363,7 @@ def uniform_params(low: Tensor, high: Tensor, prescale: float, steps: int, stoch
     """The uniform quantizer's fp32 encoding parameters per group, ``(offset, inverse)`` (see
     :func:`gradzip.compressors.quant._uniform_params`)."""
     lib = _ready(low, high)
-    if lib is None or low.dtype != torch.float32 or high.dtype != torch.float32:
+    if lib is None or low.dtype != torch.float32 or high.dtype != torch.float32 or high.numel() != low.numel():
         return None
     count = low.numel()
     offset, inverse = torch.empty(count, dtype=torch.float32), torch.empty(count, dtype=torch.float32)
@@ -355,7 +375,7 @@ def uniform_params(low: Tensor, high: Tensor, prescale: float, steps: int, stoch
 def uniform_decode_params(low: Tensor, high: Tensor, prescale: float, steps: int) -> tuple[Tensor, Tensor, Tensor] | None:
     """The uniform quantizer's fp32 decoding parameters per group, ``(min, step, max)`` prescaled."""
     lib = _ready(low, high)
-    if lib is None or low.dtype != torch.float32 or high.dtype != torch.float32:
+    if lib is None or low.dtype != torch.float32 or high.dtype != torch.float32 or high.numel() != low.numel():
         return None
     count = low.numel()
     out = [torch.empty(count, dtype=torch.float32) for _ in range(3)]
@@ -373,7 +393,8 @@ def uniform_encoder(steps: int, bits: int, stochastic: bool) -> Encoder:
         lib = _ready(x, offset, inverse)
         rows, group = x.shape
         words = group * bits // 32
-        if lib is None or x.dtype != torch.float32 or offset.dtype != torch.float32 or words % LANES:
+        shapes_fit = _fits(offset, rows) and _fits(inverse, rows)
+        if lib is None or x.dtype != torch.float32 or offset.dtype != torch.float32 or words % LANES or not shapes_fit:
             return None
         codes = torch.empty(rows, words, dtype=torch.int32)
         lib.gz_uniform_encode(
@@ -393,9 +414,10 @@ def uniform_decoder(bits: int) -> Decoder:
         (words,) = codes
         low_w, step, high_w, unscale = params
         lib = _ready(words, low_w, step, high_w)
-        if lib is None or low_w.dtype != torch.float32 or words.shape[1] % LANES:
-            return None
         rows = words.shape[0]
+        shapes_fit = _fits(words, rows, group * bits // 32) and all(_fits(p, rows) for p in (low_w, step, high_w))
+        if lib is None or low_w.dtype != torch.float32 or words.shape[1] % LANES or group % 32 or not shapes_fit:
+            return None
         out = torch.empty(rows, group, dtype=torch.float32)
         lib.gz_uniform_decode(
             words.data_ptr(), rows, group, low_w.data_ptr(), step.data_ptr(), high_w.data_ptr(), float(unscale), bits, out.data_ptr()
@@ -426,9 +448,9 @@ def sign_decode(codes: list[Tensor], params: list[Tensor], group: int) -> Tensor
     (words,) = codes
     (scale,) = params
     lib = _ready(words)
-    if lib is None or scale.dtype != torch.float32 or scale.dim() != 0 or group % (32 * LANES):
-        return None
     rows = words.shape[0]
+    if lib is None or scale.dtype != torch.float32 or scale.dim() != 0 or group % (32 * LANES) or not _fits(words, rows, group // 32):
+        return None
     out = torch.empty(rows, group, dtype=torch.float32)
     lib.gz_sign_decode(words.data_ptr(), rows, group, float(scale), out.data_ptr())
     return out
