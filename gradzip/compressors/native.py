@@ -1,20 +1,23 @@
 """Native CPU loops for the codecs whose compiled torch form stays compute-bound.
 
 QSGD, TernGrad and natural compression draw a hashed dither per element and pack codes of
-several widths; compiled by inductor for AVX2, their loops spill registers and ran at a fifth
-of an elementwise pass. :file:`native.c` writes the same loops in C: one function per codec
-direction, and the sparsifiers' candidate scan, which writes positions directly instead of a
-mask to search. On the first use the file is compiled with the system C compiler (``$CC``,
-else the compiler Python was built with, else ``cc``) at ``-O3 -march=native
--ffp-contract=off`` (no fast-math, no fused multiply-add: the results are bit-identical to the
-torch functions they mirror, which the tests check) into ``$GRADZIP_CACHE/native`` (default
-``~/.cache/gradzip/native``), keyed by a hash of the source, the compiler, the flags and the
-CPU, written atomically, and loaded with :mod:`ctypes`.
+several widths; compiled by inductor for AVX2, their loops spilled registers and ran at a fifth
+of an elementwise pass. :file:`native.c` writes the same loops in C, one function per codec
+direction: those three, the uniform quantizer, the sign codecs with one scale (signs and the
+magnitude sum in one read), TernGrad's moments, and the sparsifiers' candidate scan (positions
+and values written as found instead of a mask to search). On first use the file is compiled
+with the system C compiler (``$CC``, else the compiler Python was built with, else ``cc``) at
+``-O3 -march=native -ffp-contract=off`` (no fast-math, no fused multiply-add: the results are
+bit-identical to the eager torch functions they mirror, which ``tests/test_native.py`` checks)
+into ``$GRADZIP_CACHE/native`` (default ``~/.cache/gradzip/native``), keyed by a hash of the
+source, the compiler, the flags and the CPU, written atomically, and loaded with :mod:`ctypes`.
 
-The loops serve fp32 CPU tensors in whole rows of a multiple of 32 elements (the word layout of
-:func:`gradzip.compressors.fused.fold`); everything else, and every run where the library
-cannot be built or ``GRADZIP_NATIVE=0`` or ``GRADZIP_COMPILE=0`` is set, takes the torch
-functions (compiled or eager). A failed build warns once and is not retried in the process.
+The loops serve contiguous fp32 CPU tensors in whole rows of a multiple of 32 elements (the
+word layout of :func:`gradzip.compressors.fused.fold`), and each wrapper checks the sizes the C
+code will read; everything else, and every run where the library cannot be built or
+``GRADZIP_NATIVE=0`` or ``GRADZIP_COMPILE=0`` is set, takes the torch functions (compiled or
+eager). Each wrapper returns None where its loop cannot run. A failed build warns once and is
+not retried in the process.
 """
 
 from __future__ import annotations
