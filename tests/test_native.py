@@ -7,7 +7,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradzip.compressors import build, fused, native
+from gradzip.compressors import build, fused, native, sums
 from gradzip.compressors.dither import hash_key
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the native loops are unavailable")
@@ -23,16 +23,16 @@ def _run(spec: str, x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Te
     return payload.tensors, codec.decompress(payload, like=x)
 
 
-def _native_equals_eager(spec: str, x: torch.Tensor, monkeypatch) -> tuple[torch.Tensor, ...]:
+def _native_equals_eager(spec: str, x: torch.Tensor, monkeypatch, *, compiled_too: bool = False) -> tuple[torch.Tensor, ...]:
     """Runs ``spec`` eagerly, then with the native loops on (compiled kernels off where the
-    loops take over: a kernel compiled in the second run means a loop did not run), and
-    asserts the same bytes. Returns the payload."""
+    loops take over: a kernel compiled in the second run means a loop did not run, unless
+    ``compiled_too``), and asserts the same bytes. Returns the payload."""
     monkeypatch.setenv(fused.ENV, "0")
     eager_payload, eager_out = _run(spec, x)
     monkeypatch.setenv(fused.ENV, "1")
     monkeypatch.setattr(fused, "compile_seconds", {})
     payload, out = _run(spec, x)
-    assert not fused.compile_seconds, f"compiled instead of native: {sorted(fused.compile_seconds)}"
+    assert compiled_too or not fused.compile_seconds, f"compiled instead of native: {sorted(fused.compile_seconds)}"
     assert len(payload) == len(eager_payload)
     for got, want in zip(payload, eager_payload, strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
@@ -127,13 +127,50 @@ def test_candidate_scan_finds_exactly_the_positions_at_or_above_the_threshold(mo
     assert native.at_least(x, float("inf"), expected=10)[0].numel() == 0
 
 
-def test_moments_match_fp64_sums(monkeypatch):
+@pytest.mark.parametrize("kinds", [("plain", "square"), ("abs",), ("square",)])
+def test_row_sums_equal_torch_bit_for_bit(kinds, monkeypatch):
+    """The native loop adds in the order of gradzip.compressors.sums, as torch does there."""
     monkeypatch.setenv(fused.ENV, "1")
-    x = _gradient_like(1_000_003, 4) + 0.25
-    total, squares = native.moments(x)
-    wide = x.double()
-    assert total == pytest.approx(float(wide.sum()), rel=1e-12)
-    assert squares == pytest.approx(float((wide * wide).sum()), rel=1e-12)
+    x = _gradient_like(3 * sums.ROW, 4) + 0.25
+    x[5] = 2.0**60
+    found = native.row_sums(x, sums.ROW, kinds)
+    assert found is not None
+    for got, kind in zip(found, kinds, strict=True):
+        assert torch.equal(got, sums.row_sums(x, kind))
+    assert sums.total(found[0]) == pytest.approx(float(x.double().abs().sum() if kinds == ("abs",) else (x.double() ** 2).sum() if kinds == ("square",) else x.double().sum()), rel=1e-12)
+
+
+def test_scales_from_sums_equal_eager_near_a_rounding_midpoint(monkeypatch):
+    """Sums whose exact value sits next to an fp32 rounding midpoint: any other order of the fp64
+    additions rounds the scale the other way (found by trying to break the loops)."""
+    x = torch.full((fused.BLOCK,), 192.0)
+    x[0], x[1] = 2.0**60, 68717871104.0
+    for spec in ("signsgd", "efsignsgd"):
+        _native_equals_eager(spec, x, monkeypatch)
+    x = torch.full((fused.BLOCK,), 14878202880.0)
+    x[0], x[2], x[3] = 2.0**60, 2.0**49, 224274417713152.0
+    _native_equals_eager("terngrad", x, monkeypatch)
+
+
+@pytest.mark.parametrize("spec", ["uniform:bits=8", "qsgd:bits=8,bucket=64"])
+def test_parameters_divide_as_torch_does(spec, monkeypatch):
+    """torch computes a number over a tensor as the reciprocal times the number; a true division
+    rounds differently in about a quarter of the groups, and now and then a code with it."""
+    _native_equals_eager(spec, _gradient_like(655_360, 7), monkeypatch)
+
+
+@pytest.mark.parametrize("spec", ["uniform:bits=4,group=16", "uniform:bits=8,group=32", "uniform:bits=4,rounding=stochastic"])
+def test_uniform_zeros_of_both_signs(spec, monkeypatch):
+    """Groups whose minimum or maximum is a zero of either sign: the extremes are sent as +0.0
+    whichever zero a reduction order finds (groups of 16 are not whole words: native extremes,
+    compiled codes)."""
+    gen = torch.Generator().manual_seed(12)
+    x = -torch.rand(64 * 8, generator=gen).clamp(min=0.5) * torch.randint(0, 2, (64 * 8,), generator=gen)
+    x[torch.rand(64 * 8, generator=gen) < 0.3] = -0.0
+    compiled_too = "group=16" in spec
+    payload = _native_equals_eager(spec, x, monkeypatch, compiled_too=compiled_too)
+    assert not bool(torch.signbit(payload[2][payload[2] == 0]).any())
+    _native_equals_eager(spec, torch.tensor([-0.0]), monkeypatch, compiled_too=True)
 
 
 def test_switched_off_by_the_environment(monkeypatch):

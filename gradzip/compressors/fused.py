@@ -559,10 +559,17 @@ def _abs_max(rows: Tensor) -> tuple[Tensor]:
 
 
 def _min_max(rows: Tensor) -> tuple[Tensor, Tensor]:
-    return rows.amin(1), rows.amax(1)
+    return _positive_zero(rows.amin(1)), _positive_zero(rows.amax(1))
+
+
+def _positive_zero(t: Tensor) -> Tensor:
+    """``t`` with -0.0 as +0.0: which zero a minimum or maximum returns among zeros of both
+    signs depends on the order of the reduction, which differs between eager, compiled and
+    native code."""
+    return torch.where(t == 0, torch.zeros_like(t), t)
 
 
 #: per-row ``max |x|`` (exact in any order, so compiled and eager agree)
 abs_max_rows = Kernel(_abs_max, "abs_max_rows")
-#: per-row minimum and maximum, in one pass when compiled
+#: per-row minimum and maximum (zeros as +0.0), in one pass when compiled
 min_max_rows = Kernel(_min_max, "min_max_rows")

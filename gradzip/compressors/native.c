@@ -143,7 +143,8 @@ INLINE void qsgd_encode_rows(const float *restrict x, int64_t rows, int64_t G, i
         const float *xr = x + r * G;
         const float scale = abs_max(xr, G);
         scales[r] = scale;
-        float inverse = scale >= tiny ? L / (scale > tiny ? scale : tiny) : 0.0f;
+        /* torch computes a number over a tensor as the reciprocal times the number */
+        float inverse = scale >= tiny ? (1.0f / (scale > tiny ? scale : tiny)) * L : 0.0f;
         inverse = inverse * 65536.0f;
         const vu base = SPLAT(vu, first + (uint32_t)(r * G)) + IOTA;
         uint32_t *sr = signs + r * W;
@@ -358,39 +359,40 @@ int64_t gz_at_least(const float *restrict x, int64_t n, float threshold, int64_t
     return count;
 }
 
-/* ---- TernGrad's standard deviation (quant._std) ---------------------------------------------- */
+/* ---- sums in the defined order of sums.py --------------------------------------------------- */
 
-/* The sum and the sum of squares of n floats, accumulated in double in 8 lanes (lane l takes
- * elements l, l + 8, ...; the lanes are added in order at the end, then the remainder). */
-void gz_moments(const float *restrict x, int64_t n, double *restrict out) {
-    typedef double vd __attribute__((vector_size(32)));
-    vd sum_lo = {0, 0, 0, 0}, sum_hi = {0, 0, 0, 0}, sq_lo = {0, 0, 0, 0}, sq_hi = {0, 0, 0, 0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        const vf v = load_f(x + i);
-        const vd lo = __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3), vd);
-        const vd hi = __builtin_convertvector(__builtin_shufflevector(v, v, 4, 5, 6, 7), vd);
-        sum_lo += lo;
-        sum_hi += hi;
-        sq_lo += lo * lo;
-        sq_hi += hi * hi;
+/* The pairwise fp64 sum of each row of G floats (G a power of two, >= 2): element i plus
+ * element i + h for h = G / 2, ..., 1. kind 0 sums the values, 1 their magnitudes, 2 their
+ * squares (exact in double); with `squares`, the squares of the values as well, from the same
+ * read. scratch holds G doubles. */
+INLINE double pairwise_halves(double *restrict buffer, int64_t half) {
+    for (half /= 2; half >= 1; half /= 2) {
+        for (int64_t i = 0; i < half; i++) buffer[i] = buffer[i] + buffer[i + half];
     }
-    double sum = 0.0, squares = 0.0;
-    for (int l = 0; l < 4; l++) {
-        sum += sum_lo[l];
-        squares += sq_lo[l];
+    return buffer[0];
+}
+
+void gz_row_sums(const float *restrict x, int64_t rows, int64_t G, int32_t kind, double *restrict sums,
+                 double *restrict squares, double *restrict scratch) {
+    const int64_t half = G / 2;
+    double *first = scratch, *second = scratch + half;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * G;
+        for (int64_t i = 0; i < half; i++) {
+            double a = xr[i], b = xr[i + half];
+            if (squares) second[i] = a * a + b * b;
+            if (kind == 1) {
+                a = __builtin_fabs(a);
+                b = __builtin_fabs(b);
+            } else if (kind == 2) {
+                a = a * a;
+                b = b * b;
+            }
+            first[i] = a + b;
+        }
+        sums[r] = pairwise_halves(first, half);
+        if (squares) squares[r] = pairwise_halves(second, half);
     }
-    for (int l = 0; l < 4; l++) {
-        sum += sum_hi[l];
-        squares += sq_hi[l];
-    }
-    for (; i < n; i++) {
-        const double v = x[i];
-        sum += v;
-        squares += v * v;
-    }
-    out[0] = sum;
-    out[1] = squares;
 }
 
 /* ---- the uniform quantizer (quant.Uniform: _min_max, _frame_statistics, _uniform_params,
@@ -426,8 +428,8 @@ INLINE void extremes(const float *restrict x, int64_t n, float *lo_out, float *h
     *hi_out = nan ? __builtin_nanf("") : lanes_max(select_f(hi1 > hi0, hi1, hi0));
 }
 
-/* Per group of G consecutive floats (the last may be shorter): minimum and maximum, both NaN
- * for a group holding a NaN. Groups of whole vectors reduce in two running minima and maxima,
+/* Per group of G consecutive floats (the last may be shorter): minimum and maximum (zeros as
+ * +0.0), both NaN for a group holding a NaN. Groups of whole vectors reduce in two running minima and maxima,
  * then across lanes. */
 void gz_min_max(const float *restrict x, int64_t n, int64_t G, float *restrict low, float *restrict high) {
     for (int64_t start = 0, g = 0; start < n; start += G, g++) {
@@ -446,8 +448,9 @@ void gz_min_max(const float *restrict x, int64_t n, int64_t G, float *restrict l
                 hi = v > hi ? v : hi;
             }
         }
-        low[g] = nan ? __builtin_nanf("") : lo;
-        high[g] = nan ? __builtin_nanf("") : hi;
+        /* zeros as +0.0 (fused._min_max): which zero a tie gives depends on the order */
+        low[g] = nan ? __builtin_nanf("") : (lo == 0.0f ? 0.0f : lo);
+        high[g] = nan ? __builtin_nanf("") : (hi == 0.0f ? 0.0f : hi);
     }
 }
 
@@ -480,7 +483,8 @@ void gz_uniform_params(const float *restrict low, const float *restrict high, in
     for (int64_t i = 0; i < n; i++) {
         const float low_w = low[i] * prescale, high_w = high[i] * prescale;
         const float spread = high_w - low_w;
-        float inv = spread >= tiny ? (float)steps / (spread > tiny ? spread : tiny) : 0.0f;
+        /* torch computes a number over a tensor as the reciprocal times the number */
+        float inv = spread >= tiny ? (1.0f / (spread > tiny ? spread : tiny)) * (float)steps : 0.0f;
         inv = inv * unit;
         float off = -low_w * inv;
         if (nearest) off = off + 0.5f;
@@ -591,30 +595,23 @@ void gz_uniform_decode(const uint32_t *codes, int64_t rows, int64_t G, const flo
 /* ---- the sign codecs with one scale (sign._nonnegative, sign._signed_scale, mean_magnitude) --- */
 
 /* Sign bits (x >= 0: 1, below zero and NaN: 0) of rows of G elements in 32 slices of W = G / 32
- * columns, one piece; returns the sum of |x| over the rows, accumulated in double. */
-double gz_sign_encode(const float *restrict x, int64_t rows, int64_t G, uint32_t *restrict signs) {
-    typedef double vd __attribute__((vector_size(32)));
+ * columns, one piece; and each row's sum of |x| in the order of sums.py (the row read from
+ * cache the second time). scratch holds G / 2 doubles. */
+void gz_sign_encode(const float *restrict x, int64_t rows, int64_t G, uint32_t *restrict signs,
+                    double *restrict row_sums, double *restrict scratch) {
     const int64_t W = G / 32;
-    vd lo = {0, 0, 0, 0}, hi = {0, 0, 0, 0};
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * G;
         uint32_t *sr = signs + r * W;
 #pragma GCC unroll 32
         for (int s = 0; s < 32; s++) {
             for (int64_t j = 0; j + LANES <= W; j += LANES) {
-                const vf v = load_f(xr + s * W + j);
-                const vf a = abs_f(v);
-                lo += __builtin_convertvector(__builtin_shufflevector(a, a, 0, 1, 2, 3), vd);
-                hi += __builtin_convertvector(__builtin_shufflevector(a, a, 4, 5, 6, 7), vd);
-                const vu bit = ((vu)(v >= SPLAT(vf, 0.0f)) & SPLAT(vu, 1u)) << s;
+                const vu bit = ((vu)(load_f(xr + s * W + j) >= SPLAT(vf, 0.0f)) & SPLAT(vu, 1u)) << s;
                 store_u(sr + j, s ? load_u(sr + j) | bit : bit);
             }
         }
+        gz_row_sums(xr, 1, G, 1, row_sums + r, 0, scratch);
     }
-    double total = 0.0;
-    for (int l = 0; l < 4; l++) total += lo[l];
-    for (int l = 0; l < 4; l++) total += hi[l];
-    return total;
 }
 
 /* (2 b - 1) * scale for the sign bits of rows of G elements */

@@ -70,7 +70,7 @@ _SIGNATURES = {
     "gz_natural_encode": (_P, _I64, _I64, _U32, _U32, _U32, _P, _P),
     "gz_natural_decode": (_P, _P, _I64, _I64, _P),
     "gz_at_least": (_P, _I64, _F32, _P, _P, _I64),
-    "gz_moments": (_P, _I64, _P),
+    "gz_row_sums": (_P, _I64, _I64, _I32, _P, _P, _P),
     "gz_abs_max": (_P, _I64),
     "gz_min_max": (_P, _I64, _I64, _P, _P),
     "gz_frame": (_P, _P, _I64, _P),
@@ -78,12 +78,12 @@ _SIGNATURES = {
     "gz_uniform_decode_params": (_P, _P, _I64, _F32, _I32, _P, _P, _P),
     "gz_uniform_encode": (_P, _I64, _I64, _F32, _P, _P, _I32, _I32, _I32, _U32, _U32, _U32, _P),
     "gz_uniform_decode": (_P, _I64, _I64, _P, _P, _P, _F32, _I32, _P),
-    "gz_sign_encode": (_P, _I64, _I64, _P),
+    "gz_sign_encode": (_P, _I64, _I64, _P, _P, _P),
     "gz_sign_decode": (_P, _I64, _I64, _F32, _P),
 }
 
 #: return types other than none
-_RESULTS = {"gz_at_least": _I64, "gz_abs_max": _F32, "gz_sign_encode": ctypes.c_double}
+_RESULTS = {"gz_at_least": _I64, "gz_abs_max": _F32}
 
 
 def enabled() -> bool:
@@ -318,16 +318,25 @@ def at_least(flat: Tensor, threshold: float, *, expected: int) -> tuple[Tensor, 
     return positions[:count], values[:count]
 
 
-def moments(flat: Tensor) -> tuple[float, float] | None:
-    """The sum and the sum of squares of a 1-D fp32 tensor, accumulated in fp64 in one pass;
-    None where the loop cannot run."""
+#: sums.KINDS as the C loop numbers them
+_KIND_CODES = {"plain": 0, "abs": 1, "square": 2}
+
+
+def row_sums(flat: Tensor, group: int, kinds: tuple[str, ...]) -> list[Tensor] | None:
+    """The pairwise fp64 row sums of :func:`gradzip.compressors.sums.row_sums` for the rows of
+    ``group`` elements (a power of two) of a 1-D fp32 tensor of whole rows, one ``(rows,)``
+    tensor per kind, all from one read; ``kinds`` is one kind, or one and ``square``."""
     lib = _ready(flat)
-    if lib is None or flat.dtype != torch.float32 or flat.dim() != 1:
+    if lib is None or flat.dtype != torch.float32 or flat.dim() != 1 or group < 2 or group & (group - 1):
         return None
-    out = torch.empty(2, dtype=torch.float64)
-    lib.gz_moments(flat.data_ptr(), flat.numel(), out.data_ptr())
-    total, squares = out.tolist()
-    return total, squares
+    if flat.numel() % group or len(kinds) not in (1, 2) or (len(kinds) == 2 and kinds[1] != "square"):
+        return None
+    rows = flat.numel() // group
+    out = [torch.empty(rows, dtype=torch.float64) for _ in kinds]
+    scratch = torch.empty(group, dtype=torch.float64)
+    squares = out[1].data_ptr() if len(kinds) == 2 else None
+    lib.gz_row_sums(flat.data_ptr(), rows, group, _KIND_CODES[kinds[0]], out[0].data_ptr(), squares, scratch.data_ptr())
+    return out
 
 
 def abs_max(flat: Tensor) -> Tensor | None:
@@ -430,17 +439,21 @@ def uniform_decoder(bits: int) -> Decoder:
     return decode
 
 
-def sign_encoder(sums: list[float]) -> Encoder:
+def sign_encoder(sums: list[Tensor]) -> Encoder:
     """The sign codecs' fp32 encoding: ``(x (rows, G), [], first) -> (sign words (rows, G /
-    32),)``, appending the sum of ``|x|`` over the rows (accumulated in fp64) to ``sums``."""
+    32),)``, appending the rows' sums of ``|x|`` (``(rows,)`` fp64, in the order of
+    :mod:`gradzip.compressors.sums`) to ``sums``."""
 
     def encode(x: Tensor, params: list[Tensor], first: int) -> tuple[Tensor, ...] | None:
         lib = _ready(x)
         rows, group = x.shape
-        if lib is None or x.dtype != torch.float32 or group % (32 * LANES):
+        if lib is None or x.dtype != torch.float32 or group % (32 * LANES) or group & (group - 1):
             return None
         signs = torch.empty(rows, group // 32, dtype=torch.int32)
-        sums.append(lib.gz_sign_encode(x.data_ptr(), rows, group, signs.data_ptr()))
+        row_sums = torch.empty(rows, dtype=torch.float64)
+        scratch = torch.empty(group // 2, dtype=torch.float64)
+        lib.gz_sign_encode(x.data_ptr(), rows, group, signs.data_ptr(), row_sums.data_ptr(), scratch.data_ptr())
+        sums.append(row_sums)
         return (signs,)
 
     return encode

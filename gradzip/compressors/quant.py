@@ -37,6 +37,7 @@ from gradzip.compressors.fused import (
     min_max_rows,
     reduce_rows,
 )
+from gradzip.compressors.sums import ordered_sums
 
 #: rows of groups handled per step of the encoding loops (about 1 MiB of fp32: stays in cache)
 CHUNK = 1 << 18
@@ -106,18 +107,15 @@ def _fits_fp32(scales: Tensor, low: float) -> bool:
 
 
 def _std(flat: Tensor) -> float:
-    """The population standard deviation of ``flat`` from its sum and sum of squares, both
-    accumulated in fp64 (one native pass on fp32 CPU tensors, else two reductions;
-    ``torch.std`` runs several times slower on CPU). Where the mean dwarfs the spread, so
-    that the difference of moments loses its digits, ``torch.std``. Returns inf where the
-    squares overflow fp64."""
+    """The population standard deviation of ``flat`` from its sum and sum of squares, added in
+    fp64 in the order of :mod:`gradzip.compressors.sums` (the same bits from the native loop,
+    one read, and from torch; ``torch.std`` runs several times slower on CPU). Where the mean
+    dwarfs the spread, so that the difference of moments loses its digits, ``torch.std``.
+    Returns inf where the squares overflow fp64."""
     numel = flat.numel()
-    sums = native.moments(flat)
-    if sums is None:
-        wide = flat.to(torch.float64)
-        sums = float(wide.sum()), float(torch.dot(wide, wide))
-    mean = sums[0] / numel
-    mean_square = sums[1] / numel
+    total, squares = ordered_sums(flat, ("plain", "square"))
+    mean = total / numel
+    mean_square = squares / numel
     variance = mean_square - mean * mean
     if not math.isfinite(mean_square):
         return float("inf")

@@ -22,6 +22,7 @@ from gradzip import wire
 from gradzip.compressors import native, register
 from gradzip.compressors.base import Compressor, Payload, check_int
 from gradzip.compressors.fused import BLOCK, decode_rows, encode_rows, reduce_rows
+from gradzip.compressors.sums import ordered_sums, row_sums, total
 
 #: elements summed per step (1 MiB of fp32: stays in cache)
 SUM_CHUNK = 1 << 18
@@ -30,11 +31,11 @@ SUM_CHUNK = 1 << 18
 def mean_magnitude(flat: Tensor) -> Tensor:
     """``||x||_1 / n`` as a ``(1,)`` tensor in ``flat``'s dtype, 0 for an empty tensor.
 
-    Summed in fp64 over cache-sized chunks (fp16, bf16 and fp32 magnitudes cannot overflow
-    it); a total that overflows fp64 (fp64 values near its top) is redone with each term
-    divided by ``n``. The mean is at most the largest magnitude, so it is finite in the input
-    dtype. The native sign encoder (:func:`gradzip.compressors.native.sign_encoder`) sums in
-    fp64 too, in another order: the two means agree to about 1e-16 before rounding to fp32.
+    The magnitudes are added in fp64 in the order of :mod:`gradzip.compressors.sums` (fp16,
+    bf16 and fp32 magnitudes cannot overflow it, and the native sign encoder adds them in the
+    same order, so both paths send the same scale); a total that overflows fp64 (fp64 values
+    near its top) is redone in chunks with each term divided by ``n``. The mean is at most the
+    largest magnitude, so it is finite in the input dtype.
 
     Args:
         flat: 1-D float tensor.
@@ -42,23 +43,13 @@ def mean_magnitude(flat: Tensor) -> Tensor:
     numel = flat.numel()
     if numel == 0:
         return flat.new_zeros(1)
-    wide = torch.float64 if flat.dtype == torch.float64 else torch.float32
-    chunk = min(SUM_CHUNK, numel)
-    magnitude = torch.empty(chunk, dtype=wide, device=flat.device)
-    total = 0.0
-    for start in range(0, numel, chunk):
-        part = magnitude[: min(chunk, numel - start)]
-        source = flat[start : start + part.numel()]
-        if source.dtype == wide:
-            torch.abs(source, out=part)
-        else:
-            part.copy_(source).abs_()
-        total += float(part.sum(dtype=torch.float64))
+    (total,) = ordered_sums(flat, ("abs",))
     if math.isinf(total):
         # fp64 magnitudes near the top of its range: their sum overflows even in fp64, so each
         # chunk is summed divided by n (a second pass, for such tensors only).
         mean = sum(
-            float(flat[start : start + chunk].abs().to(torch.float64).div_(numel).sum()) for start in range(0, numel, chunk)
+            float(flat[start : start + SUM_CHUNK].abs().to(torch.float64).div_(numel).sum())
+            for start in range(0, numel, SUM_CHUNK)
         )
         return torch.tensor(mean, dtype=torch.float64).clamp(max=torch.finfo(flat.dtype).max).to(flat.dtype).reshape(1)
     return _mean_of(total, numel, flat.dtype)
@@ -117,13 +108,13 @@ class _ScaledSign(Compressor):
             (signs,) = encode_rows(_nonnegative, (flat,), (), group=self._row(numel), out_bits=(1,))
             return Payload((signs, scales))
         # One scale: the native encoder sums the magnitudes of the rows it packs (one read).
-        sums: list[float] = []
-        fast = native.sign_encoder(sums) if flat.dtype == torch.float32 else None
+        found: list[Tensor] = []
+        fast = native.sign_encoder(found) if flat.dtype == torch.float32 else None
         (signs,) = encode_rows(_nonnegative, (flat,), (), group=BLOCK, out_bits=(1,), native=fast)
-        if sums:
+        if found:
             whole = numel - numel % BLOCK
-            total = sums[0] + float(flat[whole:].abs().sum(dtype=torch.float64))
-            return Payload((signs, _mean_of(total, numel, flat.dtype)))
+            rows = torch.cat([found[0], row_sums(flat[whole:], "abs")]) if whole < numel else found[0]
+            return Payload((signs, _mean_of(total(rows), numel, flat.dtype)))
         return Payload((signs, mean_magnitude(flat)))
 
     def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
