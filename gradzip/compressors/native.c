@@ -361,37 +361,83 @@ int64_t gz_at_least(const float *restrict x, int64_t n, float threshold, int64_t
 
 /* ---- sums in the defined order of sums.py --------------------------------------------------- */
 
-/* The pairwise fp64 sum of each row of G floats (G a power of two, >= 2): element i plus
- * element i + h for h = G / 2, ..., 1. kind 0 sums the values, 1 their magnitudes, 2 their
- * squares (exact in double); with `squares`, the squares of the values as well, from the same
- * read. scratch holds G doubles. */
-INLINE double pairwise_halves(double *restrict buffer, int64_t half) {
-    for (half /= 2; half >= 1; half /= 2) {
+typedef double vd __attribute__((vector_size(32)));
+typedef uint64_t vq __attribute__((vector_size(32)));
+
+/* floats p[0..3] as doubles: the values (kind 0), magnitudes (1) or squares (2, exact) */
+typedef float vf4 __attribute__((vector_size(16)));
+
+INLINE vd wide4(const float *p, const int kind) {
+    vf4 f;
+    memcpy(&f, p, sizeof f);
+    vd v = __builtin_convertvector(f, vd);
+    if (kind == 1) v = (vd)((vq)v & (vq){0x7FFFFFFFFFFFFFFFull, 0x7FFFFFFFFFFFFFFFull, 0x7FFFFFFFFFFFFFFFull, 0x7FFFFFFFFFFFFFFFull});
+    if (kind == 2) v = v * v;
+    return v;
+}
+
+/* Pairwise halves of a row of G floats (G a power of two, >= 64): element i plus element
+ * i + G / 2, then i plus i + G / 4, ... The first three levels are added in registers from 8
+ * columns of the row G / 8 apart (for column i: y[m] = x[i + m G / 8], then y[m] + y[m + 4],
+ * + [m + 2], + [m + 1], the same pairs), the rest in `buffer` (G / 8 doubles). */
+INLINE double row_pairwise(const float *restrict x, int64_t G, const int kind, double *restrict buffer) {
+    const int64_t span = G / 8;
+    for (int64_t i = 0; i + 4 <= span; i += 4) {
+        const vd a0 = wide4(x + i, kind) + wide4(x + i + 4 * span, kind);
+        const vd a1 = wide4(x + i + span, kind) + wide4(x + i + 5 * span, kind);
+        const vd a2 = wide4(x + i + 2 * span, kind) + wide4(x + i + 6 * span, kind);
+        const vd a3 = wide4(x + i + 3 * span, kind) + wide4(x + i + 7 * span, kind);
+        const vd d = (a0 + a2) + (a1 + a3);
+        memcpy(buffer + i, &d, sizeof d);
+    }
+    for (int64_t half = span / 2; half >= 1; half /= 2) {
         for (int64_t i = 0; i < half; i++) buffer[i] = buffer[i] + buffer[i + half];
     }
     return buffer[0];
 }
 
+/* row_pairwise of the values and of their squares together, from one read of the row; the
+ * buffer holds G / 4 doubles */
+INLINE void row_pairwise_moments(const float *restrict x, int64_t G, double *restrict buffer, double *sum,
+                                 double *squares) {
+    const int64_t span = G / 8;
+    double *second = buffer + span;
+    for (int64_t i = 0; i + 4 <= span; i += 4) {
+        vd y[8], q[8];
+        for (int m = 0; m < 8; m++) {
+            y[m] = wide4(x + i + m * span, 0);
+            q[m] = y[m] * y[m];
+        }
+        const vd d = ((y[0] + y[4]) + (y[2] + y[6])) + ((y[1] + y[5]) + (y[3] + y[7]));
+        const vd e = ((q[0] + q[4]) + (q[2] + q[6])) + ((q[1] + q[5]) + (q[3] + q[7]));
+        memcpy(buffer + i, &d, sizeof d);
+        memcpy(second + i, &e, sizeof e);
+    }
+    for (int64_t half = span / 2; half >= 1; half /= 2) {
+        for (int64_t i = 0; i < half; i++) {
+            buffer[i] = buffer[i] + buffer[i + half];
+            second[i] = second[i] + second[i + half];
+        }
+    }
+    *sum = buffer[0];
+    *squares = second[0];
+}
+
+/* Each row's pairwise sum of kind 0 (values), 1 (magnitudes) or 2 (squares); with `squares`
+ * (kind 0 only), also the squares', from the same read. scratch holds G / 4 doubles. */
 void gz_row_sums(const float *restrict x, int64_t rows, int64_t G, int32_t kind, double *restrict sums,
                  double *restrict squares, double *restrict scratch) {
-    const int64_t half = G / 2;
-    double *first = scratch, *second = scratch + half;
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * G;
-        for (int64_t i = 0; i < half; i++) {
-            double a = xr[i], b = xr[i + half];
-            if (squares) second[i] = a * a + b * b;
-            if (kind == 1) {
-                a = __builtin_fabs(a);
-                b = __builtin_fabs(b);
-            } else if (kind == 2) {
-                a = a * a;
-                b = b * b;
-            }
-            first[i] = a + b;
+        if (squares) {
+            row_pairwise_moments(xr, G, scratch, sums + r, squares + r);
+            continue;
         }
-        sums[r] = pairwise_halves(first, half);
-        if (squares) squares[r] = pairwise_halves(second, half);
+        switch (kind) {
+        case 1: sums[r] = row_pairwise(xr, G, 1, scratch); break;
+        case 2: sums[r] = row_pairwise(xr, G, 2, scratch); break;
+        default: sums[r] = row_pairwise(xr, G, 0, scratch); break;
+        }
     }
 }
 
@@ -596,7 +642,7 @@ void gz_uniform_decode(const uint32_t *codes, int64_t rows, int64_t G, const flo
 
 /* Sign bits (x >= 0: 1, below zero and NaN: 0) of rows of G elements in 32 slices of W = G / 32
  * columns, one piece; and each row's sum of |x| in the order of sums.py (the row read from
- * cache the second time). scratch holds G / 2 doubles. */
+ * cache the second time). scratch holds G / 8 doubles. */
 void gz_sign_encode(const float *restrict x, int64_t rows, int64_t G, uint32_t *restrict signs,
                     double *restrict row_sums, double *restrict scratch) {
     const int64_t W = G / 32;
@@ -610,7 +656,7 @@ void gz_sign_encode(const float *restrict x, int64_t rows, int64_t G, uint32_t *
                 store_u(sr + j, s ? load_u(sr + j) | bit : bit);
             }
         }
-        gz_row_sums(xr, 1, G, 1, row_sums + r, 0, scratch);
+        row_sums[r] = row_pairwise(xr, G, 1, scratch);
     }
 }
 

@@ -327,13 +327,13 @@ def row_sums(flat: Tensor, group: int, kinds: tuple[str, ...]) -> list[Tensor] |
     ``group`` elements (a power of two) of a 1-D fp32 tensor of whole rows, one ``(rows,)``
     tensor per kind, all from one read; ``kinds`` is one kind, or one and ``square``."""
     lib = _ready(flat)
-    if lib is None or flat.dtype != torch.float32 or flat.dim() != 1 or group < 2 or group & (group - 1):
+    if lib is None or flat.dtype != torch.float32 or flat.dim() != 1 or group < 64 or group & (group - 1):
         return None
     if flat.numel() % group or len(kinds) not in (1, 2) or (len(kinds) == 2 and kinds[1] != "square"):
         return None
     rows = flat.numel() // group
     out = [torch.empty(rows, dtype=torch.float64) for _ in kinds]
-    scratch = torch.empty(group, dtype=torch.float64)
+    scratch = torch.empty(group // 4, dtype=torch.float64)
     squares = out[1].data_ptr() if len(kinds) == 2 else None
     lib.gz_row_sums(flat.data_ptr(), rows, group, _KIND_CODES[kinds[0]], out[0].data_ptr(), squares, scratch.data_ptr())
     return out
@@ -451,7 +451,7 @@ def sign_encoder(sums: list[Tensor]) -> Encoder:
             return None
         signs = torch.empty(rows, group // 32, dtype=torch.int32)
         row_sums = torch.empty(rows, dtype=torch.float64)
-        scratch = torch.empty(group // 2, dtype=torch.float64)
+        scratch = torch.empty(group // 8, dtype=torch.float64)
         lib.gz_sign_encode(x.data_ptr(), rows, group, signs.data_ptr(), row_sums.data_ptr(), scratch.data_ptr())
         sums.append(row_sums)
         return (signs,)

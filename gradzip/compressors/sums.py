@@ -65,8 +65,6 @@ def total(sums: Tensor) -> float:
 def ordered_sums(flat: Tensor, kinds: tuple[str, ...]) -> list[float]:
     """The sums of ``flat`` (1-D) of each kind in :data:`KINDS`, in the defined order: the whole
     rows of fp32 CPU tensors by the native loop (one read for all kinds), the rest in torch."""
-    from gradzip.compressors import native
-
     numel = flat.numel()
     whole = numel - numel % ROW
     found = native.row_sums(flat[:whole], ROW, kinds) if whole else None
