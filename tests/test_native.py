@@ -140,6 +140,18 @@ def test_row_sums_equal_torch_bit_for_bit(kinds, monkeypatch):
     assert sums.total(found[0]) == pytest.approx(float(x.double().abs().sum() if kinds == ("abs",) else (x.double() ** 2).sum() if kinds == ("square",) else x.double().sum()), rel=1e-12)
 
 
+def test_fp32_moments_equal_torch_bit_for_bit(monkeypatch):
+    """TernGrad's moments of fp32 input, summed in fp32 in the same pairs by both paths."""
+    monkeypatch.setenv(fused.ENV, "1")
+    x = _gradient_like(5 * sums.ROW, 8) + 0.125
+    found = native.row_sums(x, sums.ROW, ("plain", "square"), torch.float32)
+    assert found is not None and all(t.dtype == torch.float32 for t in found)
+    assert torch.equal(found[0], sums.row_sums(x, "plain", torch.float32))
+    assert torch.equal(found[1], sums.row_sums(x, "square", torch.float32))
+    assert sums.total(found[0]) == pytest.approx(float(x.double().sum()), rel=1e-5)
+    assert native.row_sums(x, sums.ROW, ("abs",), torch.float32) is None
+
+
 def test_scales_from_sums_equal_eager_near_a_rounding_midpoint(monkeypatch):
     """Sums whose exact value sits next to an fp32 rounding midpoint: any other order of the fp64
     additions rounds the scale the other way (found by trying to break the loops)."""

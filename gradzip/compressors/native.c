@@ -423,6 +423,34 @@ INLINE void row_pairwise_moments(const float *restrict x, int64_t G, double *res
     *squares = second[0];
 }
 
+/* The values' and squares' pairwise sums of rows of G floats in single precision (the same
+ * pairs as row_pairwise, 8 lanes wide: sums.py with wide=float32); scratch holds G / 4 floats */
+void gz_row_moments_f32(const float *restrict x, int64_t rows, int64_t G, float *restrict sums,
+                        float *restrict squares, float *restrict scratch) {
+    const int64_t span = G / 8;
+    float *first = scratch, *second = scratch + span;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *xr = x + r * G;
+        for (int64_t i = 0; i + LANES <= span; i += LANES) {
+            vf y[8];
+            for (int m = 0; m < 8; m++) y[m] = load_f(xr + i + m * span);
+            const vf d = ((y[0] + y[4]) + (y[2] + y[6])) + ((y[1] + y[5]) + (y[3] + y[7]));
+            const vf e = ((y[0] * y[0] + y[4] * y[4]) + (y[2] * y[2] + y[6] * y[6])) +
+                         ((y[1] * y[1] + y[5] * y[5]) + (y[3] * y[3] + y[7] * y[7]));
+            store_f(first + i, d);
+            store_f(second + i, e);
+        }
+        for (int64_t half = span / 2; half >= 1; half /= 2) {
+            for (int64_t i = 0; i < half; i++) {
+                first[i] = first[i] + first[i + half];
+                second[i] = second[i] + second[i + half];
+            }
+        }
+        sums[r] = first[0];
+        squares[r] = second[0];
+    }
+}
+
 /* Each row's pairwise sum of kind 0 (values), 1 (magnitudes) or 2 (squares); with `squares`
  * (kind 0 only), also the squares', from the same read. scratch holds G / 4 doubles. */
 void gz_row_sums(const float *restrict x, int64_t rows, int64_t G, int32_t kind, double *restrict sums,

@@ -107,13 +107,14 @@ def _fits_fp32(scales: Tensor, low: float) -> bool:
 
 
 def _std(flat: Tensor) -> float:
-    """The population standard deviation of ``flat`` from its sum and sum of squares, added in
-    fp64 in the order of :mod:`gradzip.compressors.sums` (the same bits from the native loop,
-    one read, and from torch; ``torch.std`` runs several times slower on CPU). Where the mean
+    """The population standard deviation of ``flat`` (fp32 or fp64) from its sum and sum of
+    squares, added in its own precision in the order of :mod:`gradzip.compressors.sums` (the
+    same bits from the native loop, one read, and from torch; ``torch.std`` runs several times
+    slower on CPU; the clipping bound needs no more digits than fp32 holds). Where the mean
     dwarfs the spread, so that the difference of moments loses its digits, ``torch.std``.
-    Returns inf where the squares overflow fp64."""
+    Returns inf where the squares overflow."""
     numel = flat.numel()
-    total, squares = ordered_sums(flat, ("plain", "square"))
+    total, squares = ordered_sums(flat, ("plain", "square"), flat.dtype)
     mean = total / numel
     mean_square = squares / numel
     variance = mean_square - mean * mean

@@ -5,7 +5,7 @@ deviation, signSGD's mean magnitude). torch adds in an order that depends on the
 vector width and the thread count, and the same values added in another order differ in their
 last bits, so the native loops and torch would send different scales now and then. Here the
 order is part of the definition: the values in fp64 (the squares of fp32, fp16 and bf16 values
-are exact there), in rows of :data:`ROW` elements (the last padded with zeros), each row summed
+are exact there; or in fp32, where a sum's last digits do not matter), in rows of :data:`ROW` elements (the last padded with zeros), each row summed
 pairwise in halves (element ``i`` plus element ``i + h`` for ``h = ROW / 2, ROW / 4, ..., 1``),
 then the row sums the same way, padded with zeros to a power of two. torch computes it with
 elementwise adds of halves (the same on every device); the native loop
@@ -27,13 +27,14 @@ ROW = BLOCK
 KINDS = ("plain", "abs", "square")
 
 
-def row_sums(flat: Tensor, kind: str) -> Tensor:
-    """The pairwise fp64 sum of each row of :data:`ROW` elements of ``flat`` (1-D, any float
-    dtype; the last row padded with zeros), as ``(ceil(n / ROW),)`` fp64."""
+def row_sums(flat: Tensor, kind: str, wide: torch.dtype = torch.float64) -> Tensor:
+    """The pairwise sum of each row of :data:`ROW` elements of ``flat`` (1-D, any float dtype;
+    the last row padded with zeros) in ``wide`` (fp64, or fp32 where a sum's last digits do
+    not matter), as ``(ceil(n / ROW),)``."""
     assert kind in KINDS
     numel = flat.numel()
     rows = -(-numel // ROW)
-    wide = flat.to(torch.float64)
+    wide = flat.to(wide)
     if kind == "abs":
         wide = wide.abs()
     elif kind == "square":
@@ -49,7 +50,7 @@ def row_sums(flat: Tensor, kind: str) -> Tensor:
 
 
 def total(sums: Tensor) -> float:
-    """The pairwise sum of fp64 row sums, padded with zeros to a power of two."""
+    """The pairwise sum of row sums (in their dtype), padded with zeros to a power of two."""
     count = sums.numel()
     if count == 0:
         return 0.0
@@ -62,13 +63,17 @@ def total(sums: Tensor) -> float:
     return float(sums[0])
 
 
-def ordered_sums(flat: Tensor, kinds: tuple[str, ...]) -> list[float]:
-    """The sums of ``flat`` (1-D) of each kind in :data:`KINDS`, in the defined order: the whole
-    rows of fp32 CPU tensors by the native loop (one read for all kinds), the rest in torch."""
+def ordered_sums(flat: Tensor, kinds: tuple[str, ...], wide: torch.dtype = torch.float64) -> list[float]:
+    """The sums of ``flat`` (1-D) of each kind in :data:`KINDS`, in the defined order and
+    precision: the whole rows of fp32 CPU tensors by the native loop (one read for all kinds),
+    the rest in torch."""
     numel = flat.numel()
     whole = numel - numel % ROW
-    found = native.row_sums(flat[:whole], ROW, kinds) if whole else None
+    found = native.row_sums(flat[:whole], ROW, kinds, wide) if whole else None
     if found is None:
-        return [total(row_sums(flat, kind)) for kind in kinds]
+        return [total(row_sums(flat, kind, wide)) for kind in kinds]
     tail = flat[whole:]
-    return [total(torch.cat([rows, row_sums(tail, kind)]) if tail.numel() else rows) for rows, kind in zip(found, kinds, strict=True)]
+    return [
+        total(torch.cat([rows, row_sums(tail, kind, wide)]) if tail.numel() else rows)
+        for rows, kind in zip(found, kinds, strict=True)
+    ]
