@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from codec_runs import bits_of, run_codec
 
 from gradzip.compressors import build, fused, native
 from gradzip.compressors.dither import hash_key, hashed_dither
@@ -31,31 +32,21 @@ CASES = [
 ]
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.element_size() == 1 else t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def _run(spec: str, x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    codec = build(spec)
-    payload = codec.compress(x, step=3, key="layer")
-    return payload.tensors, codec.decompress(payload, like=x)
-
-
 @pytest.mark.parametrize(("spec", "numel", "kernels"), CASES)
 def test_compiled_equals_eager(spec, numel, kernels, monkeypatch):
     gen = torch.Generator().manual_seed(numel)
     x = torch.randn(numel, generator=gen) * torch.rand(numel, generator=gen) * 1e-2
     monkeypatch.setenv(fused.ENV, "0")
-    eager_payload, eager_out = _run(spec, x)
+    eager_payload, eager_out = run_codec(spec, x)
     monkeypatch.setenv(fused.ENV, "1")
-    payload, out = _run(spec, x)
+    payload, out = run_codec(spec, x)
     compiled = {name.split("[")[0] for name in fused.compile_seconds}
     assert set(kernels) <= compiled, f"not compiled: {set(kernels) - compiled}"
     assert len(payload) == len(eager_payload)
     for got, want in zip(payload, eager_payload, strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
-        assert torch.equal(_bits(got), _bits(want))
-    assert torch.equal(_bits(out), _bits(eager_out))
+        assert torch.equal(bits_of(got), bits_of(want))
+    assert torch.equal(bits_of(out), bits_of(eager_out))
     assert sum(t.numel() * t.element_size() for t in payload) == build(spec).payload_nbytes(numel)
 
 
@@ -66,12 +57,12 @@ def test_compiled_equals_eager_outside_the_fp32_frame(spec, monkeypatch):
     gen = torch.Generator().manual_seed(7)
     x = (torch.rand(64 * 9 + 5, generator=gen) * 2 - 1) * 3e38
     monkeypatch.setenv(fused.ENV, "0")
-    eager_payload, eager_out = _run(spec, x)
+    eager_payload, eager_out = run_codec(spec, x)
     monkeypatch.setenv(fused.ENV, "1")
-    payload, out = _run(spec, x)
+    payload, out = run_codec(spec, x)
     for got, want in zip(payload, eager_payload, strict=True):
-        assert torch.equal(_bits(got), _bits(want))
-    assert torch.equal(_bits(out), _bits(eager_out))
+        assert torch.equal(bits_of(got), bits_of(want))
+    assert torch.equal(bits_of(out), bits_of(eager_out))
     assert bool(torch.isfinite(out).all())
 
 
@@ -81,13 +72,13 @@ def test_terngrad_without_an_element_at_the_bound(monkeypatch):
     gen = torch.Generator().manual_seed(8)
     x = torch.rand(3 * fused.BLOCK + 5, generator=gen) * 2 - 1
     monkeypatch.setenv(fused.ENV, "0")
-    eager_payload, eager_out = _run("terngrad", x)
+    eager_payload, eager_out = run_codec("terngrad", x)
     monkeypatch.setenv(fused.ENV, "1")
-    payload, out = _run("terngrad", x)
+    payload, out = run_codec("terngrad", x)
     assert float(payload[1]) == float(x.abs().max())
     for got, want in zip(payload, eager_payload, strict=True):
-        assert torch.equal(_bits(got), _bits(want))
-    assert torch.equal(_bits(out), _bits(eager_out))
+        assert torch.equal(bits_of(got), bits_of(want))
+    assert torch.equal(bits_of(out), bits_of(eager_out))
 
 
 def test_warm_up_compiles_before_the_first_bucket(monkeypatch):

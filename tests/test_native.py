@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from codec_runs import bits_of, run_codec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -13,31 +14,21 @@ from gradzip.compressors.dither import hash_key
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the native loops are unavailable")
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.uint8) if t.element_size() == 1 else t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
-def _run(spec: str, x: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    codec = build(spec)
-    payload = codec.compress(x, step=3, key="layer")
-    return payload.tensors, codec.decompress(payload, like=x)
-
-
 def _native_equals_eager(spec: str, x: torch.Tensor, monkeypatch, *, compiled_too: bool = False) -> tuple[torch.Tensor, ...]:
     """Runs ``spec`` eagerly, then with the native loops on (compiled kernels off where the
     loops take over: a kernel compiled in the second run means a loop did not run, unless
     ``compiled_too``), and asserts the same bytes. Returns the payload."""
     monkeypatch.setenv(fused.ENV, "0")
-    eager_payload, eager_out = _run(spec, x)
+    eager_payload, eager_out = run_codec(spec, x)
     monkeypatch.setenv(fused.ENV, "1")
     monkeypatch.setattr(fused, "compile_seconds", {})
-    payload, out = _run(spec, x)
+    payload, out = run_codec(spec, x)
     assert compiled_too or not fused.compile_seconds, f"compiled instead of native: {sorted(fused.compile_seconds)}"
     assert len(payload) == len(eager_payload)
     for got, want in zip(payload, eager_payload, strict=True):
         assert got.dtype == want.dtype and got.shape == want.shape
-        assert torch.equal(_bits(got), _bits(want))
-    assert torch.equal(_bits(out), _bits(eager_out))
+        assert torch.equal(bits_of(got), bits_of(want))
+    assert torch.equal(bits_of(out), bits_of(eager_out))
     return payload
 
 
@@ -236,9 +227,9 @@ def test_uniform_with_nan_and_huge_groups_equals_eager(monkeypatch):
     x = _gradient_like(64 * 50, 11)
     x[70] = float("nan")
     monkeypatch.setenv(fused.ENV, "0")
-    eager_payload, eager_out = _run("uniform:bits=8", x)
+    eager_payload, eager_out = run_codec("uniform:bits=8", x)
     monkeypatch.setenv(fused.ENV, "1")
-    payload, out = _run("uniform:bits=8", x)
+    payload, out = run_codec("uniform:bits=8", x)
     for got, want in zip(payload, eager_payload, strict=True):
-        assert torch.equal(_bits(got), _bits(want))
-    assert torch.equal(_bits(out), _bits(eager_out))
+        assert torch.equal(bits_of(got), bits_of(want))
+    assert torch.equal(bits_of(out), bits_of(eager_out))
