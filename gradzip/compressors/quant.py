@@ -484,7 +484,7 @@ class Uniform(Compressor):
 
     Shapes and dtypes: any shape, fp16, bf16, fp32 or fp64 in. Payload tensors: codes
     ``(ceil(n * bits / 8),)`` uint8, minima and maxima ``(ceil(n / group),)`` each in the input
-    dtype. Payload: ``ceil(n * bits / 8) + 2 * ceil(n / group) * itemsize(dtype)`` bytes.
+    dtype (a zero among them as +0.0). Payload: ``ceil(n * bits / 8) + 2 * ceil(n / group) * itemsize(dtype)`` bytes.
 
     Raises:
         ValueError: if ``bits`` is not 1, 2, 4 or 8, ``group < 1``, ``rounding`` is not
