@@ -107,9 +107,10 @@ def make_hook(spec: str, **options: Any):
 
 
 def warm_up_kernels(spec: str) -> float:
-    """Compile the fused kernels of ``spec``'s codec (:mod:`gradzip.compressors.fused`) before
-    the first step, on a small tensor: compiling takes seconds, and inside a step it would count
-    in step times and time to target while the other ranks wait in a collective.
+    """Compile the fused kernels of ``spec``'s codec (:mod:`gradzip.compressors.fused`), and
+    build the native loops (:mod:`gradzip.compressors.native`) unless cached, before the first
+    step, on a small tensor: either takes seconds, and inside a step it would count in step
+    times and time to target while the other ranks wait in a collective.
 
     Returns:
         the seconds it took; 0.0 for PyTorch's hooks, ``auto`` (pass its candidates one by

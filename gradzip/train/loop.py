@@ -141,7 +141,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     specs = cfg.auto_config().candidate_specs() if cfg.compressor.strip().lower() == "auto" else [cfg.compressor]
     kernels_s = sum(warm_up_kernels(spec) for spec in specs) if device.type == "cpu" else 0.0
     if is_main and kernels_s > 1.0:
-        print(f"compiled the codec's kernels in {kernels_s:.1f} s", file=sys.stderr)
+        print(f"codec kernels ready in {kernels_s:.1f} s (compiled, native loops built unless cached)", file=sys.stderr)
     optimizer = build_optimizer(cfg, model, metrics=par.state.metrics)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     data_gen = batch_generator(cfg.seed, rank)
