@@ -233,3 +233,20 @@ def test_uniform_with_nan_and_huge_groups_equals_eager(monkeypatch):
     for got, want in zip(payload, eager_payload, strict=True):
         assert torch.equal(bits_of(got), bits_of(want))
     assert torch.equal(bits_of(out), bits_of(eager_out))
+
+
+def test_direct_calls_outside_what_the_loops_read(monkeypatch):
+    """The wrappers refuse what their C loops would misread (found by calling them directly)."""
+    monkeypatch.setenv(fused.ENV, "1")
+    for factory in (native.qsgd_encoder, native.qsgd_decoder):
+        with pytest.raises(ValueError, match="bits must be one of 1, 2, 4, 8; got 3"):
+            factory(7, 3)
+    with pytest.raises(ValueError, match="bits"):
+        native.uniform_encoder(7, 3, False)
+    with pytest.raises(ValueError, match="bits"):
+        native.uniform_decoder(16)
+    x = _gradient_like(64 * 100, 13)
+    assert native.row_sums(x, 64, ("plain",), torch.float16) is None
+    assert native.row_sums(x, 64, ("abs", "square")) is None
+    assert native.qsgd_encoder(15, 4)(x.view(-1, 40)[:, :33].contiguous(), list(hash_key(0, 0, 0)), 0) is None
+    assert native.abs_max(torch._efficientzerotensor(64)) is None

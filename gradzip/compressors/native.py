@@ -182,6 +182,9 @@ def _ready(*tensors: Tensor) -> ctypes.CDLL | None:
     for t in tensors:
         if t.device.type != "cpu" or t.dtype not in (torch.float32, torch.int32) or not t.is_contiguous():
             return None
+        if t.numel() and t.data_ptr() == 0:
+            # a tensor without storage (torch's zero tensors)
+            return None
     return library()
 
 
@@ -189,6 +192,13 @@ def _fits(t: Tensor, rows: int, cols: int | None = None) -> bool:
     """Whether ``t`` holds exactly ``rows`` (and ``cols`` per row) elements, the sizes the C
     loops read: a mismatch is left to the torch kernels (and their errors), never read past."""
     return t.numel() == rows * (1 if cols is None else cols) and (cols is None or t.shape[-1] == cols)
+
+
+def _check_bits(bits: int) -> int:
+    """Raises: ValueError unless ``bits`` is a code width the loops have (1, 2, 4 or 8)."""
+    if bits not in (1, 2, 4, 8):
+        raise ValueError(f"bits must be one of 1, 2, 4, 8; got {bits!r}")
+    return bits
 
 
 def _u32(value: int | Tensor) -> int:
@@ -202,11 +212,16 @@ Decoder = Callable[[list[Tensor], list[Tensor], int], "Tensor | None"]
 def qsgd_encoder(levels: int, bits: int) -> Encoder:
     """QSGD's fused fp32 encoding with ``norm=max`` (:func:`gradzip.compressors.quant._qsgd_encoder`
     with its row statistics): ``(x (rows, G), [key_low, key_high], first) -> (sign words (rows,
-    G / 32), level words (rows, G * bits / 32), scales (rows,))``, or None."""
+    G / 32), level words (rows, G * bits / 32), scales (rows,))``, or None.
+
+    Raises:
+        ValueError: if ``bits`` is not 1, 2, 4 or 8.
+    """
+    _check_bits(bits)
 
     def encode(x: Tensor, params: list[Tensor], first: int) -> tuple[Tensor, ...] | None:
         lib = _ready(x)
-        if lib is None or x.dtype != torch.float32:
+        if lib is None or x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] % 32:
             return None
         rows, group = x.shape
         signs = torch.empty(rows, group // 32, dtype=torch.int32)
@@ -223,7 +238,12 @@ def qsgd_encoder(levels: int, bits: int) -> Encoder:
 
 
 def qsgd_decoder(levels: int, bits: int) -> Decoder:
-    """QSGD's fp32 decoding: ``([sign words, level words], [scales (rows, 1) fp32], G) -> (rows, G)``."""
+    """QSGD's fp32 decoding: ``([sign words, level words], [scales (rows, 1) fp32], G) -> (rows, G)``.
+
+    Raises:
+        ValueError: if ``bits`` is not 1, 2, 4 or 8.
+    """
+    _check_bits(bits)
 
     def decode(codes: list[Tensor], params: list[Tensor], group: int) -> Tensor | None:
         signs, words = codes
@@ -331,7 +351,9 @@ def row_sums(flat: Tensor, group: int, kinds: tuple[str, ...], wide: torch.dtype
     lib = _ready(flat)
     if lib is None or flat.dtype != torch.float32 or flat.dim() != 1 or group < 64 or group & (group - 1):
         return None
-    if flat.numel() % group or len(kinds) not in (1, 2) or (len(kinds) == 2 and kinds[1] != "square"):
+    if flat.numel() % group or wide not in (torch.float32, torch.float64):
+        return None
+    if kinds not in (("plain",), ("abs",), ("square",), ("plain", "square")):
         return None
     rows = flat.numel() // group
     out = [torch.empty(rows, dtype=wide) for _ in kinds]
@@ -406,7 +428,12 @@ def uniform_decode_params(low: Tensor, high: Tensor, prescale: float, steps: int
 def uniform_encoder(steps: int, bits: int, stochastic: bool) -> Encoder:
     """The uniform quantizer's fp32 encoding: ``(x (rows, G), [prescale, offset (rows, 1),
     inverse (rows, 1), key_low, key_high], first) -> (code words (rows, G * bits / 32),)``;
-    for rows of whole vector steps per lane (``G * bits / 32`` a multiple of 8)."""
+    for rows of whole vector steps per lane (``G * bits / 32`` a multiple of 8).
+
+    Raises:
+        ValueError: if ``bits`` is not 1, 2, 4 or 8.
+    """
+    _check_bits(bits)
 
     def encode(x: Tensor, params: list[Tensor], first: int) -> tuple[Tensor, ...] | None:
         prescale, offset, inverse, key_low, key_high = params
@@ -414,7 +441,8 @@ def uniform_encoder(steps: int, bits: int, stochastic: bool) -> Encoder:
         rows, group = x.shape
         words = group * bits // 32
         shapes_fit = _fits(offset, rows) and _fits(inverse, rows)
-        if lib is None or x.dtype != torch.float32 or offset.dtype != torch.float32 or words % LANES or not shapes_fit:
+        fp32 = x.dtype == offset.dtype == inverse.dtype == torch.float32
+        if lib is None or not fp32 or group % 32 or words % LANES or not shapes_fit:
             return None
         codes = torch.empty(rows, words, dtype=torch.int32)
         lib.gz_uniform_encode(
@@ -428,7 +456,12 @@ def uniform_encoder(steps: int, bits: int, stochastic: bool) -> Encoder:
 
 def uniform_decoder(bits: int) -> Decoder:
     """The uniform quantizer's fp32 decoding: ``([code words], [min, step, max (rows, 1),
-    unscale], G) -> (rows, G)``."""
+    unscale], G) -> (rows, G)``.
+
+    Raises:
+        ValueError: if ``bits`` is not 1, 2, 4 or 8.
+    """
+    _check_bits(bits)
 
     def decode(codes: list[Tensor], params: list[Tensor], group: int) -> Tensor | None:
         (words,) = codes
@@ -436,7 +469,8 @@ def uniform_decoder(bits: int) -> Decoder:
         lib = _ready(words, low_w, step, high_w)
         rows = words.shape[0]
         shapes_fit = _fits(words, rows, group * bits // 32) and all(_fits(p, rows) for p in (low_w, step, high_w))
-        if lib is None or low_w.dtype != torch.float32 or words.shape[1] % LANES or group % 32 or not shapes_fit:
+        fp32 = low_w.dtype == step.dtype == high_w.dtype == torch.float32
+        if lib is None or not fp32 or words.shape[1] % LANES or group % 32 or not shapes_fit:
             return None
         out = torch.empty(rows, group, dtype=torch.float32)
         lib.gz_uniform_decode(
