@@ -22,7 +22,7 @@ from gradzip import wire
 from gradzip.compressors import native, register
 from gradzip.compressors.base import Compressor, Payload, check_int
 from gradzip.compressors.fused import BLOCK, decode_rows, encode_rows, reduce_rows
-from gradzip.compressors.sums import ordered_sums, row_sums, total
+from gradzip.compressors.sums import ordered_sums, total_with_tail
 
 #: elements summed per step (1 MiB of fp32: stays in cache)
 SUM_CHUNK = 1 << 18
@@ -112,9 +112,8 @@ class _ScaledSign(Compressor):
         fast = native.sign_encoder(found) if flat.dtype == torch.float32 else None
         (signs,) = encode_rows(_nonnegative, (flat,), (), group=BLOCK, out_bits=(1,), native=fast)
         if found:
-            whole = numel - numel % BLOCK
-            rows = torch.cat([found[0], row_sums(flat[whole:], "abs")]) if whole < numel else found[0]
-            return Payload((signs, _mean_of(total(rows), numel, flat.dtype)))
+            tail = flat[numel - numel % BLOCK :]
+            return Payload((signs, _mean_of(total_with_tail(found[0], tail, "abs"), numel, flat.dtype)))
         return Payload((signs, mean_magnitude(flat)))
 
     def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:

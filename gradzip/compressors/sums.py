@@ -72,8 +72,10 @@ def ordered_sums(flat: Tensor, kinds: tuple[str, ...], wide: torch.dtype = torch
     found = native.row_sums(flat[:whole], ROW, kinds, wide) if whole else None
     if found is None:
         return [total(row_sums(flat, kind, wide)) for kind in kinds]
-    tail = flat[whole:]
-    return [
-        total(torch.cat([rows, row_sums(tail, kind, wide)]) if tail.numel() else rows)
-        for rows, kind in zip(found, kinds, strict=True)
-    ]
+    return [total_with_tail(rows, flat[whole:], kind, wide) for rows, kind in zip(found, kinds, strict=True)]
+
+
+def total_with_tail(rows: Tensor, tail: Tensor, kind: str, wide: torch.dtype = torch.float64) -> float:
+    """The total of the row sums of a tensor's whole rows (from the native loop) followed by
+    its ``tail`` (fewer than :data:`ROW` elements, summed here)."""
+    return total(torch.cat([rows, row_sums(tail, kind, wide)]) if tail.numel() else rows)
