@@ -396,33 +396,6 @@ INLINE double row_pairwise(const float *restrict x, int64_t G, const int kind, d
     return buffer[0];
 }
 
-/* row_pairwise of the values and of their squares together, from one read of the row; the
- * buffer holds G / 4 doubles */
-INLINE void row_pairwise_moments(const float *restrict x, int64_t G, double *restrict buffer, double *sum,
-                                 double *squares) {
-    const int64_t span = G / 8;
-    double *second = buffer + span;
-    for (int64_t i = 0; i + 4 <= span; i += 4) {
-        vd y[8], q[8];
-        for (int m = 0; m < 8; m++) {
-            y[m] = wide4(x + i + m * span, 0);
-            q[m] = y[m] * y[m];
-        }
-        const vd d = ((y[0] + y[4]) + (y[2] + y[6])) + ((y[1] + y[5]) + (y[3] + y[7]));
-        const vd e = ((q[0] + q[4]) + (q[2] + q[6])) + ((q[1] + q[5]) + (q[3] + q[7]));
-        memcpy(buffer + i, &d, sizeof d);
-        memcpy(second + i, &e, sizeof e);
-    }
-    for (int64_t half = span / 2; half >= 1; half /= 2) {
-        for (int64_t i = 0; i < half; i++) {
-            buffer[i] = buffer[i] + buffer[i + half];
-            second[i] = second[i] + second[i + half];
-        }
-    }
-    *sum = buffer[0];
-    *squares = second[0];
-}
-
 /* The values' and squares' pairwise sums of rows of G floats in single precision (the same
  * pairs as row_pairwise, 8 lanes wide: sums.py with wide=float32); scratch holds G / 4 floats */
 void gz_row_moments_f32(const float *restrict x, int64_t rows, int64_t G, float *restrict sums,
@@ -451,16 +424,12 @@ void gz_row_moments_f32(const float *restrict x, int64_t rows, int64_t G, float 
     }
 }
 
-/* Each row's pairwise sum of kind 0 (values), 1 (magnitudes) or 2 (squares); with `squares`
- * (kind 0 only), also the squares', from the same read. scratch holds G / 4 doubles. */
+/* Each row's pairwise sum of kind 0 (values), 1 (magnitudes) or 2 (squares), in double.
+ * scratch holds G / 8 doubles. */
 void gz_row_sums(const float *restrict x, int64_t rows, int64_t G, int32_t kind, double *restrict sums,
-                 double *restrict squares, double *restrict scratch) {
+                 double *restrict scratch) {
     for (int64_t r = 0; r < rows; r++) {
         const float *xr = x + r * G;
-        if (squares) {
-            row_pairwise_moments(xr, G, scratch, sums + r, squares + r);
-            continue;
-        }
         switch (kind) {
         case 1: sums[r] = row_pairwise(xr, G, 1, scratch); break;
         case 2: sums[r] = row_pairwise(xr, G, 2, scratch); break;

@@ -70,7 +70,7 @@ _SIGNATURES = {
     "gz_natural_encode": (_P, _I64, _I64, _U32, _U32, _U32, _P, _P),
     "gz_natural_decode": (_P, _P, _I64, _I64, _P),
     "gz_at_least": (_P, _I64, _F32, _P, _P, _I64),
-    "gz_row_sums": (_P, _I64, _I64, _I32, _P, _P, _P),
+    "gz_row_sums": (_P, _I64, _I64, _I32, _P, _P),
     "gz_row_moments_f32": (_P, _I64, _I64, _P, _P, _P),
     "gz_abs_max": (_P, _I64),
     "gz_min_max": (_P, _I64, _I64, _P, _P),
@@ -346,26 +346,23 @@ _KIND_CODES = {"plain": 0, "abs": 1, "square": 2}
 def row_sums(flat: Tensor, group: int, kinds: tuple[str, ...], wide: torch.dtype = torch.float64) -> list[Tensor] | None:
     """The pairwise row sums of :func:`gradzip.compressors.sums.row_sums` for the rows of
     ``group`` elements (a power of two, >= 64) of a 1-D fp32 tensor of whole rows, one
-    ``(rows,)`` tensor in ``wide`` per kind, all from one read; ``kinds`` is one kind, or
-    ``("plain", "square")``, the only kinds summed in fp32 (``wide=torch.float32``)."""
+    ``(rows,)`` tensor in ``wide`` per kind: one kind in fp64, or ``("plain", "square")`` in
+    fp32 from one read (TernGrad's moments)."""
     lib = _ready(flat)
     if lib is None or flat.dtype != torch.float32 or flat.dim() != 1 or group < 64 or group & (group - 1):
         return None
     if flat.numel() % group or wide not in (torch.float32, torch.float64):
         return None
-    if kinds not in (("plain",), ("abs",), ("square",), ("plain", "square")):
+    if kinds not in ((("plain", "square"),) if wide == torch.float32 else (("plain",), ("abs",), ("square",))):
         return None
     rows = flat.numel() // group
     out = [torch.empty(rows, dtype=wide) for _ in kinds]
     if wide == torch.float32:
-        if kinds != ("plain", "square"):
-            return None
         scratch = torch.empty(group // 4, dtype=torch.float32)
         lib.gz_row_moments_f32(flat.data_ptr(), rows, group, out[0].data_ptr(), out[1].data_ptr(), scratch.data_ptr())
         return out
-    scratch = torch.empty(group // 4, dtype=torch.float64)
-    squares = out[1].data_ptr() if len(kinds) == 2 else None
-    lib.gz_row_sums(flat.data_ptr(), rows, group, _KIND_CODES[kinds[0]], out[0].data_ptr(), squares, scratch.data_ptr())
+    scratch = torch.empty(group // 8, dtype=torch.float64)
+    lib.gz_row_sums(flat.data_ptr(), rows, group, _KIND_CODES[kinds[0]], out[0].data_ptr(), scratch.data_ptr())
     return out
 
 
