@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradzip.comm.simulate import simulate_ranks
+from gradzip.comm.reference import simulate_ranks
 from gradzip.comm.traffic import choose_collective, plan_chunks
 from gradzip.compressors import build
 from gradzip.control.sparsity import warmup_ratio

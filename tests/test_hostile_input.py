@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from tiny_run import write_corpus
 
-from gradzip.cli import build_parser, main
 from gradzip.compressors import REGISTRY, Compressor, build, parse_spec
-from gradzip.train import launch
-from gradzip.train.hooks import make_hook
+from gradzip.lab.cli import build_parser, main
+from gradzip.lab.train import launch
+from gradzip.lab.train.hooks import make_hook
 
 FUZZ = settings(max_examples=int(os.environ.get("FUZZ_N", 150)), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -1,6 +1,6 @@
 """Non-finite gradients and extreme finite values through every registered codec.
 
-Contract (``gradzip.comm.guard``): finite input never becomes inf or NaN; inf or NaN on any rank
+Contract (``gradzip.comm.nonfinite``): finite input never becomes inf or NaN; inf or NaN on any rank
 makes the bucket all NaN on every rank, and the step leaves residuals, warm-start factors and
 codec state exactly as they were.
 """
@@ -13,7 +13,7 @@ from tiny_run import same
 
 import gradzip
 from gradzip.comm import make_reducer
-from gradzip.comm.simulate import simulate_ranks
+from gradzip.comm.reference import simulate_ranks
 from gradzip.compressors import build
 from gradzip.feedback import ErrorFeedback
 from gradzip.testing import run_ranks

@@ -15,18 +15,18 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradzip.bench import split_specs as bench_split
-from gradzip.cli import main
 from gradzip.comm import make_reducer
-from gradzip.comm.guard import with_marker_slot
-from gradzip.comm.simulate import simulate_ranks
-from gradzip.compare.core import split_compressors
+from gradzip.comm.nonfinite import with_marker_slot
+from gradzip.comm.reference import simulate_ranks
 from gradzip.compressors import build
 from gradzip.feedback import ErrorFeedback
 from gradzip.fsdp import CompressedReduceScatter
+from gradzip.lab.bench import split_specs as bench_split
+from gradzip.lab.cli import main
+from gradzip.lab.compare.core import split_compressors
+from gradzip.lab.simulate.cli import split_specs as simulate_split
 from gradzip.metrics import StepMetrics
 from gradzip.optim.dgc import WarmupReducer, split_training_options
-from gradzip.simulate.cli import split_specs as simulate_split
 from gradzip.testing import run_ranks
 
 WORLD_SIZE = 3

@@ -17,7 +17,7 @@ When a bucket changes codec its error-feedback residual is taken from the old re
 to the bucket's next gradient before the new codec sees it, so nothing compression dropped is
 lost, whatever the new codec keeps (a dense exchange sends it whole).
 
-The candidate reducers share one :class:`~gradzip.comm.guard.StepLedger`: a step skipped for a
+The candidate reducers share one :class:`~gradzip.comm.nonfinite.StepLedger`: a step skipped for a
 non-finite gradient in any bucket is put back in every candidate's state, and a non-finite
 gradient does not enter the window's gradient sums.
 """
@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from gradzip.comm import guard
+from gradzip.comm import nonfinite
 from gradzip.comm.powersgd import PowerSGDReducer
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.comm.reducer import CompressedReducer
@@ -114,7 +114,7 @@ class AdaptiveReducer:
         self.group = group
         self.queue = queue or CollectiveQueue()
         self.metrics = metrics or StepMetrics()
-        self.ledger = guard.StepLedger()
+        self.ledger = nonfinite.StepLedger()
         self.reducers = [self._make(c) for c in codecs]
         self.choices: dict[Hashable, int] = {}
         self.carry: dict[Hashable, Tensor] = {}
@@ -165,7 +165,7 @@ class AdaptiveReducer:
         if key not in self._order:
             self._order.append(key)
         in_window = self.window_start <= step < self.window_end
-        if in_window and self.controller.needs_gradient_sum and guard.is_finite(grad):
+        if in_window and self.controller.needs_gradient_sum and nonfinite.is_finite(grad):
             total = self._sums.get(key)
             if total is None or total.shape != grad.shape:
                 self._sums[key] = grad.detach().float().clone()

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from gradzip import wire
+from gradzip.compressors.kernels import wire
 
 
 @dataclass(frozen=True)

@@ -3,14 +3,14 @@
 A ``b``-bit code costs ``b`` bits on the wire: codes are packed per row of ``group``
 (``bucket``) elements into 32-bit words, planar when the row length is a multiple of 32 (word
 ``j`` of a row holds codes ``j, j + W, ...``, sent as its four little-endian bytes, see
-:func:`gradzip.compressors.fused.fold`; TernGrad and natural compression use rows of
-:data:`gradzip.compressors.fused.BLOCK`), and as :func:`gradzip.wire.pack_bits` lays them out
+:func:`gradzip.compressors.kernels.fused.fold`; TernGrad and natural compression use rows of
+:data:`gradzip.compressors.kernels.fused.BLOCK`), and as :func:`gradzip.compressors.kernels.wire.pack_bits` lays them out
 otherwise and in a short last row. Arithmetic runs
 in fp32 (fp64 for fp64 input, and for fp32 input whose scales sit near the ends of the fp32
 range), so no finite input turns into inf or NaN: zeros, denormals, values near the dtype's
 largest and a single huge outlier all decode to finite values. Stochastic rounding draws its
-dither from :func:`gradzip.compressors.dither.hashed_dither` (exact to 2**-17 of a
-quantization step). The elementwise loops are compiled (:mod:`gradzip.compressors.fused`);
+dither from :func:`gradzip.compressors.kernels.dither.hashed_dither` (exact to 2**-17 of a
+quantization step). The elementwise loops are compiled (:mod:`gradzip.compressors.kernels.fused`);
 compiled and eager runs give the same bytes.
 """
 
@@ -23,11 +23,11 @@ from functools import cache
 import torch
 from torch import Tensor
 
-from gradzip import wire
-from gradzip.compressors import native, register
+from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload, check_int
-from gradzip.compressors.dither import hash_key, hashed_dither
-from gradzip.compressors.fused import (
+from gradzip.compressors.kernels import native, wire
+from gradzip.compressors.kernels.dither import hash_key, hashed_dither
+from gradzip.compressors.kernels.fused import (
     BLOCK,
     WORD_BITS,
     Kernel,
@@ -37,7 +37,7 @@ from gradzip.compressors.fused import (
     min_max_rows,
     reduce_rows,
 )
-from gradzip.compressors.sums import ordered_sums
+from gradzip.compressors.kernels.sums import ordered_sums
 
 #: rows of groups handled per step of the encoding loops (about 1 MiB of fp32: stays in cache)
 CHUNK = 1 << 18
@@ -108,7 +108,7 @@ def _fits_fp32(scales: Tensor, low: float) -> bool:
 
 def _std(flat: Tensor) -> float:
     """The population standard deviation of ``flat`` (fp32 or fp64) from its sum and sum of
-    squares, added in its own precision in the order of :mod:`gradzip.compressors.sums` (the
+    squares, added in its own precision in the order of :mod:`gradzip.compressors.kernels.sums` (the
     same bits from the native loop, one read, and from torch; ``torch.std`` runs several times
     slower on CPU; the clipping bound needs no more digits than fp32 holds). Where the mean
     dwarfs the spread, so that the difference of moments loses its digits, ``torch.std``.
