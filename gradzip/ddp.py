@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from gradzip.comm import Reducer, make_reducer
 from gradzip.comm.queue import CollectiveQueue
+from gradzip.comm.warmup import WarmupReducer
 from gradzip.compressors import Compressor, build
 from gradzip.metrics import StepMetrics, relative_difference
 
@@ -82,7 +83,7 @@ class CompressionState:
 
     def _make_reducer(self) -> Reducer:
         if self.is_auto:
-            from gradzip.comm.adaptive import AdaptiveReducer
+            from gradzip.control.adaptive import AdaptiveReducer
             from gradzip.control.auto import AutoConfig, make_controller
 
             cfg = (self.auto or AutoConfig()).validate()
@@ -183,3 +184,35 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     if last:
         state.step += 1
     return fut
+
+
+class WarmupState(CompressionState):
+    """:class:`~gradzip.ddp.CompressionState` whose reducer is a :class:`WarmupReducer`, for
+    ``compression_hook``: ``WarmupState("dgc:ratio=0.001", warmup_steps=200, clip_norm=1.0)``.
+    Other keyword arguments as :class:`~gradzip.ddp.CompressionState`.
+
+    Raises:
+        ValueError: as :class:`WarmupReducer`.
+    """
+
+    def __init__(self, compressor: str, *, warmup_steps: int = 0, warmup_stages: int = 4,
+                 clip_norm: float | None = None, **kwargs: Any) -> None:
+        self.warmup = {"warmup_steps": warmup_steps, "warmup_stages": warmup_stages, "clip_norm": clip_norm}
+        super().__init__(compressor, **kwargs)
+
+    def _make_reducer(self) -> Reducer:
+        return WarmupReducer(
+            self.spec, **self.warmup, group=self.process_group, error_feedback=self.error_feedback,
+            collective=self.collective, min_compress_bytes=self.min_compress_bytes, queue=self.queue,
+            metrics=self.metrics,
+        )
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "warmup": self.warmup}
+
+    def __setstate__(self, data: dict[str, Any]) -> None:
+        warmup = data["warmup"]
+        super().__setstate__(data)  # re-runs __init__ without the warm-up options: rebuild with them
+        self.warmup = warmup
+        self.reducer = self._make_reducer()
+        self.load_state_dict(data["state"])

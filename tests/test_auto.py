@@ -21,7 +21,8 @@ from gradzip.control.auto import (
     link_rows,
     parse_candidates,
 )
-from gradzip.metrics import BucketFigures, CandidateFigures, StepMetrics, WindowFigures
+from gradzip.control.figures import BucketFigures, CandidateFigures, WindowFigures
+from gradzip.metrics import StepMetrics
 from gradzip.testing import run_ranks
 
 SPECS = ["none", "fp16", "topk:ratio=0.01", "powersgd:approx_rank=4"]
@@ -140,7 +141,7 @@ def _grad(rank: int, step: int, key: int) -> torch.Tensor:
 
 
 def _agreement(rank: int, world_size: int) -> dict:
-    from gradzip.comm.adaptive import AdaptiveReducer
+    from gradzip.control.adaptive import AdaptiveReducer
     from gradzip.control.auto import make_controller
 
     out = {}
@@ -186,7 +187,7 @@ FORCED = {2: "topk:ratio=0.1", 5: "powersgd:approx_rank=1", 8: "fp16", 10: "none
 
 
 def _forced(rank: int, world_size: int) -> dict:
-    from gradzip.comm.adaptive import AdaptiveReducer
+    from gradzip.control.adaptive import AdaptiveReducer
     from gradzip.control.auto import make_controller
 
     cfg = AutoConfig(adapt_every=1000, candidates=("fp16", "topk:ratio=0.1", "powersgd:approx_rank=1"))

@@ -12,10 +12,11 @@ from hypothesis import strategies as st
 
 from gradzip.comm.reference import simulate_ranks
 from gradzip.comm.traffic import choose_collective, plan_chunks
+from gradzip.comm.warmup import WarmupReducer
 from gradzip.compressors import build
+from gradzip.compressors.spec import split_training_options
 from gradzip.control.sparsity import warmup_ratio
-from gradzip.feedback import ErrorFeedback
-from gradzip.optim.dgc import DGCMemory, WarmupReducer, split_training_options
+from gradzip.feedback import DGCMemory, ErrorFeedback
 from gradzip.testing import run_ranks
 
 

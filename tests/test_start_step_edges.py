@@ -18,7 +18,9 @@ import torch.distributed as dist
 from gradzip.comm import make_reducer
 from gradzip.comm.nonfinite import with_marker_slot
 from gradzip.comm.reference import simulate_ranks
+from gradzip.comm.warmup import WarmupReducer
 from gradzip.compressors import build
+from gradzip.compressors.spec import split_training_options
 from gradzip.feedback import ErrorFeedback
 from gradzip.fsdp import CompressedReduceScatter
 from gradzip.lab.bench import split_specs as bench_split
@@ -26,7 +28,6 @@ from gradzip.lab.cli import main
 from gradzip.lab.compare.core import split_compressors
 from gradzip.lab.simulate.cli import split_specs as simulate_split
 from gradzip.metrics import StepMetrics
-from gradzip.optim.dgc import WarmupReducer, split_training_options
 from gradzip.testing import run_ranks
 
 WORLD_SIZE = 3

@@ -73,15 +73,13 @@ def build(spec: str | Compressor) -> Compressor:
     codecs = [_instantiate(name, params) for name, params in parts]
     if len(codecs) == 1:
         return codecs[0]
-    try:
-        from gradzip.compressors.compose import Composed
-    except ImportError:
-        raise SpecError(f"spec {spec!r} joins codecs with '+', and no codec composition is installed") from None
+    from gradzip.compressors.compose import Composed  # compose imports this registry
+
     return Composed(codecs)
 
 
 # Registration happens on import of each family.
-from gradzip.compressors import cast, lowrank, quant, sign, sparse  # noqa: E402,F401
+from gradzip.compressors import cast, lowrank, natural, qsgd, sign, sparse, terngrad, uniform  # noqa: E402,F401
 
 __all__ = [
     "Compressor",

@@ -283,8 +283,8 @@ class DGC(Sparsifier):
     Biased; not aggregatable; used with error feedback (the paper's local gradient
     accumulation).
     Momentum correction and momentum factor masking move SGD's momentum into the memory
-    (:class:`gradzip.optim.dgc.DGCMemory`); local gradient clipping and the sparsity warm-up
-    are the main job's ``dgc:...,warmup_steps=N,clip_norm=C`` (:mod:`gradzip.optim.dgc`).
+    (:class:`gradzip.feedback.DGCMemory`); local gradient clipping and the sparsity warm-up
+    are the main job's ``dgc:...,warmup_steps=N,clip_norm=C`` (:mod:`gradzip.comm.warmup`).
 
     Args:
         ratio: kept fraction in (0, 1]; ``k = clamp(round(ratio * numel), 1, numel)``.

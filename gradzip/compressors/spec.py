@@ -95,3 +95,28 @@ def parse_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
             params[key] = parse_value(value)
         parts.append((name, params))
     return parts
+
+
+#: spec options handled by the reducer (DGC's warm-up and clipping) rather than by the codec
+TRAINING_OPTIONS = ("warmup_steps", "warmup_stages", "clip_norm")
+
+
+def split_training_options(spec: str) -> tuple[str, dict[str, Any]]:
+    """``(codec spec, options)``: ``dgc:ratio=0.001,warmup_steps=100`` gives
+    ``("dgc:ratio=0.001", {"warmup_steps": 100})``; options are :data:`TRAINING_OPTIONS`."""
+    parts = parse_spec(spec)
+    if len(parts) != 1:
+        return spec, {}
+    name, params = parts[0]
+    options = {k: params.pop(k) for k in TRAINING_OPTIONS if k in params}
+    if not options:
+        return spec, {}
+    return format_spec(name, params), options
+
+
+def format_spec(name: str, params: dict[str, Any]) -> str:
+    """``name:key=value,...`` that :func:`gradzip.compressors.parse_spec` reads back as ``params``
+    (floats in their shortest exact form)."""
+    if not params:
+        return name
+    return name + ":" + ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in params.items())

@@ -22,10 +22,6 @@ COMMANDS = [
 ]
 
 
-class UsageError(ValueError):
-    """A bad command-line value; printed as one line, exit code 2."""
-
-
 def one_line(text: object) -> str:
     """``text`` with its line breaks escaped, so a message quoting user input stays one line."""
     return str(text).strip().replace("\r", "\\r").replace("\n", "\\n")

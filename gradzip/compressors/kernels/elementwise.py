@@ -44,14 +44,6 @@ def less(src: Tensor, value: float | Tensor) -> Tensor:
     return src < value
 
 
-def cast_into(src: Tensor, out: Tensor) -> Tensor:
-    """``out[:] = src`` with C casting (floats truncate toward zero into integer ``out``)."""
-    if numpy_ok(src, out) and src.is_contiguous() and out.is_contiguous():
-        np.copyto(out.numpy(), src.numpy(), casting="unsafe")
-        return out
-    return out.copy_(src)
-
-
 def flatnonzero(mask: Tensor) -> Tensor:
     """Positions (int64, ascending) of the true (nonzero) elements of a 1-D bool or uint8
     tensor (NumPy's counting nonzero on CPU, about 4x faster than torch's)."""
@@ -125,24 +117,3 @@ def unpack_codes(packed: Tensor, bits: int, numel: int) -> Tensor:
     for lane in range(per_byte):
         np.bitwise_and(source >> np.uint8(lane * bits), mask, out=codes[lane::per_byte])
     return torch.from_numpy(codes[:numel])
-
-
-def scaled_cast_into(src: Tensor, scale: float, out: Tensor) -> Tensor:
-    """``out[:] = src * scale`` in one pass on CPU, cast C-style (truncating into integer ``out``).
-
-    The product is computed in whichever of ``src`` and ``out`` is floating.
-    """
-    if numpy_ok(src, out) and src.is_contiguous() and out.is_contiguous():
-        floating = src.numpy().dtype if src.is_floating_point() else out.numpy().dtype
-        np.multiply(src.numpy(), floating.type(scale), out=out.numpy(), casting="unsafe")
-        return out
-    work = src.dtype if src.is_floating_point() else out.dtype
-    return out.copy_(src.to(work) * scale)
-
-
-def offset_cast_into(src: Tensor, offset: float, out: Tensor) -> Tensor:
-    """``out[:] = src + offset``, converting (int16 to float, say) in one pass on CPU."""
-    if numpy_ok(src, out) and src.is_contiguous() and out.is_contiguous():
-        np.add(src.numpy(), out.numpy().dtype.type(offset), out=out.numpy(), casting="unsafe")
-        return out
-    return out.copy_(src).add_(offset)

@@ -110,7 +110,7 @@ static float abs_max(const float *x, int64_t n) {
 /* max |x| of n floats, exported (TernGrad without clipping) */
 float gz_abs_max(const float *x, int64_t n) { return abs_max(x, n); }
 
-/* ---- QSGD, norm=max (quant._qsgd_params, _qsgd_encoder, _qsgd_decoder) ---------------------- */
+/* ---- QSGD, norm=max (qsgd._qsgd_params, _qsgd_encoder, _qsgd_decoder) ---------------------- */
 
 /* 32 slices of W = G / 32 columns; signs one piece, levels `bits` pieces. */
 INLINE void qsgd_chunk(const float *x, int64_t stride, vu position, uint32_t slice_span, float inverse, float L,
@@ -222,7 +222,7 @@ void gz_qsgd_decode(const uint32_t *signs, const uint32_t *codes, const float *s
     }
 }
 
-/* ---- TernGrad (quant._terngrad_encoder, _terngrad_decoder): 2-bit codes, 16 slices ---------- */
+/* ---- TernGrad (terngrad._terngrad_encoder, _terngrad_decoder): 2-bit codes, 16 slices ---------- */
 
 void gz_terngrad_encode(const float *restrict x, int64_t rows, int64_t G, float factor, float bound, uint32_t first,
                         uint32_t key_low, uint32_t key_high, uint32_t *restrict codes, float *restrict row_max) {
@@ -277,7 +277,7 @@ void gz_terngrad_decode(const uint32_t *restrict codes, int64_t rows, int64_t G,
     }
 }
 
-/* ---- natural compression, fp32 (quant._natural_encoder, _natural_decoder) ------------------- */
+/* ---- natural compression, fp32 (natural._natural_encoder, _natural_decoder) ------------------- */
 /* Signs 1 bit (32 slices, one piece), exponents 8 bits (8 pieces of 4 lanes). */
 
 void gz_natural_encode(const float *restrict x, int64_t rows, int64_t G, uint32_t first, uint32_t key_low,
@@ -438,7 +438,7 @@ void gz_row_sums(const float *restrict x, int64_t rows, int64_t G, int32_t kind,
     }
 }
 
-/* ---- the uniform quantizer (quant.Uniform: _min_max, _frame_statistics, _uniform_params,
+/* ---- the uniform quantizer (uniform.Uniform: _min_max, _frame_statistics, _uniform_params,
  * _uniform_encoder, _uniform_decode_params, _uniform_decoder) ----------------------------------- */
 
 /* lane-wise minimum and maximum reduced across the 8 lanes (torch's amin/amax for non-NaN) */

@@ -210,7 +210,7 @@ Decoder = Callable[[list[Tensor], list[Tensor], int], "Tensor | None"]
 
 
 def qsgd_encoder(levels: int, bits: int) -> Encoder:
-    """QSGD's fused fp32 encoding with ``norm=max`` (:func:`gradzip.compressors.quant._qsgd_encoder`
+    """QSGD's fused fp32 encoding with ``norm=max`` (:func:`gradzip.compressors.qsgd._qsgd_encoder`
     with its row statistics): ``(x (rows, G), [key_low, key_high], first) -> (sign words (rows,
     G / 32), level words (rows, G * bits / 32), scales (rows,))``, or None.
 
@@ -389,7 +389,7 @@ def min_max(flat: Tensor, group: int) -> tuple[Tensor, Tensor] | None:
 
 def frame(low: Tensor, high: Tensor) -> list[float] | None:
     """The uniform quantizer's frame statistics of fp32 group minima and maxima (see
-    :func:`gradzip.compressors.quant._frame_statistics`), as three floats."""
+    :func:`gradzip.compressors.uniform._frame_statistics`), as three floats."""
     lib = _ready(low, high)
     if lib is None or low.dtype != torch.float32 or high.dtype != torch.float32 or high.numel() != low.numel():
         return None
@@ -400,7 +400,7 @@ def frame(low: Tensor, high: Tensor) -> list[float] | None:
 
 def uniform_params(low: Tensor, high: Tensor, prescale: float, steps: int, stochastic: bool) -> tuple[Tensor, Tensor] | None:
     """The uniform quantizer's fp32 encoding parameters per group, ``(offset, inverse)`` (see
-    :func:`gradzip.compressors.quant._uniform_params`)."""
+    :func:`gradzip.compressors.uniform._uniform_params`)."""
     lib = _ready(low, high)
     if lib is None or low.dtype != torch.float32 or high.dtype != torch.float32 or high.numel() != low.numel():
         return None

@@ -12,9 +12,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 from gradzip.comm.traffic import allreduce_bytes
 from gradzip.compressors import SpecError, build, parse_spec
 from gradzip.compressors.kernels import fused
-from gradzip.ddp import CompressionState, compression_hook
+from gradzip.compressors.spec import split_training_options
+from gradzip.ddp import CompressionState, WarmupState, compression_hook
 from gradzip.metrics import StepMetrics
-from gradzip.optim.dgc import WarmupState, split_training_options
 
 TORCH_HOOKS = ("allreduce", "fp16", "bf16", "powersgd")
 

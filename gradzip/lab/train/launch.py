@@ -16,7 +16,6 @@ import json
 import multiprocessing.connection
 import os
 import signal
-import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -220,8 +219,3 @@ def _resume_hint(out: str) -> str:
     except NoUsableCheckpoint:
         return "; no checkpoint to resume from"
     return f"; resume with --resume {out} (last complete checkpoint: {folder.name})"
-
-
-def main_guard() -> None:
-    if sys.platform == "win32":
-        raise SystemExit("gradzip train needs a POSIX system")

@@ -40,15 +40,8 @@ from gradzip.comm.queue import CollectiveQueue
 from gradzip.comm.reducer import CompressedReducer
 from gradzip.comm.traffic import allreduce_bytes
 from gradzip.compressors import Compressor, build
-from gradzip.metrics import (
-    BucketFigures,
-    CandidateFigures,
-    Plan,
-    StepMetrics,
-    WindowFigures,
-    quality_figures,
-    sampled_entropy,
-)
+from gradzip.control.figures import BucketFigures, CandidateFigures, Plan, WindowFigures, sampled_entropy
+from gradzip.metrics import StepMetrics, quality_figures
 
 # numel, itemsize, payload_bytes, sent_bytes, -communicate_s, collectives, gradient_sum_norm, entropy
 _BUCKET_FIELDS = 8
