@@ -28,7 +28,7 @@ def list_compressors() -> list[str]:
     return sorted(REGISTRY)
 
 
-def _instantiate(name: str, params: dict[str, Any]) -> Compressor:
+def instantiate(name: str, params: dict[str, Any]) -> Compressor:
     if name not in REGISTRY:
         raise SpecError(f"unknown compressor {name!r}; known: {', '.join(list_compressors())}")
     cls = REGISTRY[name]
@@ -70,7 +70,7 @@ def build(spec: str | Compressor) -> Compressor:
     if isinstance(spec, Compressor):
         return spec
     parts = parse_spec(spec)
-    codecs = [_instantiate(name, params) for name, params in parts]
+    codecs = [instantiate(name, params) for name, params in parts]
     if len(codecs) == 1:
         return codecs[0]
     from gradzip.compressors.compose import Composed  # compose imports this registry
@@ -89,6 +89,7 @@ __all__ = [
     "build",
     "check_int",
     "check_ratio",
+    "instantiate",
     "kept_count",
     "list_compressors",
     "register",

@@ -134,9 +134,11 @@ class AutoConfig:
 
 
 def parse_candidates(text: str) -> tuple[str, ...]:
-    """``"none;fp16;powersgd:approx_rank=4"`` -> a tuple of specs (``;`` separates, as ``,`` is
-    taken by codec parameters)."""
-    return tuple(part.strip() for part in text.split(";") if part.strip())
+    """``"none,fp16,powersgd:approx_rank=4"`` (or ``;``-separated) -> a tuple of specs, by the
+    list rule of every option (:func:`gradzip.compressors.spec.split_spec_list`)."""
+    from gradzip.compressors.spec import split_spec_list
+
+    return tuple(split_spec_list(text, name="--auto-candidates"))
 
 
 def make_controller(cfg: AutoConfig, specs: Sequence[str]):
