@@ -89,12 +89,12 @@ class CompressionState:
     def _make_reducer(self) -> Reducer:
         opts = self.options
         if self.is_auto:
-            from gradzip.control.adaptive import AdaptiveReducer
             from gradzip.control.auto import AutoConfig, make_controller
+            from gradzip.control.auto_reducer import AutoReducer
 
             cfg = (opts["auto"] or AutoConfig()).validate()
             specs = cfg.candidate_specs()
-            return AdaptiveReducer(
+            return AutoReducer(
                 specs, make_controller(cfg, specs), group=self.process_group, queue=self.queue, metrics=self.metrics
             )
         common = {

@@ -3,7 +3,7 @@
 Controllers read :class:`~gradzip.metrics.WindowFigures` (figures over a window of steps,
 all-reduced so that every rank sees the same numbers) and return a
 :class:`~gradzip.metrics.Plan`. They are deterministic functions of what they have seen, so every
-rank reaches the same decisions. :class:`~gradzip.control.adaptive.AdaptiveReducer` carries them out.
+rank reaches the same decisions. :class:`~gradzip.control.auto_reducer.AutoReducer` carries them out.
 
 Schedules (``--auto-schedule``):
 
