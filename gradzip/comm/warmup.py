@@ -82,7 +82,7 @@ class WarmupReducer:
         """Raise ``ValueError`` unless ``codec`` has a ``ratio`` and the options are in range."""
         if not hasattr(codec, "ratio") or codec.name not in REGISTRY:
             raise SpecError(
-                f"warmup_steps, warmup_stages and clip_norm need a codec with a ratio (topk, dgc, ...); got {codec.spec!r}"
+                f"warmup_steps and clip_norm need a codec with a ratio (topk, dgc, ...); got {codec.spec!r}"
             )
         check_int(warmup_steps, name="warmup_steps", low=0)
         check_int(warmup_stages, name="warmup_stages", low=1)
