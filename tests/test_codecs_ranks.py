@@ -1,15 +1,15 @@
 """Spawned gloo ranks: case C4 (Random-K agrees across ranks whatever their global RNG) and every
 codec of the family through real DDP training with bit-identical replicas."""
 
-import time
-
+import pytest
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
+from helpers.ddp_replicas import mlp, train_replica
 
-import gradzip
 from gradzip.comm import make_reducer
 from gradzip.compressors import REGISTRY, build
 from gradzip.testing import run_ranks
+
+pytestmark = pytest.mark.dist
 
 DDP_SPECS = sorted(n for n, cls in REGISTRY.items() if not cls.multi_round) + [
     "randomk:ratio=0.1,unbiased=true",
@@ -54,43 +54,18 @@ def test_case_c4_random_k_agrees_across_ranks_with_different_global_rngs():
             torch.testing.assert_close(got[selected], mean[selected] * scale)
 
 
-def _mlp(seed: int) -> torch.nn.Module:
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return torch.nn.Sequential(
-            torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5)
-        )
-
-
 def train_every_codec(rank, world_size, specs):
     """A few DDP steps per codec, several buckets, uneven compute; final parameters and bytes."""
     results = {}
     for spec in specs:
-        model = _mlp(1)
-        ddp = DDP(model, bucket_cap_mb=0.004)
-        state = gradzip.CompressionState(spec)
-        ddp.register_comm_hook(state, gradzip.compression_hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-        gen = torch.Generator().manual_seed(rank)
-        sent = []
-        for step in range(4):
-            x = torch.randn(8, 20, generator=gen)
-            opt.zero_grad()
-            loss = ddp(x).square().mean()
-            if rank == world_size - 1:
-                time.sleep(0.01 * (step % 2))  # uneven compute: callbacks finish in different orders
-            loss.backward()
-            opt.step()
-            metrics = state.metrics.pop()
-            sent.append((metrics["payload_bytes"], metrics["dense_bytes"]))
-        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        params, sent, _ = train_replica(rank, world_size, spec, steps=4, pause_s=0.01)
         results[spec] = (params, sent, bool(torch.isfinite(params).all()))
     return results
 
 
 def test_every_codec_trains_ddp_with_bit_identical_replicas_on_three_ranks():
     results = run_ranks(train_every_codec, 3, DDP_SPECS, timeout_s=240)
-    initial = torch.cat([p.detach().reshape(-1) for p in _mlp(1).parameters()])
+    initial = torch.cat([p.detach().reshape(-1) for p in mlp(1).parameters()])
     for spec in DDP_SPECS:
         params, sent, finite = results[0][spec]
         assert finite, spec

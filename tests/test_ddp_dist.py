@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.ddp_replicas import mlp, train_replica
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -15,13 +16,9 @@ from gradzip.comm import make_reducer
 from gradzip.compressors.base import seeded_generator
 from gradzip.testing import run_ranks
 
+pytestmark = pytest.mark.dist
+
 SPECS = ["none", "fp16", "bf16", "topk:ratio=0.05", "powersgd:approx_rank=2", "powersgd:approx_rank=1,warm_start=false"]
-
-
-def _mlp(seed: int) -> torch.nn.Module:
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
 
 
 def _grads(model):
@@ -39,7 +36,7 @@ def hooks_against_pytorch(rank, world_size):
     gen = torch.Generator().manual_seed(100 + rank)
     results = {}
     for spec, torch_hook in pairs:
-        ours, theirs = DDP(_mlp(0), bucket_cap_mb=0.002), DDP(_mlp(0), bucket_cap_mb=0.002)
+        ours, theirs = DDP(mlp(0), bucket_cap_mb=0.002), DDP(mlp(0), bucket_cap_mb=0.002)
         ours.register_comm_hook(gradzip.CompressionState(spec), gradzip.compression_hook)
         theirs.register_comm_hook(None, torch_hook)
         equal = True
@@ -73,27 +70,7 @@ def casts_past_range_against_pytorch(rank, world_size):
 
 def train_replicas(rank, world_size, specs):
     """For each spec, several DDP steps with several buckets and uneven compute per rank."""
-    return {spec: _train_replica(rank, world_size, spec) for spec in specs}
-
-
-def _train_replica(rank, world_size, spec):
-    model = _mlp(1)
-    ddp = DDP(model, bucket_cap_mb=0.004)
-    state = gradzip.CompressionState(spec)
-    ddp.register_comm_hook(state, gradzip.compression_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    gen = torch.Generator().manual_seed(rank)
-    payload = []
-    for step in range(5):
-        x = torch.randn(8, 20, generator=gen)
-        opt.zero_grad()
-        loss = ddp(x).square().mean()
-        if rank == world_size - 1:
-            time.sleep(0.05 * (step % 2))  # uneven compute: callbacks finish in different orders
-        loss.backward()
-        opt.step()
-        payload.append(state.metrics.pop()["payload_bytes"])
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), payload, state.step
+    return {spec: train_replica(rank, world_size, spec, steps=5, pause_s=0.05) for spec in specs}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -120,16 +97,17 @@ def test_fp16_bf16_saturate_past_range_and_equal_pytorch_within_it():
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_codec_leaves_ranks_bit_identical(world_size):
     results = run_ranks(train_replicas, world_size, SPECS)
-    dense_bytes = sum(p.numel() for p in _mlp(1).parameters()) * 4
+    dense_bytes = sum(p.numel() for p in mlp(1).parameters()) * 4
     for spec in SPECS:
-        params0, payload0, steps0 = results[0][spec]
+        params0, sent0, steps0 = results[0][spec]
         assert steps0 == 5
         for other in results[1:]:
             assert torch.equal(other[spec][0], params0), spec
+        payload, _ = sent0[-1]
         if spec == "none":
-            assert payload0[-1] == dense_bytes
+            assert payload == dense_bytes
         else:
-            assert payload0[-1] < dense_bytes, spec
+            assert payload < dense_bytes, spec
 
 
 def powersgd_reference_check(rank, world_size):

@@ -155,6 +155,7 @@ def _hooked_checks(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.dist
 def test_exactness_check_and_quality_through_the_hook():
     results = run_ranks(_hooked_checks, 3, timeout_s=90)
     for rank_result in results:

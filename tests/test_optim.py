@@ -336,6 +336,7 @@ def _zeroone(rank: int) -> dict:
     return {"snapshots": snapshots, "syncs": syncs, "final": final, "resumed_equal": params_equal(model, resumed)}
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_compressed_adams_on_gloo_ranks(world_size):
     results = run_ranks(_ranks, world_size)
