@@ -16,6 +16,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from gradzip.integrations.tensorboard import summary_writer
 from gradzip.metrics import QUALITY_FIELDS
 
 BUCKET_FIELDS = ("codec", "payload_bytes", "dense_bytes", "compress_s", "decompress_s", "communicate_s")
@@ -50,11 +51,7 @@ class QualityMonitor:
         self.events: list[dict[str, Any]] = []
         self.writer = None
         if tensorboard_dir is not None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as exc:  # the optional dependency is missing
-                raise ImportError("--tensorboard needs the 'tensorboard' package (pip install tensorboard)") from exc
-            self.writer = SummaryWriter(log_dir=str(tensorboard_dir))
+            self.writer = summary_writer(tensorboard_dir)
 
     @property
     def warning(self) -> str | None:
