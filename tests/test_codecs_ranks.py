@@ -1,4 +1,4 @@
-"""Spawned gloo ranks: case C4 (Random-K agrees across ranks whatever their global RNG) and every
+"""Spawned gloo ranks: Random-K agrees across ranks whatever their global RNG, and every
 codec of the family through real DDP training with bit-identical replicas."""
 
 import pytest
@@ -21,26 +21,26 @@ DDP_SPECS = sorted(n for n, cls in REGISTRY.items() if not cls.multi_round) + [
     "randomk:ratio=0.1+fp16",
     "powersgd:approx_rank=1",
 ]
-C4_SPECS = ("randomk:ratio=0.3", "randomk:ratio=0.3,unbiased=true")
+RANDOM_K_SPECS = ("randomk:ratio=0.3", "randomk:ratio=0.3,unbiased=true")
 
 
-def case_c4(rank, world_size):
+def random_k_under_different_global_rngs(rank, world_size):
     """Random-K, numel 10, k 3, global RNGs seeded differently on each rank."""
     torch.manual_seed(1000 + 17 * rank)
     torch.rand(rank + 1)  # and advanced by different amounts
     out = {}
-    for spec in C4_SPECS:
+    for spec in RANDOM_K_SPECS:
         reducer = make_reducer(spec)
         grad = torch.arange(10.0) + 100.0 * rank
         out[spec] = reducer.reduce("w", grad, step=5).wait()
     return out
 
 
-def test_case_c4_random_k_agrees_across_ranks_with_different_global_rngs():
+def test_random_k_agrees_across_ranks_with_different_global_rngs():
     world_size = 2
-    results = run_ranks(case_c4, world_size)
+    results = run_ranks(random_k_under_different_global_rngs, world_size)
     mean = torch.arange(10.0) + 100.0 * (world_size - 1) / 2
-    for spec in C4_SPECS:
+    for spec in RANDOM_K_SPECS:
         codec = build(spec)
         indices = codec.indices(10, step=5, key="w")
         assert indices.numel() == 3 and indices.unique().numel() == 3
