@@ -112,8 +112,9 @@ def test_error_feedback_codec_with_a_low_norm_ratio_but_a_bounded_residual_gets_
     s = mon.summary()
     assert s["norm_warning"] is None and s["norm_warning_episodes"] == []
     assert s["quality"]["0"]["feedback_ratio_max"] == pytest.approx(6.7)
-    [line] = mon.summary_lines()
-    assert line.startswith("bucket 0: error feedback: residual 6.70x the gradient") and "low by design" in line
+    figures, meaning = mon.summary_lines()
+    assert figures.startswith("bucket 0: error-feedback residual 6.70x the gradient (median; max 6.70)")
+    assert "low norm ratio is by design" in meaning and "above 20x" in meaning
 
 
 def test_error_feedback_warning_for_a_residual_that_keeps_growing_or_a_codec_that_does_not_contract():
@@ -139,7 +140,8 @@ def test_buckets_with_and_without_error_feedback_are_judged_each_by_its_own_figu
         mon.observe(step, comm)
     assert mon.warning == "norm ratio < 0.9 for 2+ checks: bucket 1"
     lines = mon.summary_lines()
-    assert lines[0].startswith("bucket 0: error feedback") and lines[1].startswith("bucket 1: norm ratio 0.500")
+    assert lines[0].startswith("bucket 0: error-feedback residual 5.00x") and lines[1].startswith("bucket 1: norm ratio 0.500")
+    assert "by design" in lines[2] and "share of the gradient's length" in lines[3] and lines[4].startswith("WARNING")
 
 
 def test_monitor_rejects_bad_settings():

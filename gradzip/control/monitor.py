@@ -198,19 +198,27 @@ class QualityMonitor:
         for name, q in s["quality"].items():
             if "feedback_ratio_median" in q:
                 lines.append(
-                    f"bucket {name}: error feedback: residual {q['feedback_ratio_median']:.2f}x the gradient "
-                    f"(median; max {q['feedback_ratio_max']:.2f}; a warning above {self.feedback_limit:g}x), "
-                    f"relative error {q['relative_error_median']:.3f} (the residual stays bounded while it is "
-                    f"under 1); per step norm ratio {q['norm_ratio_median']:.3f}, cosine {q['cosine_median']:.3f}: "
-                    f"low by design, what a step drops is sent later; over {q['checks']} checks"
+                    f"bucket {name}: error-feedback residual {q['feedback_ratio_median']:.2f}x the gradient (median; "
+                    f"max {q['feedback_ratio_max']:.2f}), relative error {q['relative_error_median']:.3f}, "
+                    f"norm ratio {q['norm_ratio_median']:.3f}, cosine {q['cosine_median']:.3f} over {q['checks']} checks"
                 )
             elif "norm_ratio_median" in q:
                 lines.append(
-                    f"bucket {name}: norm ratio {q['norm_ratio_median']:.3f} (min {q['norm_ratio_min']:.3f}; the share "
-                    f"of the gradient's length that arrives, a warning under {self.threshold:g}), "
+                    f"bucket {name}: norm ratio {q['norm_ratio_median']:.3f} (min {q['norm_ratio_min']:.3f}), "
                     f"cosine {q.get('cosine_median', float('nan')):.3f}, relative error "
                     f"{q.get('relative_error_median', float('nan')):.3f} over {q['checks']} checks"
                 )
+        if any("feedback_ratio_median" in q for q in s["quality"].values()):
+            lines.append(
+                "  with error feedback a low norm ratio is by design (what a step drops is sent in later steps); "
+                f"trouble is a residual that is never paid back: a warning above {self.feedback_limit:g}x the "
+                "gradient, or at a relative error >= 1"
+            )
+        if any("feedback_ratio_median" not in q and "norm_ratio_median" in q for q in s["quality"].values()):
+            lines.append(
+                "  without error feedback the norm ratio is the share of the gradient's length that arrives: "
+                f"a warning under {self.threshold:g}"
+            )
         for name, diff in sorted(s["verify_max_relative_difference"].items(), key=lambda kv: _bucket_order(kv[0])):
             lines.append(f"bucket {name}: exactness check, largest relative difference from dense {diff:.3g}")
         for e in s["auto_decisions"]:
