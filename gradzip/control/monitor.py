@@ -65,7 +65,7 @@ class QualityMonitor:
         self.threshold = float(threshold)
         self.patience = patience
         self.feedback_limit = float(feedback_limit)
-        self.feedback: set[str] = set()  # buckets whose codec keeps an error-feedback residual
+        self.feedback: set[str] = set()  # buckets whose codec kept an error-feedback residual at their last check
         self.low_checks: dict[str, int] = {}
         self.warned: list[str] = []
         self.episodes: list[dict[str, Any]] = []
@@ -137,7 +137,8 @@ class QualityMonitor:
         if "feedback_ratio" in quality:
             self.feedback.add(name)
             low = quality["relative_error"] >= 1.0 or quality["feedback_ratio"] > self.feedback_limit
-        else:
+        else:  # (auto may change a bucket's codec: the latest check tells its family)
+            self.feedback.discard(name)
             low = quality["norm_ratio"] < self.threshold
         if low:
             self.low_checks[name] = self.low_checks.get(name, 0) + 1
