@@ -165,6 +165,7 @@ def _agreement(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.dist
 def test_auto_decisions_identical_on_all_ranks():
     results = run_ranks(_agreement, 3, timeout_s=120)
     for schedule in ("cost", "accordion", "legacy", "edgc"):
@@ -212,6 +213,7 @@ def _forced(rank: int, world_size: int) -> dict:
             "decided_at": [e["step"] for e in metrics.events if e["kind"] == "auto"]}
 
 
+@pytest.mark.dist
 def test_forced_codec_changes_keep_error_feedback_consistent():
     results = run_ranks(_forced, 2, timeout_s=120)
     for r in results:
@@ -230,6 +232,7 @@ def test_forced_codec_changes_keep_error_feedback_consistent():
         assert float(owed.norm()) > 0.05 * float(expected.norm())  # PowerSGD at the end owes a real residual
 
 
+@pytest.mark.e2e
 def test_train_auto_with_monitoring_and_verify_writes_it_all(tmp_path):
     import json
     import subprocess

@@ -53,6 +53,7 @@ def _dead(pid: int) -> bool:
         return True
 
 
+@pytest.mark.e2e
 @needs_netns
 def test_two_hosts_qdisc_and_allreduce_bytes():
     with Cluster(2, "100mbit") as cluster:
@@ -91,6 +92,7 @@ def test_two_hosts_qdisc_and_allreduce_bytes():
     assert _ours(cluster) == []
 
 
+@pytest.mark.e2e
 @needs_netns
 def test_nothing_left_after_exit_and_killed_worker():
     with Cluster(2, "20mbit") as cluster:
@@ -126,6 +128,7 @@ def _start_owner() -> tuple[subprocess.Popen, str, int]:
     return owner, suffix, int(worker_pid)
 
 
+@pytest.mark.e2e
 @needs_netns
 def test_owner_terminated_or_killed():
     # SIGTERM: the owner's handler unwinds its `with` block, which removes everything

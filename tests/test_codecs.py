@@ -1,4 +1,5 @@
-"""Single-process properties of every codec, case C5, bad parameters, specs, list and bench."""
+"""Single-process properties of every codec, Top-K's kept counts and edges, bad parameters, specs,
+list and bench."""
 
 import json
 import math
@@ -32,7 +33,8 @@ SPECS = sorted(n for n, cls in REGISTRY.items() if not cls.multi_round) + [
     "signsgd:group=64",
 ]
 # Casting to a narrower float cannot represent the top of the wider range; those codecs are
-# covered by the case list's fp16 cases instead of the extreme-value test.
+# covered by test_casts_saturate_past_the_wire_range_and_match_a_plain_cast_within_it instead of
+# the extreme-value test.
 NARROWING = ("fp16", "bf16")
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 
@@ -186,7 +188,7 @@ def test_aggregatable_codecs_decode_the_sum_of_payloads_to_the_sum_of_decodes(sp
     torch.testing.assert_close(decoded_sum, sum_of_decoded, rtol=rtol, atol=rtol)
 
 
-def test_case_c5_topk_kept_counts_exact_full_ratio_empty_and_bad_ratios():
+def test_topk_keeps_ratio_times_numel_at_least_one_decodes_ratio_one_exactly_and_refuses_bad_ratios():
     x = _sample(1000, torch.float32, 0)
     assert build("topk:ratio=0.01").compress(x).tensors[0].numel() == 10
     assert build("topk:ratio=1e-6").compress(x[:10]).tensors[0].numel() == 1

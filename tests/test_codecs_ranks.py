@@ -1,15 +1,15 @@
-"""Spawned gloo ranks: case C4 (Random-K agrees across ranks whatever their global RNG) and every
+"""Spawned gloo ranks: Random-K agrees across ranks whatever their global RNG, and every
 codec of the family through real DDP training with bit-identical replicas."""
 
-import time
-
+import pytest
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
+from helpers.ddp_replicas import mlp, train_replica
 
-import gradzip
 from gradzip.comm import make_reducer
 from gradzip.compressors import REGISTRY, build
 from gradzip.testing import run_ranks
+
+pytestmark = pytest.mark.dist
 
 DDP_SPECS = sorted(n for n, cls in REGISTRY.items() if not cls.multi_round) + [
     "randomk:ratio=0.1,unbiased=true",
@@ -21,26 +21,26 @@ DDP_SPECS = sorted(n for n, cls in REGISTRY.items() if not cls.multi_round) + [
     "randomk:ratio=0.1+fp16",
     "powersgd:approx_rank=1",
 ]
-C4_SPECS = ("randomk:ratio=0.3", "randomk:ratio=0.3,unbiased=true")
+RANDOM_K_SPECS = ("randomk:ratio=0.3", "randomk:ratio=0.3,unbiased=true")
 
 
-def case_c4(rank, world_size):
+def random_k_under_different_global_rngs(rank, world_size):
     """Random-K, numel 10, k 3, global RNGs seeded differently on each rank."""
     torch.manual_seed(1000 + 17 * rank)
     torch.rand(rank + 1)  # and advanced by different amounts
     out = {}
-    for spec in C4_SPECS:
+    for spec in RANDOM_K_SPECS:
         reducer = make_reducer(spec)
         grad = torch.arange(10.0) + 100.0 * rank
         out[spec] = reducer.reduce("w", grad, step=5).wait()
     return out
 
 
-def test_case_c4_random_k_agrees_across_ranks_with_different_global_rngs():
+def test_random_k_agrees_across_ranks_with_different_global_rngs():
     world_size = 2
-    results = run_ranks(case_c4, world_size)
+    results = run_ranks(random_k_under_different_global_rngs, world_size)
     mean = torch.arange(10.0) + 100.0 * (world_size - 1) / 2
-    for spec in C4_SPECS:
+    for spec in RANDOM_K_SPECS:
         codec = build(spec)
         indices = codec.indices(10, step=5, key="w")
         assert indices.numel() == 3 and indices.unique().numel() == 3
@@ -54,43 +54,18 @@ def test_case_c4_random_k_agrees_across_ranks_with_different_global_rngs():
             torch.testing.assert_close(got[selected], mean[selected] * scale)
 
 
-def _mlp(seed: int) -> torch.nn.Module:
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return torch.nn.Sequential(
-            torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5)
-        )
-
-
 def train_every_codec(rank, world_size, specs):
     """A few DDP steps per codec, several buckets, uneven compute; final parameters and bytes."""
     results = {}
     for spec in specs:
-        model = _mlp(1)
-        ddp = DDP(model, bucket_cap_mb=0.004)
-        state = gradzip.CompressionState(spec)
-        ddp.register_comm_hook(state, gradzip.compression_hook)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-        gen = torch.Generator().manual_seed(rank)
-        sent = []
-        for step in range(4):
-            x = torch.randn(8, 20, generator=gen)
-            opt.zero_grad()
-            loss = ddp(x).square().mean()
-            if rank == world_size - 1:
-                time.sleep(0.01 * (step % 2))  # uneven compute: callbacks finish in different orders
-            loss.backward()
-            opt.step()
-            metrics = state.metrics.pop()
-            sent.append((metrics["payload_bytes"], metrics["dense_bytes"]))
-        params = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+        params, sent, _ = train_replica(rank, world_size, spec, steps=4, pause_s=0.01)
         results[spec] = (params, sent, bool(torch.isfinite(params).all()))
     return results
 
 
 def test_every_codec_trains_ddp_with_bit_identical_replicas_on_three_ranks():
     results = run_ranks(train_every_codec, 3, DDP_SPECS, timeout_s=240)
-    initial = torch.cat([p.detach().reshape(-1) for p in _mlp(1).parameters()])
+    initial = torch.cat([p.detach().reshape(-1) for p in mlp(1).parameters()])
     for spec in DDP_SPECS:
         params, sent, finite = results[0][spec]
         assert finite, spec

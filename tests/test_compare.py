@@ -1,7 +1,7 @@
 """``gradzip compare``: the figures from known runs, the orchestration (hung and crashed runs,
 emulated hosts) with a stand-in trainer, and a smoke run of the real main job on loopback.
 
-The stand-in trainer is ``fake_train.py`` beside this file.
+The stand-in trainer is ``helpers/fake_train.py``.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from fake_train import FAKE_PAYLOAD, HELLO_BYTES, fake_records
+from helpers.fake_train import FAKE_PAYLOAD, HELLO_BYTES, fake_records
 
 from gradzip.lab.cluster import support_problem
 from gradzip.lab.cluster.netns import list_namespaces
@@ -26,7 +26,7 @@ from gradzip.lab.compare import (
 )
 from gradzip.lab.compare.runner import RunResult
 
-FAKE_PREFIX = (sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_train.py"))
+FAKE_PREFIX = (sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "fake_train.py"))
 
 
 def test_split_compressors():
@@ -83,6 +83,7 @@ def _fake_config(tmp_path: Path, compressors: list[str], **kw) -> CompareConfig:
     )  # fmt: skip
 
 
+@pytest.mark.e2e
 def test_orchestration_hung_and_crashed_runs(tmp_path):
     lines = []
     cfg = _fake_config(tmp_path, ["fp16", "hang", "crash"], network="loopback", timeout_s=3.0)
@@ -114,6 +115,7 @@ def test_orchestration_hung_and_crashed_runs(tmp_path):
     assert [r["step_s"] for r in again] == [r["step_s"] for r in rows]
 
 
+@pytest.mark.e2e
 @pytest.mark.skipif(support_problem() is not None, reason=str(support_problem()))
 def test_orchestration_on_emulated_hosts(tmp_path):
     cfg = _fake_config(tmp_path, ["fp16"], network="emulated", bandwidth="1gbit")
@@ -132,6 +134,7 @@ def test_orchestration_on_emulated_hosts(tmp_path):
     assert not [n for n in list_namespaces() if n.startswith(f"gz-{os.getpid():06x}")]
 
 
+@pytest.mark.e2e
 def test_smoke_real_main_job_on_loopback(tmp_path):
     from gradzip.lab.cli import main
 

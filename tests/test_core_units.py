@@ -1,5 +1,5 @@
-"""Single-process tests of the core pieces: spec parser, cast / Top-K codecs, error feedback, and
-cases C5, C7 (codec side) and C8 of the design's case list."""
+"""Single-process tests of the core pieces: spec parser, cast / Top-K / PowerSGD codecs (payload
+formulas, kept counts, empty tensors) and error feedback (invariant, shape changes, state)."""
 
 import warnings
 
@@ -67,7 +67,7 @@ def test_identity_and_casts_decode_to_rounded_input():
     x = torch.tensor([1.0, 2.0, 3.0, 1e-4])
     assert torch.equal(build("none").decompress(build("none").compress(x), like=x), x)
     fp16 = build("fp16").compress(x)
-    assert fp16.tensors[0].dtype == torch.float16 and fp16.nbytes == 8  # C7: 2 bytes per element
+    assert fp16.tensors[0].dtype == torch.float16 and fp16.nbytes == 8  # 2 bytes per element on the wire
     assert torch.equal(build("fp16").decompress(fp16, like=x), x.half().float())
     assert torch.equal(build("bf16").decompress(build("bf16").compress(x), like=x), x.bfloat16().float())
 
@@ -80,7 +80,7 @@ def test_topk_keeps_exactly_the_largest_magnitudes():
     assert torch.equal(out, expected)
 
 
-def test_case_c5_topk_counts_and_edges():
+def test_topk_kept_count_is_at_least_one_full_ratio_is_exact_and_empty_stays_empty():
     assert kept_count(1000, 0.01) == 10
     assert kept_count(10, 1e-6) == 1
     x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
@@ -129,7 +129,7 @@ def test_error_feedback_does_not_modify_the_gradient():
     assert torch.equal(grad, torch.ones(4)) and torch.equal(out, torch.full((4,), 3.0))
 
 
-def test_case_c8_shape_change_restarts_with_warning_and_start_step_validated():
+def test_error_feedback_restarts_a_key_whose_shape_changed_with_a_warning_and_checks_start_step():
     feedback = ErrorFeedback(start_step=1)
     g100 = torch.ones(100)
     comp = feedback.compensate(0, g100, step=0)
@@ -163,7 +163,7 @@ def test_powersgd_payload_formula_and_rank_clamp():
     codec = PowerSGD(approx_rank=4)
     assert codec.matrix_payload_nbytes((100, 50)) == (100 + 50) * 4 * 4
     assert codec.matrix_payload_nbytes((8, 3, 3)) == (8 + 9) * 4 * 4
-    # C3: (n + m) r >= n m travels uncompressed, and the rank clamps to min(n, m).
+    # (n + m) r >= n m travels uncompressed, and the rank clamps to min(n, m).
     assert not codec.compresses((8, 4)) and codec.effective_rank(8, 4) == 4
     assert not PowerSGD(approx_rank=2).compresses((3, 3))
     assert not codec.compresses((10,))

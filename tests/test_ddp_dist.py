@@ -1,12 +1,13 @@
 """Spawned gloo ranks: gradzip's hook against PyTorch's own hooks, bit-identical replicas, the
 PowerSGD reducer against an independent reference, ordering with several buckets in flight, and
-cases C1, C2, C3, C6 and C7 of the design's case list."""
+small, empty and half-precision buckets."""
 
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.ddp_replicas import mlp, train_replica
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -15,13 +16,9 @@ from gradzip.comm import make_reducer
 from gradzip.compressors.base import seeded_generator
 from gradzip.testing import run_ranks
 
+pytestmark = pytest.mark.dist
+
 SPECS = ["none", "fp16", "bf16", "topk:ratio=0.05", "powersgd:approx_rank=2", "powersgd:approx_rank=1,warm_start=false"]
-
-
-def _mlp(seed: int) -> torch.nn.Module:
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 5))
 
 
 def _grads(model):
@@ -39,7 +36,7 @@ def hooks_against_pytorch(rank, world_size):
     gen = torch.Generator().manual_seed(100 + rank)
     results = {}
     for spec, torch_hook in pairs:
-        ours, theirs = DDP(_mlp(0), bucket_cap_mb=0.002), DDP(_mlp(0), bucket_cap_mb=0.002)
+        ours, theirs = DDP(mlp(0), bucket_cap_mb=0.002), DDP(mlp(0), bucket_cap_mb=0.002)
         ours.register_comm_hook(gradzip.CompressionState(spec), gradzip.compression_hook)
         theirs.register_comm_hook(None, torch_hook)
         equal = True
@@ -73,27 +70,7 @@ def casts_past_range_against_pytorch(rank, world_size):
 
 def train_replicas(rank, world_size, specs):
     """For each spec, several DDP steps with several buckets and uneven compute per rank."""
-    return {spec: _train_replica(rank, world_size, spec) for spec in specs}
-
-
-def _train_replica(rank, world_size, spec):
-    model = _mlp(1)
-    ddp = DDP(model, bucket_cap_mb=0.004)
-    state = gradzip.CompressionState(spec)
-    ddp.register_comm_hook(state, gradzip.compression_hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
-    gen = torch.Generator().manual_seed(rank)
-    payload = []
-    for step in range(5):
-        x = torch.randn(8, 20, generator=gen)
-        opt.zero_grad()
-        loss = ddp(x).square().mean()
-        if rank == world_size - 1:
-            time.sleep(0.05 * (step % 2))  # uneven compute: callbacks finish in different orders
-        loss.backward()
-        opt.step()
-        payload.append(state.metrics.pop()["payload_bytes"])
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]), payload, state.step
+    return {spec: train_replica(rank, world_size, spec, steps=5, pause_s=0.05) for spec in specs}
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -120,16 +97,17 @@ def test_fp16_bf16_saturate_past_range_and_equal_pytorch_within_it():
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_codec_leaves_ranks_bit_identical(world_size):
     results = run_ranks(train_replicas, world_size, SPECS)
-    dense_bytes = sum(p.numel() for p in _mlp(1).parameters()) * 4
+    dense_bytes = sum(p.numel() for p in mlp(1).parameters()) * 4
     for spec in SPECS:
-        params0, payload0, steps0 = results[0][spec]
+        params0, sent0, steps0 = results[0][spec]
         assert steps0 == 5
         for other in results[1:]:
             assert torch.equal(other[spec][0], params0), spec
+        payload, _ = sent0[-1]
         if spec == "none":
-            assert payload0[-1] == dense_bytes
+            assert payload == dense_bytes
         else:
-            assert payload0[-1] < dense_bytes, spec
+            assert payload < dense_bytes, spec
 
 
 def powersgd_reference_check(rank, world_size):
@@ -161,63 +139,63 @@ def test_powersgd_matches_independent_reference_on_three_ranks():
         assert err_matrix < 1e-4 and err_bias < 1e-6 and err_residual < 1e-4
 
 
-def edge_cases(rank, world_size):
+def small_and_half_precision_buckets(rank, world_size):
     out = {}
-    # C1: a bucket of only 1-D tensors and one of a single (4, 4) matrix: exact means, no
+    # A bucket of only 1-D tensors and one of a single (4, 4) matrix: exact means, no
     # compression, and an empty tensor comes back empty with nothing sent.
     reducer = make_reducer("powersgd:approx_rank=4")
     bias = torch.arange(10.0) * (rank + 1)
-    out["c1_bias"] = reducer.reduce(0, bias, step=0, shapes=[torch.Size([10])]).wait()
+    out["vector"] = reducer.reduce(0, bias, step=0, shapes=[torch.Size([10])]).wait()
     square = torch.full((4, 4), float(rank + 1))
-    out["c1_square"] = reducer.reduce(1, square.reshape(-1), step=0, shapes=[torch.Size([4, 4])]).wait()
-    out["c1_empty"] = reducer.reduce(2, torch.empty(0), step=0, shapes=[torch.Size([0])]).wait()
-    out["c1_metrics"] = reducer.metrics.pop()
-    # C2: half-precision gradients through PowerSGD rank 1 with error feedback.
+    out["small_matrix"] = reducer.reduce(1, square.reshape(-1), step=0, shapes=[torch.Size([4, 4])]).wait()
+    out["empty"] = reducer.reduce(2, torch.empty(0), step=0, shapes=[torch.Size([0])]).wait()
+    out["metrics"] = reducer.metrics.pop()
+    # Half-precision gradients through PowerSGD rank 1 with error feedback.
     gen = torch.Generator().manual_seed(rank)
-    out["c2"] = {}
+    out["half_powersgd"] = {}
     for dtype in (torch.float16, torch.bfloat16):
         r = make_reducer("powersgd:approx_rank=1")
         g = torch.randn(16, 16, generator=gen).to(dtype)
         res = [r.reduce(0, g.reshape(-1), step=s, shapes=[g.shape]).wait() for s in range(3)]
-        out["c2"][str(dtype)] = (res[-1].dtype, tuple(res[-1].shape), all(torch.isfinite(x).all() for x in res))
-    # C3: small matrices that would not shrink travel uncompressed: exact mean.
-    out["c3"] = []
+        out["half_powersgd"][str(dtype)] = (res[-1].dtype, tuple(res[-1].shape), all(torch.isfinite(x).all() for x in res))
+    # Small matrices that would not shrink travel uncompressed: exact mean.
+    out["uncompressed_matrices"] = []
     for dtype, shape, approx_rank in ((torch.bfloat16, (8, 4), 4), (torch.float16, (4, 8), 4), (torch.float32, (3, 3), 2)):
         g = (torch.arange(float(torch.Size(shape).numel())).reshape(shape) + rank).to(dtype)
         r = make_reducer(f"powersgd:approx_rank={approx_rank}")
-        out["c3"].append(r.reduce(0, g.reshape(-1), step=0, shapes=[torch.Size(shape)]).wait())
-    # C6: fp16 averaging of large and of tiny values.
+        out["uncompressed_matrices"].append(r.reduce(0, g.reshape(-1), step=0, shapes=[torch.Size(shape)]).wait())
+    # fp16 averaging of large and of tiny values.
     fp16 = make_reducer("fp16")
-    out["c6_big"] = fp16.reduce(0, torch.full((8,), 40000.0), step=0).wait()
-    out["c6_small"] = fp16.reduce(1, torch.full((8,), 1e-7), step=0).wait()
-    # C7: the fp16 codec on an fp32 bucket hands float16 to the collective.
+    out["fp16_big"] = fp16.reduce(0, torch.full((8,), 40000.0), step=0).wait()
+    out["fp16_tiny"] = fp16.reduce(1, torch.full((8,), 1e-7), step=0).wait()
+    # The fp16 codec on an fp32 bucket hands float16 to the collective.
     x = torch.tensor([1.0, 2.0, 3.0, 1e-4]) * (rank + 1)
     fp16.metrics.pop()
-    out["c7"] = fp16.reduce(2, x, step=0).wait()
-    out["c7_payload"] = fp16.metrics.pop()["payload_bytes"]
+    out["fp16_of_fp32"] = fp16.reduce(2, x, step=0).wait()
+    out["fp16_payload"] = fp16.metrics.pop()["payload_bytes"]
     return out
 
 
-def test_cases_c1_c2_c3_c6_c7_on_two_ranks():
-    results = run_ranks(edge_cases, 2)
+def test_small_empty_and_half_precision_buckets_average_exactly_or_stay_finite_on_two_ranks():
+    results = run_ranks(small_and_half_precision_buckets, 2)
     for out in results:
-        assert torch.equal(out["c1_bias"], torch.arange(10.0) * 1.5)
-        assert torch.equal(out["c1_square"], torch.full((16,), 1.5))
-        assert out["c1_empty"].shape == (0,)
-        assert out["c1_metrics"]["payload_bytes"] == (10 + 16) * 4  # nothing for the empty tensor
+        assert torch.equal(out["vector"], torch.arange(10.0) * 1.5)
+        assert torch.equal(out["small_matrix"], torch.full((16,), 1.5))
+        assert out["empty"].shape == (0,)
+        assert out["metrics"]["payload_bytes"] == (10 + 16) * 4  # nothing for the empty tensor
         for dtype in (torch.float16, torch.bfloat16):
-            got_dtype, shape, finite = out["c2"][str(dtype)]
+            got_dtype, shape, finite = out["half_powersgd"][str(dtype)]
             assert got_dtype == dtype and shape == (256,) and finite
-        for got, (dtype, shape) in zip(out["c3"], ((torch.bfloat16, (8, 4)), (torch.float16, (4, 8)), (torch.float32, (3, 3)))):
+        for got, (dtype, shape) in zip(out["uncompressed_matrices"], ((torch.bfloat16, (8, 4)), (torch.float16, (4, 8)), (torch.float32, (3, 3)))):
             base = torch.arange(float(torch.Size(shape).numel())).reshape(-1)
             expected = ((base.to(dtype) / 2) + ((base + 1).to(dtype) / 2)).to(dtype)
             assert got.dtype == dtype and torch.equal(got, expected)
-        assert torch.equal(out["c6_big"], torch.full((8,), 40000.0))
-        small = out["c6_small"]
+        assert torch.equal(out["fp16_big"], torch.full((8,), 40000.0))
+        small = out["fp16_tiny"]
         assert (small > 0).all() and torch.isfinite(small).all()
-        expected_c7 = (torch.tensor([1.0, 2.0, 3.0, 1e-4]).half().div(2) + (torch.tensor([1.0, 2.0, 3.0, 1e-4]) * 2).half().div(2)).float()
-        assert out["c7"].dtype == torch.float32 and torch.equal(out["c7"], expected_c7)
-        assert out["c7_payload"] == 4 * 2
+        expected_fp16_of_fp32 = (torch.tensor([1.0, 2.0, 3.0, 1e-4]).half().div(2) + (torch.tensor([1.0, 2.0, 3.0, 1e-4]) * 2).half().div(2)).float()
+        assert out["fp16_of_fp32"].dtype == torch.float32 and torch.equal(out["fp16_of_fp32"], expected_fp16_of_fp32)
+        assert out["fp16_payload"] == 4 * 2
 
 
 def many_buckets_powersgd(rank, world_size):

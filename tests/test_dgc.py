@@ -164,6 +164,7 @@ def _ranks_warmup(rank: int, world_size: int) -> dict:
     return {"means": means, "bytes": nbytes, "resumed": again}
 
 
+@pytest.mark.dist
 def test_warmup_reducer_on_gloo_ranks_keeps_its_residuals_across_ratios():
     world_size, warm = 2, 6
     results = run_ranks(_ranks_warmup, world_size)

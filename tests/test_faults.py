@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tiny_run import load, same, tiny_config, without_plots, write_corpus
+from helpers.tiny_run import load, same, tiny_config, without_plots, write_corpus
 
 from gradzip.lab.train.checkpoint import find_checkpoint
 from gradzip.lab.train.faults import ENV, parse_faults
@@ -52,6 +52,7 @@ def _nonfinite_worker(rank: int, world_size: int, base: str, data: str, runs: di
     return results
 
 
+@pytest.mark.dist
 def test_nonfinite_steps_are_skipped_by_all_ranks_and_leave_no_trace(tmp_path, monkeypatch):
     monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path / "cache"))
     data = write_corpus(tmp_path / "corpus.txt")
@@ -86,6 +87,7 @@ def test_fault_specs_are_checked():
             parse_faults(bad)
 
 
+@pytest.mark.e2e
 def test_killed_worker_stops_the_others_in_bounded_time(tmp_path):
     data = write_corpus(tmp_path / "corpus.txt")
     out = tmp_path / "run"

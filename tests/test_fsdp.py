@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from tiny_run import load, same, tiny_config, without_plots, write_corpus
+from helpers.tiny_run import load, same, tiny_config, without_plots, write_corpus
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -110,6 +110,7 @@ def _powersgd_payload_bytes(spec: str, world_size: int) -> int:
     return total + dense
 
 
+@pytest.mark.dist
 def test_exchange_equals_reference_for_every_codec(ranks):
     world_size, results = ranks[0], [r["exchange"] for r in ranks[1]]
     for spec in _specs():
@@ -293,6 +294,7 @@ def identity_and_ops(rank, world_size):
     return res
 
 
+@pytest.mark.dist
 def test_identity_bit_for_bit_and_ops_microsteps_unused_module(ranks):
     for res in [r["fsdp"] for r in ranks[1]]:
         for label in ("fp32", "bf16", "fp16"):
@@ -392,6 +394,7 @@ def _continue(net, rank, opt):
         opt.zero_grad()
 
 
+@pytest.mark.dist
 def test_training_steps_per_codec_and_exact_resume(ranks):
     results = [r["train"] for r in ranks[1]]
 
@@ -436,6 +439,7 @@ def world_size_one(rank, world_size):
     return equal, [c.calls for c in state.comms.values()], state.metrics.pop()["payload_bytes"]
 
 
+@pytest.mark.dist
 def test_world_size_one_sends_nothing_and_equals_plain_fsdp():
     [(equal, calls, payload_bytes)] = run_ranks(world_size_one, 1)
     assert equal and calls == [0, 0, 0] and payload_bytes == 0
@@ -470,6 +474,7 @@ def _fsdp_resume_worker(rank: int, world_size: int, base: str, data: str) -> dic
     return out
 
 
+@pytest.mark.dist
 def test_train_fsdp_resumes_bit_identical(tmp_path, monkeypatch):
     """``gradzip train --fsdp`` (PowerSGD on a tiny GPT, 2 ranks): bytes below the raw buffer, a
     checkpoint whose model loads into the unsharded model, and a run resumed from step 2 that

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from codec_runs import bits_of, run_codec
+from helpers.codec_runs import bits_of, run_codec
 
 from gradzip.compressors import build
 from gradzip.compressors.kernels import fused, native

@@ -10,9 +10,9 @@ from unittest import mock
 
 import pytest
 import torch
+from helpers.tiny_run import write_corpus
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from tiny_run import write_corpus
 
 from gradzip.compressors import REGISTRY, Compressor, build, parse_spec
 from gradzip.lab.cli import build_parser, main

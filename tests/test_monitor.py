@@ -89,11 +89,69 @@ def test_warning_fires_after_patience_names_buckets_and_clears():
     assert s["quality"]["0"]["checks"] == 8 and s["quality"]["0"]["norm_ratio_min"] == pytest.approx(0.70)
 
 
+def _ef_comm(figures: dict[int, tuple[float, float]]) -> dict:
+    """Buckets of a codec with error feedback: bucket -> (relative error, feedback ratio); the norm
+    ratio and cosine are a projection's (a Top-K or PowerSGD decode): sqrt(1 - q^2)."""
+    buckets = {}
+    for key, (q, fb) in figures.items():
+        nr = math.sqrt(max(0.0, 1 - q * q))
+        buckets[key] = {"payload_bytes": 10, "dense_bytes": 40, "quality": {
+            "norm_ratio": nr, "cosine": nr, "relative_error": q, "feedback_ratio": fb}}
+    return {"buckets": buckets, "events": []}
+
+
+def test_error_feedback_codec_with_a_low_norm_ratio_but_a_bounded_residual_gets_no_warning():
+    # The figures of powersgd:approx_rank=4 in a 300-step run of the main job (checks every 5
+    # steps): the norm ratio falls from 0.72 to 0.13, the residual settles near 6x the gradient.
+    mon = QualityMonitor()
+    for check in range(60):
+        q = min(0.992, 0.70 + 0.01 * check)
+        fb = min(6.7, 0.7 + 0.3 * check)
+        fields = mon.observe(5 * check, _ef_comm({0: (q, fb)}))
+        assert "norm_warning" not in fields, check
+    s = mon.summary()
+    assert s["norm_warning"] is None and s["norm_warning_episodes"] == []
+    assert s["quality"]["0"]["feedback_ratio_max"] == pytest.approx(6.7)
+    figures, meaning = mon.summary_lines()
+    assert figures.startswith("bucket 0: error-feedback residual 6.70x the gradient (median; max 6.70)")
+    assert "low norm ratio is by design" in meaning and "above 20x" in meaning
+
+
+def test_error_feedback_warning_for_a_residual_that_keeps_growing_or_a_codec_that_does_not_contract():
+    mon = QualityMonitor(patience=3, feedback_limit=20.0)
+    named = []
+    for check in range(12):
+        runaway = (0.999, 4.0 * (check + 1))  # a residual that grows with every step: over 20x at check 5
+        blowing_up = (1.3, 0.5) if check >= 6 else (0.5, 0.5)  # from check 6 on, a decode farther from x than 0 is
+        fields = mon.observe(check, _ef_comm({0: runaway, 1: blowing_up}))
+        warning = fields.get("norm_warning")
+        named.append(None if warning is None else warning.rsplit(": bucket ", 1)[1])
+    # bucket 0 is low from check 5 (24 > 20), named at its third low check; bucket 1 from check 6, named at 8
+    assert named == [None] * 7 + ["0"] + ["0, 1"] * 4
+    assert mon.warning.startswith("error feedback falling behind (residual over 20x the gradient")
+    assert mon.summary_lines()[-1] == f"WARNING: {mon.warning}"
+
+
+def test_buckets_with_and_without_error_feedback_are_judged_each_by_its_own_figure():
+    mon = QualityMonitor(threshold=0.9, patience=2)
+    for step in range(3):
+        comm = _comm({1: 0.5})  # no error feedback: half the gradient's length lost every step
+        comm["buckets"].update(_ef_comm({0: (0.98, 5.0)})["buckets"])  # error feedback, bounded residual
+        mon.observe(step, comm)
+    assert mon.warning == "norm ratio < 0.9 for 2+ checks: bucket 1"
+    lines = mon.summary_lines()
+    assert lines[0].startswith("bucket 0: error-feedback residual 5.00x") and lines[1].startswith("bucket 1: norm ratio 0.500")
+    assert "by design" in lines[2] and "share of the gradient's length" in lines[3] and lines[4].startswith("WARNING")
+
+
 def test_monitor_rejects_bad_settings():
     with pytest.raises(ValueError, match="threshold"):
         QualityMonitor(threshold=0.0)
     with pytest.raises(ValueError, match="patience"):
         QualityMonitor(patience=0)
+    for bad in (0, -1.0, float("inf"), "20"):
+        with pytest.raises(ValueError, match="feedback_limit"):
+            QualityMonitor(feedback_limit=bad)
     with pytest.raises(ValueError, match="monitor_every"):
         StepMetrics(monitor_every=-1)
 
@@ -155,6 +213,7 @@ def _hooked_checks(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.dist
 def test_exactness_check_and_quality_through_the_hook():
     results = run_ranks(_hooked_checks, 3, timeout_s=90)
     for rank_result in results:

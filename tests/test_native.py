@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from codec_runs import bits_of, run_codec
+from helpers.codec_runs import bits_of, run_codec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 

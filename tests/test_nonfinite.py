@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_run import same
+from helpers.tiny_run import same
 
 import gradzip
 from gradzip.comm import make_reducer
@@ -108,6 +108,7 @@ def _make(spec: str, options: dict):
     if spec != "auto":
         return make_reducer(spec, **options)
     from gradzip.control.auto_reducer import AutoReducer
+
     from gradzip.control.auto import AutoConfig, make_controller
 
     cfg = AutoConfig(adapt_every=1000, candidates=options["candidates"])
@@ -172,6 +173,7 @@ def _nonfinite_worker(rank: int, world_size: int, specs: list[tuple[str, dict]])
     return report
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("world_size", [3])
 def test_reducers_agree_on_nonfinite_and_keep_state(world_size):
     specs = reducer_specs()

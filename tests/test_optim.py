@@ -1,4 +1,5 @@
-"""1-bit Adam and 0/1 Adam: AdamW during full-precision steps, C9, schedules, state_dict, and
+"""1-bit Adam and 0/1 Adam: AdamW during full-precision steps, the first moment after warm-up,
+schedules, state_dict, and
 real gloo ranks (bit-identical ranks, resumed runs, bytes, DDP stepping aside)."""
 
 from __future__ import annotations
@@ -75,8 +76,8 @@ def test_full_precision_steps_equal_adamw_bit_for_bit(lr, beta1, beta2, weight_d
         assert params_equal(reference, zeroone), step
 
 
-def test_c9_first_moment_after_warmup_keeps_the_gradient_term():
-    # C9: after warm-up, gradient constantly 1.0, beta1 0.9, first moment 0, three steps, on a
+def test_first_moment_after_warmup_keeps_the_gradient_term():
+    # After warm-up, gradient constantly 1.0, beta1 0.9, first moment 0, three steps, on a
     # parameter that is not compressed (world_size 1: nothing is).
     p = torch.nn.Parameter(torch.zeros(4))
     opt = OneBitAdam([p], lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0, warmup_steps=1)
@@ -269,7 +270,7 @@ def _ranks(rank: int, world_size: int) -> dict:
     _train(rank, resumed, opt2, range(SAVE_AT, STEPS), 0)
     out["resumed_equal"] = params_equal(model, resumed)
 
-    # 4. C9 on ranks: constant gradient 1.0, first moment 0 after warm-up, three steps; one
+    # 4. The first moment after warm-up on ranks: constant gradient 1.0, first moment 0 after warm-up, three steps; one
     # parameter uncompressed (its group says so), one compressed (a constant is exact in 1 bit).
     plain, squeezed = torch.nn.Parameter(torch.zeros(5)), torch.nn.Parameter(torch.zeros(40))
     opt = OneBitAdam([{"params": [plain], "compress": False}, {"params": [squeezed]}], weight_decay=0.0, warmup_steps=1)
@@ -278,7 +279,7 @@ def _ranks(rank: int, world_size: int) -> dict:
     for _ in range(3):
         plain.grad, squeezed.grad = torch.ones(5), torch.ones(40)
         opt.step()
-    out["c9"] = (opt.state[plain]["exp_avg"].clone(), opt.state[squeezed]["exp_avg"].clone())
+    out["first_moment"] = (opt.state[plain]["exp_avg"].clone(), opt.state[squeezed]["exp_avg"].clone())
 
     # 5. Under DDP: averaged by the hook in warm-up, by the optimizer after; the hook sends
     # nothing after warm-up, and the parameters equal the run without DDP above.
@@ -336,6 +337,7 @@ def _zeroone(rank: int) -> dict:
     return {"snapshots": snapshots, "syncs": syncs, "final": final, "resumed_equal": params_equal(model, resumed)}
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_compressed_adams_on_gloo_ranks(world_size):
     results = run_ranks(_ranks, world_size)
@@ -350,7 +352,7 @@ def test_compressed_adams_on_gloo_ranks(world_size):
         # the DDP hook sends during warm-up only
         assert all(b > 0 for b in r["ddp_hook_bytes"][:WARMUP])
         assert all(b == 0 for b in r["ddp_hook_bytes"][WARMUP:])
-        plain, squeezed = r["c9"]
+        plain, squeezed = r["first_moment"]
         torch.testing.assert_close(plain, torch.full((5,), 1 - 0.9**3), rtol=0, atol=1e-6)
         torch.testing.assert_close(squeezed, torch.full((40,), 1 - 0.9**3), rtol=0, atol=1e-6)
     # every rank bit-identical after every step

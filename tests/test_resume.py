@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from tiny_run import load, same, tiny_config, without_plots, write_corpus
+from helpers.tiny_run import load, same, tiny_config, without_plots, write_corpus
 
 from gradzip.lab.cli import main
 from gradzip.lab.train.checkpoint import NoUsableCheckpoint, find_checkpoint, save_checkpoint
@@ -70,6 +70,7 @@ def _resume_worker(rank: int, world_size: int, base: str, data: str) -> dict:
     return results
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_resumed_run_is_bit_identical(tmp_path, monkeypatch, world_size):
     monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path / "cache"))

@@ -56,6 +56,7 @@ def _model_payload(spec, p, route="allgather"):
     return candidates[0]
 
 
+@pytest.mark.dist
 def test_model_bytes_equal_what_the_real_reducers_send():
     # Three ranks cut the 286-element bucket into uneven two-phase chunks (96, 95, 95).
     specs = ["none", "fp16", "topk:ratio=0.1", "powersgd:approx_rank=2", *_default_single_round_codecs()]

@@ -59,6 +59,7 @@ def ranks(request):
     return request.param, run_ranks(_on_ranks, request.param, timeout_s=180)
 
 
+@pytest.mark.dist
 def test_reducer_is_dense_before_start_step_and_the_codec_after(ranks):
     world_size, results = ranks
     for spec, collective in CASES:
@@ -87,6 +88,7 @@ def test_reducer_is_dense_before_start_step_and_the_codec_after(ranks):
                 assert not torch.allclose(got[0]["got"], torch.stack(grads).mean(0)), (spec, step)
 
 
+@pytest.mark.dist
 def test_fsdp_reduce_scatter_is_dense_before_start_step(ranks):
     world_size, results = ranks
     start = build(FSDP_SPEC).start_step

@@ -102,6 +102,7 @@ def ranks():
     return run_ranks(_on_ranks, WORLD_SIZE, timeout_s=180)
 
 
+@pytest.mark.dist
 def test_auto_probe_prices_a_candidate_dense_before_its_start_step(ranks):
     raw = 64 * 32 * 4
     for spec in ("topk:ratio=0.01,start_step=5", "powersgd:approx_rank=1,start_step=5"):
@@ -111,6 +112,7 @@ def test_auto_probe_prices_a_candidate_dense_before_its_start_step(ranks):
         assert payload_bytes < raw and not exact, spec
 
 
+@pytest.mark.dist
 def test_fsdp_nonfinite_rank_gives_nan_everywhere_and_keeps_residuals_finite(ranks):
     for spec in FSDP_SPECS:
         codec = with_marker_slot(build(spec))
@@ -129,6 +131,7 @@ def test_fsdp_nonfinite_rank_gives_nan_everywhere_and_keeps_residuals_finite(ran
                     assert torch.isfinite(row["out"]).all(), (spec, r, step)
 
 
+@pytest.mark.dist
 def test_grouped_sign_over_twophase_matches_the_reference(ranks):
     for spec in TWOPHASE_SPECS:
         codec = build(spec)

@@ -13,6 +13,7 @@ from gradzip.lab.cli import main
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--batch-size", "4", "--vocab-size", "512"]
 
 
+@pytest.mark.e2e
 def test_onebit_adam_in_the_main_job(tmp_path):
     out = tmp_path / "onebit"
     args = TINY + ["--steps", "8", "--eval-every", "4", "--optimizer", "onebit-adam:warmup_steps=3",

@@ -19,6 +19,7 @@ def _run(args, env=None, cmd=None):
     return subprocess.run(cmd + args, capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.e2e
 def test_train_writes_metrics_summary_plot_and_checkpoint(tmp_path):
     out = tmp_path / "run"
     proc = _run(TINY + ["--steps", "12", "--eval-every", "6", "--lr", "3e-3", "--compressor", "topk:ratio=0.05", "--out", str(out)])
@@ -47,6 +48,7 @@ def test_train_writes_metrics_summary_plot_and_checkpoint(tmp_path):
         assert per_rank["hook"]["reducer"]["feedback"]["residuals"]  # error buffers are saved
 
 
+@pytest.mark.e2e
 def test_train_under_torchrun(tmp_path):
     out = tmp_path / "trun"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "gradzip", "train"]

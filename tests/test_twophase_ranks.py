@@ -28,6 +28,8 @@ from gradzip.compressors import build, list_compressors
 from gradzip.feedback import ErrorFeedback
 from gradzip.testing import run_ranks
 
+pytestmark = pytest.mark.dist
+
 SINGLE_ROUND = [name for name in list_compressors() if not build(name).multi_round]
 
 

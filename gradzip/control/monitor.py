@@ -1,12 +1,25 @@
 """Watch what compression does to the gradients: figures per bucket into metrics.jsonl,
-TensorBoard and the summary, and a warning when the norm ratio stays low.
+TensorBoard and the summary, and a warning when a bucket's figures mean trouble.
 
-Seeds of this project warn when ``||C(g)|| / ||g||`` stays below 0.9: the codec is throwing away
-a large part of the gradient step after step. :class:`QualityMonitor` counts, per bucket, the
-consecutive quality checks whose norm ratio is under ``threshold``; once a bucket reaches
-``patience`` such checks it is named in the warning, and it leaves the warning at its first check
-at or above the threshold. Figures come from :class:`gradzip.metrics.StepMetrics` (see there for
-their definitions); the monitor runs on rank 0 and reports rank 0's figures.
+What means trouble depends on the codec family, told apart by whether the bucket's figures carry
+an error-feedback ratio:
+
+- Without error feedback, what the codec drops is lost. A check is low when the norm ratio
+  ``||C(x)|| / ||x||`` is under ``threshold`` (0.9 by default): the codec throws away a large part
+  of the gradient step after step.
+- With error feedback, what the codec drops this step is kept and sent in later steps, so a low
+  per-step norm ratio is the design (PowerSGD at rank 4 keeps well under 0.9 of each step). The
+  trouble is a residual that is never paid back: with a codec whose relative error
+  ``q = ||x - C(x)|| / ||x||`` stays under 1 the residual settles near at most ``q / (1 - q)``
+  times the gradient (Karimireddy et al., "Error Feedback Fixes SignSGD", arXiv 1901.09847); with
+  ``q >= 1`` nothing bounds it. A check is low when ``q >= 1``, or when the error-feedback ratio
+  ``||e|| / ||g||`` exceeds ``feedback_limit`` (the residual holds more than that many steps'
+  worth of gradient: the updates run far behind the gradients).
+
+:class:`QualityMonitor` counts, per bucket, the consecutive low checks; once a bucket reaches
+``patience`` of them it is named in the warning, and it leaves the warning at its first check that
+is not low. Figures come from :class:`gradzip.metrics.StepMetrics` (see there for their
+definitions); the monitor runs on rank 0 and reports rank 0's figures.
 """
 
 from __future__ import annotations
@@ -16,32 +29,43 @@ import statistics
 from pathlib import Path
 from typing import Any
 
+from gradzip.integrations.tensorboard import summary_writer
 from gradzip.metrics import QUALITY_FIELDS
 
 BUCKET_FIELDS = ("codec", "payload_bytes", "dense_bytes", "compress_s", "decompress_s", "communicate_s")
+#: error-feedback ratio above which a check of a codec with error feedback counts as low
+FEEDBACK_LIMIT = 20.0
 
 
 class QualityMonitor:
     """Turns each step's metrics into record fields, warnings, TensorBoard scalars and a summary.
 
     Args:
-        threshold: norm ratio under which a check counts as low, in (0, 1].
+        threshold: for codecs without error feedback, the norm ratio under which a check counts
+            as low, in (0, 1].
         patience: consecutive low checks before a bucket is named in the warning, >= 1.
+        feedback_limit: for codecs with error feedback, the error-feedback ratio ``||e|| / ||g||``
+            above which a check counts as low, > 0.
         tensorboard_dir: write TensorBoard event files there (needs the ``tensorboard`` package);
             None writes none.
 
     Raises:
-        ValueError: for a threshold or patience out of range.
+        ValueError: for a threshold, patience or feedback limit out of range.
         ImportError: if ``tensorboard_dir`` is given and ``tensorboard`` is not installed.
     """
 
-    def __init__(self, *, threshold: float = 0.9, patience: int = 3, tensorboard_dir: str | Path | None = None) -> None:
+    def __init__(self, *, threshold: float = 0.9, patience: int = 3, feedback_limit: float = FEEDBACK_LIMIT,
+                 tensorboard_dir: str | Path | None = None) -> None:
         if not isinstance(threshold, (int, float)) or not math.isfinite(threshold) or not 0 < threshold <= 1:
             raise ValueError(f"threshold must be a number in (0, 1]; got {threshold!r}")
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
             raise ValueError(f"patience must be an integer >= 1; got {patience!r}")
+        if not isinstance(feedback_limit, (int, float)) or not math.isfinite(feedback_limit) or feedback_limit <= 0:
+            raise ValueError(f"feedback_limit must be a finite number > 0; got {feedback_limit!r}")
         self.threshold = float(threshold)
         self.patience = patience
+        self.feedback_limit = float(feedback_limit)
+        self.feedback: set[str] = set()  # buckets whose codec kept an error-feedback residual at their last check
         self.low_checks: dict[str, int] = {}
         self.warned: list[str] = []
         self.episodes: list[dict[str, Any]] = []
@@ -50,19 +74,20 @@ class QualityMonitor:
         self.events: list[dict[str, Any]] = []
         self.writer = None
         if tensorboard_dir is not None:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError as exc:  # the optional dependency is missing
-                raise ImportError("--tensorboard needs the 'tensorboard' package (pip install tensorboard)") from exc
-            self.writer = SummaryWriter(log_dir=str(tensorboard_dir))
+            self.writer = summary_writer(tensorboard_dir)
 
     @property
     def warning(self) -> str | None:
         """The current warning, or None."""
-        if not self.warned:
-            return None
-        names = ", ".join(self.warned)
-        return f"norm ratio < {self.threshold:g} for {self.patience}+ checks: bucket {names}"
+        parts = []
+        plain = [n for n in self.warned if n not in self.feedback]
+        fed = [n for n in self.warned if n in self.feedback]
+        if plain:
+            parts.append(f"norm ratio < {self.threshold:g} for {self.patience}+ checks: bucket {', '.join(plain)}")
+        if fed:
+            parts.append(f"error feedback falling behind (residual over {self.feedback_limit:g}x the gradient, or "
+                         f"relative error >= 1) for {self.patience}+ checks: bucket {', '.join(fed)}")
+        return "; ".join(parts) or None
 
     def observe(self, step: int, comm: dict[str, Any], record: dict[str, Any] | None = None) -> dict[str, Any]:
         """Digest one step's metrics (what ``StepMetrics.pop`` returned).
@@ -109,7 +134,13 @@ class QualityMonitor:
         return fields
 
     def _check(self, name: str, quality: dict[str, float]) -> None:
-        if quality["norm_ratio"] < self.threshold:
+        if "feedback_ratio" in quality:
+            self.feedback.add(name)
+            low = quality["relative_error"] >= 1.0 or quality["feedback_ratio"] > self.feedback_limit
+        else:  # (auto may change a bucket's codec: the latest check tells its family)
+            self.feedback.discard(name)
+            low = quality["norm_ratio"] < self.threshold
+        if low:
             self.low_checks[name] = self.low_checks.get(name, 0) + 1
         else:
             self.low_checks[name] = 0
@@ -147,12 +178,15 @@ class QualityMonitor:
             if series["norm_ratio"]:
                 q["norm_ratio_min"] = min(series["norm_ratio"])
                 q["checks"] = len(series["norm_ratio"])
+            if series["feedback_ratio"]:
+                q["feedback_ratio_max"] = max(series["feedback_ratio"])
             quality[name] = q
         decisions = [e for e in self.events if e.get("kind") in ("switch", "auto")]
         return {
             "quality": quality,
             "verify_max_relative_difference": dict(self.verify_max),
             "norm_warning_threshold": self.threshold,
+            "feedback_warning_limit": self.feedback_limit,
             "norm_warning_episodes": self.episodes,
             "norm_warning": self.warning,
             "auto_decisions": decisions,
@@ -163,14 +197,29 @@ class QualityMonitor:
         s = self.summary()
         lines = []
         for name, q in s["quality"].items():
-            if "norm_ratio_median" in q:
+            if "feedback_ratio_median" in q:
+                lines.append(
+                    f"bucket {name}: error-feedback residual {q['feedback_ratio_median']:.2f}x the gradient (median; "
+                    f"max {q['feedback_ratio_max']:.2f}), relative error {q['relative_error_median']:.3f}, "
+                    f"norm ratio {q['norm_ratio_median']:.3f}, cosine {q['cosine_median']:.3f} over {q['checks']} checks"
+                )
+            elif "norm_ratio_median" in q:
                 lines.append(
                     f"bucket {name}: norm ratio {q['norm_ratio_median']:.3f} (min {q['norm_ratio_min']:.3f}), "
                     f"cosine {q.get('cosine_median', float('nan')):.3f}, relative error "
-                    f"{q.get('relative_error_median', float('nan')):.3f}"
-                    + (f", feedback {q['feedback_ratio_median']:.3f}" if "feedback_ratio_median" in q else "")
-                    + f" over {q['checks']} checks"
+                    f"{q.get('relative_error_median', float('nan')):.3f} over {q['checks']} checks"
                 )
+        if any("feedback_ratio_median" in q for q in s["quality"].values()):
+            lines.append(
+                "  with error feedback a low norm ratio is by design (what a step drops is sent in later steps); "
+                f"trouble is a residual that is never paid back: a warning above {self.feedback_limit:g}x the "
+                "gradient, or at a relative error >= 1"
+            )
+        if any("feedback_ratio_median" not in q and "norm_ratio_median" in q for q in s["quality"].values()):
+            lines.append(
+                "  without error feedback the norm ratio is the share of the gradient's length that arrives: "
+                f"a warning under {self.threshold:g}"
+            )
         for name, diff in sorted(s["verify_max_relative_difference"].items(), key=lambda kv: _bucket_order(kv[0])):
             lines.append(f"bucket {name}: exactness check, largest relative difference from dense {diff:.3g}")
         for e in s["auto_decisions"]:
@@ -186,7 +235,7 @@ class QualityMonitor:
         if s["norm_warning"]:
             lines.append(f"WARNING: {s['norm_warning']}")
         elif any(not ep.get("cleared") for ep in s["norm_warning_episodes"]):
-            lines.append(f"norm warning raised and cleared during the run ({len(s['norm_warning_episodes'])} changes)")
+            lines.append(f"quality warning raised and cleared during the run ({len(s['norm_warning_episodes'])} changes)")
         return lines
 
     def close(self) -> None:

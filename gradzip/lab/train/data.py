@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -56,8 +57,9 @@ def load_text(path: str | None) -> tuple[str, str]:
     return text, os.path.basename(path)
 
 
-def tokenize(text: str, vocab_size: int) -> Tensor:
-    """Token ids (int64, shape ``(n_tokens,)``) of ``text`` under a BPE trained on it; cached."""
+def tokenize(text: str, vocab_size: int, say: Callable[[str], None] | None = None, name: str = "the text") -> Tensor:
+    """Token ids (int64, shape ``(n_tokens,)``) of ``text`` under a BPE trained on it; cached.
+    ``say`` (when given) hears what takes seconds: training the tokenizer, tokenizing."""
     from tokenizers import Tokenizer
     from tokenizers.decoders import ByteLevel as ByteLevelDecoder
     from tokenizers.models import BPE
@@ -76,6 +78,8 @@ def tokenize(text: str, vocab_size: int) -> Tensor:
     if tok_path.exists():
         tokenizer = Tokenizer.from_file(str(tok_path))
     else:
+        if say:
+            say(f"training a {vocab_size}-token BPE tokenizer on {name} (once; cached in {base})")
         tokenizer = Tokenizer(BPE())
         tokenizer.pre_tokenizer = ByteLevel(add_prefix_space=False)
         tokenizer.decoder = ByteLevelDecoder()
@@ -84,6 +88,8 @@ def tokenize(text: str, vocab_size: int) -> Tensor:
         )
         tokenizer.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
         atomic_write_bytes(tok_path, tokenizer.to_str().encode("utf-8"))
+    if say:
+        say(f"tokenizing {name} ({len(text) / 1e6:.1f} MB of text, once)")
     lines = text.splitlines(keepends=True)
     ids = [i for enc in tokenizer.encode_batch(lines) for i in enc.ids]
     tensor = torch.tensor(ids, dtype=torch.int64)
@@ -102,9 +108,9 @@ class Corpus:
     vocab_size: int
 
     @classmethod
-    def load(cls, path: str | None, vocab_size: int) -> Corpus:
+    def load(cls, path: str | None, vocab_size: int, say: Callable[[str], None] | None = None) -> Corpus:
         text, name = load_text(path)
-        ids = tokenize(text, vocab_size)
+        ids = tokenize(text, vocab_size, say, name)
         split = int(len(ids) * (1 - VAL_FRACTION))
         return cls(ids[:split], ids[split:], name, vocab_size)
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from gradzip.lab.train import report
 from gradzip.lab.train.config import TrainConfig
 from gradzip.lab.train.data import Corpus
 
@@ -92,7 +93,7 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
         WorkerFailed: if a worker fails.
     """
     cfg.validate()
-    Corpus.load(cfg.data, cfg.vocab_size).check_fits(cfg.seq_len)
+    Corpus.load(cfg.data, cfg.vocab_size, say=report.status if cfg.progress else None).check_fits(cfg.seq_len)
     if cfg.resume:
         from gradzip.lab.train.checkpoint import check_compatible, find_checkpoint
 
@@ -117,6 +118,8 @@ def spawn_workers(cfg: TrainConfig) -> None:
     """
     timeout = timedelta(seconds=cfg.timeout_s)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    if cfg.progress:
+        report.status(f"starting {cfg.world_size} workers (each imports torch and builds the model)")
     with tempfile.TemporaryDirectory(prefix="gradzip-workers-") as status_dir:
         ctx = mp.start_processes(
             _spawned, args=(cfg, store.port, status_dir), nprocs=cfg.world_size, join=False, start_method="spawn"

@@ -133,6 +133,8 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local_workers))
     is_main = rank == 0
 
+    if is_main and cfg.progress:
+        report.status(f"{world_size} workers up ({backend}); building the model, DDP and the codec's kernels")
     # Data and model.
     corpus = Corpus.load(cfg.data, cfg.vocab_size)
     corpus.check_fits(cfg.seq_len)
@@ -152,6 +154,8 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
 
     # Starting point (step 0, or where the checkpoint left off) and the floor of the step time.
     progress = resume(cfg, rank=rank, world_size=world_size, parallel=par, **state) if cfg.resume else Progress()
+    if is_main and cfg.progress:
+        report.status(f"first validation loss and compute alone ({CALIBRATION_STEPS} steps, no exchange), then training")
     if progress.initial_val_loss is None:
         progress.initial_val_loss = evaluate(model, val, device)
     compute_s = measure_compute(par, corpus, cfg, device)

@@ -8,6 +8,11 @@ from pathlib import Path
 from typing import Any
 
 
+def status(text: str) -> None:
+    """One line saying what the main job is doing before its progress bar starts (stdout, at once)."""
+    print(f"gradzip train: {text}", flush=True)
+
+
 class RunLog:
     """Appends one JSON line per step to ``OUT/metrics.jsonl`` (rank 0 only).
 
