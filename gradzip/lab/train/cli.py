@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from gradzip.comm.routes import COLLECTIVES
 from gradzip.control.auto import FIRST_WINDOW_STEPS
 from gradzip.lab.train.config import TrainConfig
 
@@ -62,7 +63,7 @@ def add_parser(sub) -> None:
     p.add_argument("--eval-batches", type=int, default=d.eval_batches, help=f"validation batches per pass (default {d.eval_batches})")
     p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb, help=f"DDP bucket size in MB (default {d.bucket_cap_mb})")
     p.add_argument("--fsdp", action="store_true", help="shard the model with FSDP2 (fully_shard per block) and compress its gradient reduce-scatter")
-    p.add_argument("--collective", default=d.collective, choices=["auto", "allreduce", "allgather", "twophase"],
+    p.add_argument("--collective", default=d.collective, choices=COLLECTIVES,
                    help="how compressed buckets travel: auto picks by bytes; twophase is the compressed all_reduce "
                         "whose bytes per worker stay flat in the world size (default auto)")
     p.add_argument("--min-compress-bytes", type=int, default=d.min_compress_bytes, metavar="N",

@@ -6,7 +6,7 @@ import math
 import os
 from dataclasses import asdict, dataclass, field
 
-from gradzip.comm.traffic import COLLECTIVES
+from gradzip.comm.routes import COLLECTIVES
 
 
 @dataclass
