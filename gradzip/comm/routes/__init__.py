@@ -23,6 +23,13 @@ fused      small raw buckets, one all_reduce per dtype            below ``min_co
 
 Family ``shard`` (FSDP's reduce-scatter; each rank ends with its chunk): ``reduce_scatter``,
 ``all_to_all`` and ``dense_reduce_scatter`` (:mod:`gradzip.comm.routes.sharded`).
+
+Adding a route: a module here with a :class:`~gradzip.comm.routes.base.Route` subclass (its
+class attributes say whether users may request it and whether ``auto`` weighs it; its methods
+give ``payload_nbytes``, ``nbytes``, ``sent_nbytes``, ``cost``, ``reference`` and ``launch``),
+and one instance in :data:`REGISTRY`. ``--collective``, the route choice, the reference, the
+cost model and ``tests/test_routes.py`` (bytes handed to gloo and the reference against real
+ranks) pick it up from there.
 """
 
 from __future__ import annotations
