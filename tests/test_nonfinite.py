@@ -107,12 +107,12 @@ def reducer_specs() -> list[tuple[str, dict]]:
 def _make(spec: str, options: dict):
     if spec != "auto":
         return make_reducer(spec, **options)
-    from gradzip.comm.adaptive import AdaptiveReducer
+    from gradzip.control.auto_reducer import AutoReducer
     from gradzip.control.auto import AutoConfig, make_controller
 
     cfg = AutoConfig(adapt_every=1000, candidates=options["candidates"])
     specs = cfg.candidate_specs()
-    reducer = AdaptiveReducer(specs, make_controller(cfg, specs))
+    reducer = AutoReducer(specs, make_controller(cfg, specs))
     reducer.force(0, dict(enumerate(options["force"])))
     return reducer
 

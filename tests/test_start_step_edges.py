@@ -177,7 +177,7 @@ def test_marker_slot_keeps_the_codec_spec_and_start_step(spec):
 def test_dgc_warmup_starts_where_compression_does():
     spec, options = split_training_options("dgc:ratio=0.01,warmup_steps=8,warmup_stages=4,start_step=3")
     assert build(spec).start_step == 3 and options == {"warmup_steps": 8, "warmup_stages": 4}
-    reducer = WarmupReducer(spec, **options)
+    reducer = WarmupReducer(build(spec), **options)
     # Stage s keeps 0.01 ** ((s + 1) / 5) for two steps each, from step 3 on; dense before it.
     stages = [0.01 ** ((s + 1) / 5) for s in range(4)]
     want = [stages[0]] * 3 + [stages[s // 2] for s in range(8)] + [0.01] * 2

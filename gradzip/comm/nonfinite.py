@@ -153,7 +153,7 @@ def marker_like(t: Tensor) -> Tensor:
 class StepLedger:
     """The steps in which some bucket carried the NaN marker.
 
-    One ledger is shared by every reducer of a hook (an adaptive hook holds several), so that a
+    One ledger is shared by every reducer of a hook (an auto hook holds several), so that a
     step skipped for one bucket is put back in the reducers of all the others too.
     """
 

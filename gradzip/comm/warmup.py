@@ -15,8 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gradzip.comm.queue import CollectiveQueue
-from gradzip.compressors import SpecError, build, check_int, parse_spec
-from gradzip.compressors.spec import format_spec
+from gradzip.compressors import REGISTRY, Compressor, SpecError, check_int
 from gradzip.control.sparsity import warmup_ratio
 from gradzip.feedback import check_clip_norm, clip_local
 from gradzip.metrics import StepMetrics
@@ -36,7 +35,7 @@ class WarmupReducer:
     error-feedback residuals included, through ``state_dict``.
 
     Args:
-        spec: the codec spec at its final ratio, e.g. ``"dgc:ratio=0.001"``.
+        codec: the codec at its final ratio, e.g. ``build("dgc:ratio=0.001")``.
         warmup_steps: steps of the warm-up (>= 0; 0: the final ratio from the start).
         warmup_stages: stages of the warm-up (>= 1; DGC uses 4).
         clip_norm: the global clipping threshold (L2, per tensor handed over), None for none.
@@ -49,7 +48,7 @@ class WarmupReducer:
 
     def __init__(
         self,
-        spec: str,
+        codec: Compressor,
         *,
         warmup_steps: int = 0,
         warmup_stages: int = 4,
@@ -61,15 +60,12 @@ class WarmupReducer:
         queue: CollectiveQueue | None = None,
         metrics: StepMetrics | None = None,
     ) -> None:
-        parts = parse_spec(spec)
-        codec = build(spec)
-        if len(parts) != 1 or not hasattr(codec, "ratio"):
-            raise SpecError(f"warmup_steps and clip_norm need a codec with a ratio (topk, dgc, ...); got {spec!r}")
-        self.name, self.params = parts[0]
+        self.check_options(codec, warmup_steps=warmup_steps, warmup_stages=warmup_stages, clip_norm=clip_norm)
+        self.codec = codec
         self.ratio = codec.ratio
         self.start_step = codec.start_step
-        self.warmup_steps = check_int(warmup_steps, name="warmup_steps", low=0)
-        self.warmup_stages = check_int(warmup_stages, name="warmup_stages", low=1)
+        self.warmup_steps = warmup_steps
+        self.warmup_stages = warmup_stages
         self.clip_norm = check_clip_norm(clip_norm)
         self.options = {
             "group": group, "error_feedback": error_feedback, "collective": collective,
@@ -79,6 +75,18 @@ class WarmupReducer:
         self.group = group
         self.current_ratio: float | None = None
         self.current: Any = None
+
+    @staticmethod
+    def check_options(codec: Compressor, *, warmup_steps: int = 0, warmup_stages: int = 4,
+                      clip_norm: float | None = None) -> None:
+        """Raise ``ValueError`` unless ``codec`` has a ``ratio`` and the options are in range."""
+        if not hasattr(codec, "ratio") or codec.name not in REGISTRY:
+            raise SpecError(
+                f"warmup_steps and clip_norm need a codec with a ratio (topk, dgc, ...); got {codec.spec!r}"
+            )
+        check_int(warmup_steps, name="warmup_steps", low=0)
+        check_int(warmup_stages, name="warmup_stages", low=1)
+        check_clip_norm(clip_norm)
 
     def ratio_at(self, step: int) -> float:
         """The kept ratio at ``step`` (the first stage's until ``start_step``, then the warm-up)."""
@@ -93,7 +101,7 @@ class WarmupReducer:
         if ratio != self.current_ratio:
             from gradzip.comm import make_reducer  # the registry imports this module
 
-            fresh = make_reducer(format_spec(self.name, {**self.params, "ratio": ratio}), **self.options)
+            fresh = make_reducer(self.codec.replace(ratio=ratio), **self.options)
             if self.current is not None:
                 self.current.flush()
                 fresh.load_state_dict(self.current.state_dict())

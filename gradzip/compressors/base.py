@@ -96,6 +96,13 @@ class Compressor(ABC):
             args.append(f"{key}={_format(value)}")
         return f"{self.name}:{','.join(args)}" if args else self.name
 
+    def replace(self, **changes: Any) -> Compressor:
+        """A new codec of this kind with ``changes`` applied to its parameters (checked as
+        :func:`gradzip.compressors.build` checks them)."""
+        from gradzip.compressors import instantiate
+
+        return instantiate(self.name, {**self.params, **changes})
+
     def state_dict(self) -> dict[str, Any]:
         """Codec state beyond its parameters (none for stateless codecs)."""
         return {}

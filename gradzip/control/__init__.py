@@ -2,7 +2,7 @@
 
 - :mod:`.auto`: ``--compressor auto`` (a bandwidth-aware per-bucket choice with a quality budget)
   and the explicit schedules (Accordion, LEGACY-style, EDGC-style).
-- :mod:`.adaptive`: the reducer that carries out a controller's per-bucket choices.
+- :mod:`.auto_reducer`: the reducer that carries out a controller's per-bucket choices.
 - :mod:`.figures`: what controllers see (probe, bucket and window figures) and answer (a plan).
 - :mod:`.monitor`: quality figures into metrics.jsonl, TensorBoard and the summary, with a warning
   when the norm ratio stays low.

@@ -1,5 +1,5 @@
-"""What an adaptive controller sees and answers: per-candidate probe figures, per-bucket and
-per-window figures (identical on every rank: the adaptive reducer all-reduces them before a
+"""What an auto controller sees and answers: per-candidate probe figures, per-bucket and
+per-window figures (identical on every rank: the auto reducer all-reduces them before a
 controller reads them), the controller's :class:`Plan`, and the sampled gradient entropy."""
 
 from __future__ import annotations

@@ -52,16 +52,8 @@ DEFAULT_CODECS = (
 
 
 def split_specs(text: str) -> list[str]:
-    """Split ``--codecs``: commas separate specs, except before a bare ``key=value``, which
-    continues the spec before it (``qsgd:bits=4,bucket=512,topk`` is two specs).
-
-    Raises:
-        ValueError: for an empty list or a ``key=value`` with no spec before it.
-    """
-    specs = split_spec_list(text, name="--codecs")
-    if not specs:
-        raise ValueError("--codecs is empty; give specs such as topk:ratio=0.01,qsgd:bits=4")
-    return specs
+    """``--codecs`` split by the list rule of every option (:func:`gradzip.compressors.spec.split_spec_list`)."""
+    return split_spec_list(text, name="--codecs")
 
 
 def _median_s(timings: list[float]) -> float:

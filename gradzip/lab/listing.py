@@ -1,7 +1,7 @@
 """``gradzip list``: every codec with its properties and payload for a 1 M element fp32 tensor.
 
-PowerSGD compresses matrices, not flat tensors: its row gives the payload for a 1024 x 1024
-fp32 matrix (the same 1 M elements) at its default rank, and says so.
+The rows come from :func:`gradzip.compressors.catalog.codec_rows`, which the docs' codec page
+reads too.
 """
 
 from __future__ import annotations
@@ -9,39 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from gradzip.compressors import REGISTRY, build
-
-EXAMPLE_NUMEL = 1 << 20
-#: the matrix shape of the example tensor for codecs that compress matrices
-EXAMPLE_MATRIX = (1024, 1024)
-
-
-def codec_rows(numel: int = EXAMPLE_NUMEL) -> list[dict]:
-    """One row per registered codec, built with its default parameters."""
-    rows = []
-    for name in sorted(REGISTRY):
-        codec = build(name)
-        matrix = hasattr(codec, "matrix_payload_nbytes")
-        payload = codec.matrix_payload_nbytes(EXAMPLE_MATRIX) if matrix else codec.payload_nbytes(numel)
-        rows.append(
-            {
-                "codec": codec.spec,
-                "defaults": ",".join(f"{k}={_text(v)}" for k, v in codec.params.items()),
-                "aggregatable": codec.aggregatable,
-                "unbiased": codec.unbiased,
-                "shared_seed": codec.needs_shared_seed,
-                "error_feedback": codec.error_feedback,
-                "payload_bytes_1m": payload,
-                "compression_ratio": numel * 4 / payload,
-                "example": f"{EXAMPLE_MATRIX[0]}x{EXAMPLE_MATRIX[1]} matrix" if matrix else f"{numel} elements",
-                "summary": (type(codec).__doc__ or "").strip().splitlines()[0],
-            }
-        )
-    return rows
-
-
-def _text(value) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
+from gradzip.compressors.catalog import EXAMPLE_MATRIX, EXAMPLE_NUMEL, codec_rows
 
 
 def run(args: argparse.Namespace) -> int:

@@ -7,6 +7,8 @@ import shlex
 import sys
 
 from gradzip.lab.compare.core import NETWORKS, CompareConfig
+from gradzip.lab.options import add_arguments, names_where
+from gradzip.lab.train.config import TrainConfig
 
 HELP = """\
 Run the main job once per compressor on the same workers, same seed and data order, and
@@ -24,11 +26,7 @@ examples:
 """
 
 #: ``gradzip train`` options passed through unchanged (None keeps train's default)
-TRAIN_OPTIONS = {
-    "batch_size": int, "seq_len": int, "eval_every": int, "eval_batches": int, "bucket_cap_mb": float,
-    "lr": float, "warmup_steps": int, "n_layer": int, "n_embd": int, "n_head": int, "vocab_size": int, "data": str,
-    "adapt_every": int, "monitor_every": int,
-}  # fmt: skip
+TRAIN_OPTIONS = names_where(TrainConfig, "compare")
 
 
 def add_parser(sub) -> None:
@@ -57,8 +55,7 @@ def add_parser(sub) -> None:
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: write the report, results and plots again from the runs in --out")
     group = p.add_argument_group("training options passed to 'gradzip train' (its defaults when omitted)")
-    for name, kind in TRAIN_OPTIONS.items():
-        group.add_argument(f"--{name.replace('_', '-')}", type=kind, default=None)
+    add_arguments(group, TrainConfig, names=TRAIN_OPTIONS, defaults=False)
     p.set_defaults(func=run)
 
 

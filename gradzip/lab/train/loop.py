@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from gradzip.choice import parse_compressor
 from gradzip.control.monitor import QualityMonitor
 from gradzip.lab.train import faults, report
 from gradzip.lab.train.checkpoint import Progress, resume, save_training_state
@@ -138,8 +139,8 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     model = build_model(cfg, corpus.vocab_size).to(device)
     par = make_parallel(model, cfg, settle=lambda ddp: settle_buckets(ddp, corpus, cfg, device))
     # auto probes its candidates on a later step: theirs compile now as well
-    specs = cfg.auto_config().candidate_specs() if cfg.compressor.strip().lower() == "auto" else [cfg.compressor]
-    kernels_s = sum(warm_up_kernels(spec) for spec in specs) if device.type == "cpu" else 0.0
+    choices = [parse_compressor(s) for s in cfg.auto_config().candidate_specs()] if cfg.choice.kind == "auto" else [cfg.choice]
+    kernels_s = sum(warm_up_kernels(choice) for choice in choices) if device.type == "cpu" else 0.0
     if is_main and kernels_s > 1.0:
         print(f"codec kernels ready in {kernels_s:.1f} s (compiled, native loops built unless cached)", file=sys.stderr)
     optimizer = build_optimizer(cfg, model, metrics=par.state.metrics)

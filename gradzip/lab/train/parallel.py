@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradzip.lab.train.config import TrainConfig
-from gradzip.lab.train.hooks import hook_options, is_torch_hook, make_hook
+from gradzip.lab.train.hooks import is_torch_hook, make_hook
 
 
 @dataclass
@@ -99,11 +99,11 @@ def make_parallel(model: nn.Module, cfg: TrainConfig, settle: Callable[[DDP], No
         ddp = DDP(model, bucket_cap_mb=cfg.bucket_cap_mb)
         if settle is not None:
             settle(ddp)
-        state, hook = make_hook(cfg.compressor, **hook_options(cfg))
+        state, hook = make_hook(cfg)
         ddp.register_comm_hook(state, hook)
         return Parallel(ddp, state, "ddp", "torch" if is_torch_hook(state) else "gradzip", ddp.no_sync)
     from gradzip.fsdp import compress_reduce_scatter
 
     shard_gpt(model)
-    state = compress_reduce_scatter(model, cfg.compressor)
+    state = compress_reduce_scatter(model, cfg.choice.codec)
     return Parallel(model, state, "fsdp", "gradzip", state.paused)

@@ -65,7 +65,7 @@ class Controller(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-class AdaptiveReducer:
+class AutoReducer:
     """Per-bucket choice among ``candidates``, decided by ``controller`` between windows.
 
     Args:
