@@ -11,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradzip.comm.reference import simulate_ranks
-from gradzip.comm.traffic import choose_collective, plan_chunks
+from gradzip.comm.routes import choose_collective
+from gradzip.comm.traffic import plan_chunks
 from gradzip.comm.warmup import WarmupReducer
 from gradzip.compressors import build
 from gradzip.compressors.spec import split_training_options

@@ -14,14 +14,8 @@ from hypothesis import strategies as st
 
 from gradzip.comm import make_reducer
 from gradzip.comm.reference import simulate_ranks
-from gradzip.comm.traffic import (
-    allgather_bytes,
-    allreduce_bytes,
-    check_collective,
-    choose_collective,
-    chunk_sizes,
-    plan_chunks,
-)
+from gradzip.comm.routes import check_collective, choose_collective
+from gradzip.comm.traffic import allgather_bytes, allreduce_bytes, chunk_sizes, plan_chunks
 from gradzip.compressors import build, list_compressors
 from gradzip.ddp import CompressionState
 from gradzip.feedback import ErrorFeedback

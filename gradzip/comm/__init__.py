@@ -2,7 +2,7 @@
 
 :func:`make_reducer` picks the reducer from the codec's declared properties: multi-round
 codecs (PowerSGD) bring their own; single-round codecs use :class:`CompressedReducer`, which
-picks a collective per bucket by bytes (:mod:`gradzip.comm.traffic`): all_reduce, all_gather,
+picks a route per bucket by bytes (:mod:`gradzip.comm.routes`): all_reduce, all_gather,
 the two-phase compressed all_reduce (:mod:`gradzip.comm.twophase`) or dense.
 """
 
@@ -16,7 +16,7 @@ from torch.futures import Future
 
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.comm.reducer import CompressedReducer
-from gradzip.comm.traffic import COLLECTIVES
+from gradzip.comm.routes import COLLECTIVES
 from gradzip.comm.twophase import TwoPhaseAllReduce
 from gradzip.compressors import Compressor, build
 from gradzip.metrics import StepMetrics

@@ -1,17 +1,11 @@
 """The single-round reducer: the mean over a process group of compressed tensors.
 
-Each bucket takes one route (:func:`gradzip.comm.traffic.choose_collective`, by the bytes each
-would send for the codec, the bucket and the world size, identical on every rank):
-
-- ``allreduce``: aggregatable payloads are divided by world_size and ``all_reduce``-d (dividing
-  first keeps fp16 sums from overflowing, and is the order of PyTorch's ``allreduce_hook`` and
-  ``fp16_compress_hook``);
-- ``allgather``: other payloads are packed into one byte buffer and ``all_gather``-ed; every rank
-  decodes all of them in rank order, sums and divides, so all ranks end with bit-identical results;
-- ``twophase``: the compressed all_reduce of :mod:`gradzip.comm.twophase`, whose bytes per rank
-  stay flat as the world grows;
-- ``dense``: the raw bucket, divided by world_size and ``all_reduce``-d, where compressing would
-  not send fewer bytes.
+Each bucket takes one route of :data:`gradzip.comm.routes.REGISTRY` (family ``mean``), chosen
+by :func:`gradzip.comm.routes.choose_collective` from the bytes each would send for the codec, the
+bucket and the world size, identical on every rank: ``allreduce`` (aggregatable payloads),
+``allgather``, ``twophase`` (:mod:`gradzip.comm.twophase`), or ``dense`` where compressing would
+not send fewer bytes. Each route's module holds its collective calls; this reducer holds the
+state they share (codec, residuals, queue, metrics, the non-finite ledger).
 
 Buckets smaller than ``min_compress_bytes`` are held back and sent uncompressed, concatenated
 into one ``all_reduce`` (one per dtype): a DDP hook sees one bucket at a time, so the reducer
@@ -50,33 +44,20 @@ from torch.futures import Future
 
 from gradzip.comm import nonfinite
 from gradzip.comm.queue import CollectiveQueue, completed
-from gradzip.comm.traffic import (
-    COLLECTIVES,
-    allgather_bytes,
-    allreduce_bytes,
-    check_collective,
-    choose_collective,
-    dense_probe,
-    route_bytes,
-)
+from gradzip.comm.routes import COLLECTIVES, REGISTRY, check_collective, choose_collective
+from gradzip.comm.traffic import dense_probe
 from gradzip.comm.twophase import TwoPhaseAllReduce
-from gradzip.comm.twophase import mean_of_payloads as decode_gathered
 from gradzip.compressors import Compressor, Payload, check_int
 from gradzip.compressors.kernels import wire
 from gradzip.feedback import ErrorFeedback
 from gradzip.metrics import StepMetrics, quality_figures
 
-__all__ = ["COLLECTIVES", "CompressedReducer", "decode_gathered", "predivide"]
-
-
-def predivide(payload: Payload, world_size: int) -> tuple[Tensor, ...]:
-    """Floating payload tensors divided by ``world_size`` (new tensors; integer parts as they are)."""
-    return tuple(t.div(world_size) if t.is_floating_point() else t for t in payload.tensors)
+__all__ = ["COLLECTIVES", "CompressedReducer", "Held"]
 
 
 @dataclass
-class _Held:
-    """A small bucket waiting for the fused all_reduce."""
+class Held:
+    """A small bucket waiting for the fused all_reduce (route ``fused``)."""
 
     key: Hashable
     grad: Tensor
@@ -137,14 +118,14 @@ class CompressedReducer:
             server_feedback=ErrorFeedback(deferred=True) if use_feedback else None, ledger=self.ledger,
         )
         self._routes: dict[tuple[int, torch.dtype, int], str] = {}
-        self._held: list[_Held] = []
+        self._held: list[Held] = []
         self._held_bytes = 0
         self._lock = threading.Lock()
 
     def route(self, numel: int, dtype: torch.dtype, *, step: int | None = None) -> str:
         """The route a tensor of ``numel`` elements of ``dtype`` takes (at ``step``, if given:
         ``dense`` before the codec's ``start_step``): ``fused`` below ``min_compress_bytes``,
-        else one of :data:`gradzip.comm.traffic.ROUTES`."""
+        else one of :data:`gradzip.comm.routes.ROUTES`."""
         if step is not None and step < self.compressor.start_step:
             return "dense"
         if numel * wire.dtype_nbytes(dtype) < self.min_compress_bytes:
@@ -184,19 +165,8 @@ class CompressedReducer:
         if grad.numel() == 0:
             fut = completed(grad.clone())
         else:
-            route = self.route(grad.numel(), grad.dtype, step=step)
-            if route == "fused":
-                fut = self._hold(key, grad, step)
-                if self.metrics.wants_quality(step):
-                    self.metrics.add_quality(key, quality_figures(grad, grad))
-            else:
-                launch = {
-                    "dense": self._reduce_dense,
-                    "allreduce": self._all_reduce,
-                    "allgather": self._all_gather,
-                    "twophase": self.twophase.reduce,
-                }[route]
-                fut = launch(key, grad, step=step)
+            route = REGISTRY[self.route(grad.numel(), grad.dtype, step=step)]
+            fut = route.launch(self, key, grad, step=step)
         if flush or self._held_bytes >= max(self.min_compress_bytes, 1):
             self.flush()
         return fut
@@ -205,11 +175,11 @@ class CompressedReducer:
         """Send the held-back small tensors: one uncompressed all_reduce per dtype."""
         with self._lock:
             held, self._held, self._held_bytes = self._held, [], 0
-        by_dtype: dict[torch.dtype, list[_Held]] = {}
+        by_dtype: dict[torch.dtype, list[Held]] = {}
         for item in held:
             by_dtype.setdefault(item.grad.dtype, []).append(item)
         for group in by_dtype.values():
-            self._send_fused(group)
+            REGISTRY["fused"].send(self, group)
 
     def _begin(self, key: Hashable, step: int) -> None:
         """Settle the previous step when a new one starts, and snapshot a stateful codec."""
@@ -237,11 +207,14 @@ class CompressedReducer:
         closed = self.open_step.finish()
         self._settle(closed is None or self.ledger.finite(closed))  # changes made outside a step stay
 
-    def _marker(self, like: Tensor, step: int) -> Tensor:
+    # -- what the routes' launches use ---------------------------------------------------------
+
+    def nonfinite_result(self, like: Tensor, step: int) -> Tensor:
+        """The all-NaN result of a bucket some rank marked; the step is put back when settled."""
         self.ledger.mark_nonfinite(step)
         return nonfinite.marker_like(like)
 
-    def _compress(self, key: Hashable, grad: Tensor, step: int, box: dict[str, Any]) -> Payload:
+    def encode(self, key: Hashable, grad: Tensor, step: int, box: dict[str, Any]) -> Payload:
         """Compensate, compress, update the residual; returns the payload (its bytes checked),
         NaN-marked if ``grad`` holds inf or NaN. On monitored steps leaves what the quality
         check needs in ``box``."""
@@ -265,7 +238,7 @@ class CompressedReducer:
             box["quality"] = (compensated, decoded, payload, updated)
         return payload
 
-    def _record_quality(self, key: Hashable, grad: Tensor, box: dict[str, Any]) -> None:
+    def record_quality(self, key: Hashable, grad: Tensor, box: dict[str, Any]) -> None:
         """Quality figures of a monitored step, computed outside the timed compression."""
         if "quality" not in box:
             return
@@ -295,7 +268,7 @@ class CompressedReducer:
         world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
         rank = dist.get_rank(self.group) if dist.is_initialized() else 0
         route = self.route(grad.numel(), grad.dtype, step=step)
-        if grad.numel() == 0 or route in ("dense", "fused"):
+        if grad.numel() == 0 or not REGISTRY[route].compressed:
             return dense_probe(grad, world_size)
         start = time.perf_counter()
         payload = self.compressor.compress(grad, step=step, key=key)
@@ -306,8 +279,8 @@ class CompressedReducer:
             "compress_s": middle - start,
             "decompress_s": (end - middle) * (world_size if route == "allgather" else 1),
             "payload_bytes": payload.nbytes,
-            "sent_bytes": route_bytes(route, self.compressor, grad.numel(), grad.dtype, world_size, rank),
-            "collectives": 2 if route == "twophase" else 1,
+            "sent_bytes": REGISTRY[route].sent_nbytes(self.compressor, grad.numel(), grad.dtype, world_size, rank),
+            "collectives": REGISTRY[route].rounds_per_bucket,
             "decoded": decoded,
         }
 
@@ -319,135 +292,13 @@ class CompressedReducer:
         residual = self.feedback.residuals.pop(key, None)
         return None if residual is None else residual.reshape(-1)
 
-    def _reduce_dense(self, key: Hashable, grad: Tensor, *, step: int) -> Future:
-        world_size = dist.get_world_size(self.group)
-        raw = wire.nbytes([grad])
-        sent = allreduce_bytes(raw, world_size)
-        self.metrics.add_bucket(
-            key, payload_bytes=raw, dense_bytes=raw, collective="dense", compressed=False,
-            sent_bytes=sent, received_bytes=sent, codec=self.compressor.spec,
-        )
-        if self.metrics.wants_quality(step):
-            self.metrics.add_quality(key, quality_figures(grad, grad))
-        tensor = torch.empty_like(grad)
-
-        def launch() -> Future:
-            torch.div(grad, world_size, out=tensor)
-            if not nonfinite.is_finite(grad):
-                tensor.fill_(float("nan"))  # the marker; an inf alone could pass for an overflow
-            work = dist.all_reduce(tensor, group=self.group, async_op=True)
-            return self.metrics.track(work.get_future(), (key,))
-
-        def finish(fut: Future) -> Tensor:
-            fut.value()  # re-raises a failed collective
-            return self._marker(tensor, step) if nonfinite.received_marker([tensor]) else tensor
-
-        return self.queue.submit(launch).then(finish)
-
-    def _all_reduce(self, key: Hashable, grad: Tensor, *, step: int) -> Future:
-        world_size = dist.get_world_size(self.group)
-        payload_bytes = self.compressor.payload_nbytes(grad.numel(), grad.dtype)
-        sent = allreduce_bytes(payload_bytes, world_size)
-        self.metrics.add_bucket(
-            key, payload_bytes=payload_bytes, dense_bytes=wire.nbytes([grad]), collective="allreduce",
-            sent_bytes=sent, received_bytes=sent, codec=self.compressor.spec,
-        )
-        box: dict[str, Any] = {}
-
-        def launch() -> Future:
-            with self.metrics.timed("compress_s", key):
-                payload = self._compress(key, grad, step, box)
-                box["ctx"], box["tensors"] = payload.ctx, predivide(payload, world_size)
-            self._record_quality(key, grad, box)
-            works = [dist.all_reduce(t, group=self.group, async_op=True).get_future() for t in box["tensors"]]
-            fut = works[0] if len(works) == 1 else torch.futures.collect_all(works)
-            return self.metrics.track(fut, (key,))
-
-        def decode(fut: Future) -> Tensor:
-            fut.value()  # re-raises a failed collective
-            with self.metrics.timed("decompress_s", key):
-                if nonfinite.received_marker(box["tensors"]):
-                    return self._marker(grad, step)
-                return self.compressor.decompress(Payload(box["tensors"], box["ctx"]), like=grad)
-
-        return self.queue.submit(launch).then(decode)
-
-    def _all_gather(self, key: Hashable, grad: Tensor, *, step: int) -> Future:
-        world_size = dist.get_world_size(self.group)
-        payload_bytes = self.compressor.payload_nbytes(grad.numel(), grad.dtype)
-        sent = allgather_bytes(payload_bytes, world_size)
-        self.metrics.add_bucket(
-            key, payload_bytes=payload_bytes, dense_bytes=wire.nbytes([grad]), collective="allgather",
-            sent_bytes=sent, received_bytes=sent, codec=self.compressor.spec,
-        )
-        recv = torch.empty(world_size * payload_bytes, dtype=torch.uint8, device=grad.device)
-        box: dict[str, Any] = {}
-
-        def launch() -> Future:
-            with self.metrics.timed("compress_s", key):
-                box["payload"] = self._compress(key, grad, step, box)
-                send = wire.to_bytes(box["payload"].tensors)
-            self._record_quality(key, grad, box)
-            work = dist.all_gather_single(recv, send, group=self.group, async_op=True)
-            return self.metrics.track(work.get_future(), (key,))
-
-        def decode(fut: Future) -> Tensor:
-            fut.value()  # re-raises a failed collective
-            with self.metrics.timed("decompress_s", key):
-                template = box["payload"]
-                rows = recv.view(world_size, -1)
-                payloads = [Payload(wire.from_bytes(rows[r], template.tensors), template.ctx) for r in range(world_size)]
-                if any(nonfinite.received_marker(p.tensors) for p in payloads):
-                    return self._marker(grad, step)
-                return decode_gathered(self.compressor, payloads, grad)
-
-        return self.queue.submit(launch).then(decode)
-
-    def _hold(self, key: Hashable, grad: Tensor, step: int) -> Future:
-        world_size = dist.get_world_size(self.group)
-        raw = wire.nbytes([grad])
-        # Each bucket is counted as its own share of the fused ring all_reduce.
-        sent = allreduce_bytes(raw, world_size)
-        self.metrics.add_bucket(
-            key, payload_bytes=raw, dense_bytes=raw, collective="fused", compressed=False,
-            sent_bytes=sent, received_bytes=sent,
-        )
-        item = _Held(key, grad, step, Future())
+    def hold(self, key: Hashable, grad: Tensor, step: int) -> Future:
+        """Keep ``grad`` for the next fused all_reduce; its future completes when that one does."""
+        item = Held(key, grad, step, Future())
         with self._lock:
             self._held.append(item)
-            self._held_bytes += raw
+            self._held_bytes += wire.nbytes([grad])
         return item.future
-
-    def _send_fused(self, held: list[_Held]) -> None:
-        world_size = dist.get_world_size(self.group)
-        flat = torch.empty(sum(h.grad.numel() for h in held), dtype=held[0].grad.dtype, device=held[0].grad.device)
-
-        def launch() -> Future:
-            torch.cat([h.grad.reshape(-1) for h in held], out=flat).div_(world_size)
-            if not nonfinite.is_finite(flat):
-                flat.fill_(float("nan"))  # the marker, for every bucket of this fused message
-            work = dist.all_reduce(flat, group=self.group, async_op=True)
-            return self.metrics.track(work.get_future(), tuple(h.key for h in held))
-
-        def deliver(fut: Future) -> None:
-            try:
-                fut.value()
-            except Exception as exc:  # noqa: BLE001 - handed to every waiting bucket
-                for h in held:
-                    h.future.set_exception(exc)
-                return
-            if nonfinite.received_marker([flat]):
-                for h in held:
-                    h.future.set_result(self._marker(h.grad, h.step))
-                return
-            offset = 0
-            for h in held:
-                # A copy, not a view: DDP reads a hook's result with as_strided from the start of
-                # its storage, so a view at an offset would hand every bucket the first one's values.
-                h.future.set_result(flat[offset : offset + h.grad.numel()].view(h.grad.shape).clone())
-                offset += h.grad.numel()
-
-        self.queue.submit(launch).add_done_callback(deliver)
 
     def state_dict(self) -> dict[str, Any]:
         """Codec state and both error-feedback memories (worker-side, and server-side for the

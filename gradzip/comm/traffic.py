@@ -1,4 +1,4 @@
-"""Bytes each collective moves per worker, and the choice of collective by those bytes.
+"""Bytes each collective moves per worker (the routes of :mod:`gradzip.comm.routes` add them up).
 
 The figures are the bandwidth-optimal ones, which are also what gloo sends on loopback (checked
 by ``benchmarks/collectives.py`` against the bytes each process writes to its sockets):
@@ -21,29 +21,6 @@ from dataclasses import dataclass
 import torch
 
 from gradzip.compressors import Compressor
-from gradzip.compressors.kernels import wire
-
-#: what callers may ask for; ``auto`` picks by bytes
-COLLECTIVES = ("auto", "allreduce", "allgather", "twophase")
-#: what :func:`choose_collective` may answer; ``dense`` is the uncompressed all_reduce
-ROUTES = ("allreduce", "allgather", "twophase", "dense")
-
-
-def check_collective(collective: str, compressor: Compressor) -> str:
-    """Validate a requested collective for ``compressor``.
-
-    Raises:
-        ValueError: for a name outside :data:`COLLECTIVES`, or ``allreduce`` with a codec that
-            is not aggregatable (the sum of its payloads does not decode to the sum of inputs).
-    """
-    if collective not in COLLECTIVES:
-        raise ValueError(f"collective must be one of {', '.join(COLLECTIVES)}; got {collective!r}")
-    if collective == "allreduce" and not compressor.aggregatable:
-        raise ValueError(
-            f"collective='allreduce' needs an aggregatable codec; {compressor.name} is not "
-            "(use allgather, twophase or auto)"
-        )
-    return collective
 
 
 def chunk_sizes(numel: int, world_size: int) -> tuple[int, ...]:
@@ -125,57 +102,3 @@ def all_to_all_bytes(chunk_nbytes: int, world_size: int) -> int:
     """Bytes one rank sends (and receives) in an all_to_all of ``world_size`` chunks of
     ``chunk_nbytes`` each: ``(W-1) c`` (the own chunk stays)."""
     return (world_size - 1) * chunk_nbytes
-
-
-def route_bytes(route: str, compressor: Compressor, numel: int, dtype: torch.dtype, world_size: int, rank: int) -> int:
-    """Bytes ``rank`` sends for one bucket through ``route`` (one of :data:`ROUTES`)."""
-    if route == "dense":
-        return allreduce_bytes(numel * wire.dtype_nbytes(dtype), world_size)
-    if route == "allreduce":
-        return allreduce_bytes(compressor.payload_nbytes(numel, dtype), world_size)
-    if route == "allgather":
-        return allgather_bytes(compressor.payload_nbytes(numel, dtype), world_size)
-    if route == "twophase":
-        return plan_chunks(compressor, numel, dtype, world_size).sent_bytes(rank)
-    raise ValueError(f"route must be one of {', '.join(ROUTES)}; got {route!r}")
-
-
-def choose_collective(
-    collective: str, compressor: Compressor, numel: int, dtype: torch.dtype, world_size: int
-) -> str:
-    """The route a bucket takes: one of :data:`ROUTES`, identical on every rank.
-
-    ``auto`` takes the route with the fewest bytes sent summed over all ranks (so the choice
-    does not depend on the rank): for aggregatable codecs between ``allreduce`` and ``dense``
-    (a ring all_reduce already is a reduce-scatter and an all-gather of the payload, summed as
-    it is, so two phases would add a second compression for at most a few bytes of rounding);
-    for the others among ``allgather``, ``twophase`` and ``dense``. Ties go to the earlier in
-    that order (one round before two, compressed before dense). A forced collective is kept,
-    except that a codec whose payload for the bucket would exceed the raw bytes sends the bucket
-    ``dense`` (compression never sends more than the raw tensor).
-
-    Args:
-        collective: one of :data:`COLLECTIVES` (validated by :func:`check_collective`).
-        numel, dtype: the bucket.
-        world_size: ranks in the group.
-    """
-    raw = numel * wire.dtype_nbytes(dtype)
-    payload = {
-        "allreduce": compressor.payload_nbytes(numel, dtype),
-        "allgather": compressor.payload_nbytes(numel, dtype),
-        "twophase": plan_chunks(compressor, numel, dtype, world_size).total_payload_nbytes,
-        "dense": raw,
-    }
-    if collective != "auto":
-        return "dense" if payload[collective] > raw else collective
-    # Summed over ranks: W ring shares for all_reduce, W (W-1) P for all_gather and, for two
-    # phases, 2 (W-1) sum_j p_j (each chunk payload crosses W-1 links in each round).
-    total = {
-        "allreduce": world_size * allreduce_bytes(payload["allreduce"], world_size),
-        "allgather": world_size * allgather_bytes(payload["allgather"], world_size),
-        "twophase": 2 * (world_size - 1) * payload["twophase"],
-        "dense": world_size * allreduce_bytes(raw, world_size),
-    }
-    compressed = ("allreduce",) if compressor.aggregatable else ("allgather", "twophase")
-    candidates = [r for r in ROUTES if r == "dense" or (r in compressed and payload[r] <= raw)]
-    return min(candidates, key=lambda r: (total[r], ROUTES.index(r)))

@@ -1,8 +1,10 @@
 """What each method puts on the wire for one bucket: the collectives, their bytes, the codec work.
 
 Bytes come from the real codecs (``payload_nbytes``, PowerSGD's ``matrix_payload_nbytes``) built
-by :func:`gradzip.compressors.build`; nothing here keeps a second table of sizes. The collective
-follows the codec's declared properties, as the reducers do:
+by :func:`gradzip.compressors.build`, and the rounds of each single-round route from the route
+itself (:meth:`gradzip.comm.routes.Route.cost`, read from :data:`gradzip.comm.routes.REGISTRY`);
+nothing here keeps a second table of sizes. The route follows the codec's declared properties,
+as the reducers do:
 
 - ``aggregatable`` single-round codecs: ``all_reduce`` of the payload (DDP) or
   ``reduce_scatter`` of it (FSDP).
@@ -22,19 +24,24 @@ exchange of all momenta flattened into one buffer (DeepSpeed's ``compressed_allr
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from gradzip.comm.traffic import chunk_sizes
+from gradzip.comm.routes import MEAN
+from gradzip.comm.routes import REGISTRY as ROUTE_REGISTRY
+from gradzip.comm.routes import Route as CommRoute
 from gradzip.compressors import REGISTRY, Compressor, build
 from gradzip.compressors.kernels import wire
 from gradzip.compressors.spec import parse_spec
 from gradzip.lab.simulate.collectives import Fabric
 
-COLLECTIVE_CHOICES = ("auto", "allgather", "twophase")
+#: ``collective`` values for codecs that are not aggregatable: ``auto`` or a route that takes them
+COLLECTIVE_CHOICES = (
+    "auto",
+    *(n for n, r in ROUTE_REGISTRY.items() if r.family == MEAN and r.requestable and not r.needs_aggregatable),
+)
 ONEBIT_ADAM = "onebit-adam"
 #: 1-bit Adam's default warm-up: the paper's BERT-Large pre-training froze the variance after
 #: 23k of 152k steps, about 15% (Tang et al. 2021, arXiv 2102.02888, section 7.1).
@@ -99,10 +106,17 @@ def numel_of(shapes: Sequence[tuple[int, ...]]) -> int:
     return sum(math.prod(s) for s in shapes)
 
 
+def route_exchange(route: CommRoute, payload_nbytes, numel: int, dtype: torch.dtype, p: int, method: str | None = None) -> Exchange:
+    """One bucket of ``numel`` elements through ``route`` (its :meth:`~gradzip.comm.routes.Route.cost`),
+    named ``method`` (default the route's name)."""
+    cost = route.cost(payload_nbytes, numel, dtype, p)
+    rounds = tuple(Round(r.collective, r.nbytes) for r in cost.rounds)
+    return Exchange(method or route.name, rounds, cost.payload_bytes, cost.encode_bytes, cost.decode_bytes)
+
+
 def dense_exchange(numel: int, dtype: torch.dtype) -> Exchange:
     """Uncompressed all_reduce of ``numel`` elements of ``dtype``."""
-    nbytes = numel * wire.dtype_nbytes(dtype)
-    return Exchange("dense", (Round("allreduce", nbytes),), nbytes)
+    return route_exchange(ROUTE_REGISTRY["dense"], None, numel, dtype, 1)
 
 
 class Method:
@@ -196,15 +210,14 @@ class Method:
         payload = codec.payload_nbytes(numel, dtype)
         if payload > dense_bytes:
             return [dense_exchange(numel, dtype)]
-        if codec.aggregatable:
-            return [Exchange("allreduce", (Round("allreduce", payload),), payload, dense_bytes, dense_bytes)]
-        out = []
-        if collective in ("auto", "allgather"):
-            # Every worker decodes all p payloads.
-            out.append(Exchange("allgather", (Round("allgather", p * payload),), payload, dense_bytes, p * dense_bytes))
-        if collective in ("auto", "twophase"):
-            out.append(twophase_exchange(codec.payload_nbytes, numel, dtype, p))
-        return out
+        # The compressed routes the reducer's auto weighs; a forced one for codecs that are not
+        # aggregatable (an aggregatable codec's only such route is allreduce).
+        routes = [
+            r for r in ROUTE_REGISTRY.values()
+            if r.family == MEAN and r.compressed and r.auto_takes(codec)
+            and (collective == "auto" or codec.aggregatable or r.name == collective)
+        ]
+        return [route_exchange(r, codec.payload_nbytes, numel, dtype, p) for r in routes]
 
     def onebit_momentum_exchange(self, numel: int, p: int) -> Exchange:
         """1-bit Adam's two-phase exchange of one fp32 momentum tensor of ``numel`` elements."""
@@ -242,32 +255,20 @@ class Method:
         dense_bytes = numel * wire.dtype_nbytes(dtype)
         codec = self.codec
         assert codec is not None
-        if self.is_identity:
-            return Exchange("reducescatter", (Round("reducescatter", dense_bytes),), dense_bytes)
         if codec.multi_round:
             return lowrank_exchange(codec, shapes, dtype)
-        payload = codec.payload_nbytes(numel, dtype)
-        if payload > dense_bytes:
-            return Exchange("reducescatter", (Round("reducescatter", dense_bytes),), dense_bytes)
-        if codec.aggregatable:
-            return Exchange("reducescatter", (Round("reducescatter", payload),), payload, dense_bytes, dense_bytes / p)
-        total, own = chunked_payload_nbytes(codec.payload_nbytes, numel, dtype, p)
-        item = wire.dtype_nbytes(dtype)
-        return Exchange("alltoall", (Round("alltoall", total),), total, dense_bytes, p * own * item)
-
-
-def chunked_payload_nbytes(payload_nbytes, numel: int, dtype: torch.dtype, p: int) -> tuple[int, int]:
-    """Payload bytes of a bucket cut into ``p`` chunks as the reducer cuts it, and the largest chunk.
-
-    Chunks follow :func:`gradzip.comm.traffic.chunk_sizes`; an empty chunk sends nothing.
-    """
-    counts = Counter(chunk_sizes(numel, p))
-    total = sum(payload_nbytes(size, dtype) * count for size, count in counts.items() if size)
-    return total, max(counts)
+        if self.is_identity or codec.payload_nbytes(numel, dtype) > dense_bytes:
+            route = ROUTE_REGISTRY["dense_reduce_scatter"]
+        else:
+            # The ring (NCCL) the model prices sums aggregatable payloads on the wire.
+            route = ROUTE_REGISTRY["reduce_scatter" if codec.aggregatable else "all_to_all"]
+        ex = route_exchange(route, codec.payload_nbytes, numel, dtype, p)
+        return Exchange(ex.rounds[0].collective, ex.rounds, ex.payload_bytes, ex.encode_bytes, ex.decode_bytes)
 
 
 def twophase_exchange(payload_nbytes, numel: int, dtype: torch.dtype, p: int) -> Exchange:
-    """The two-phase compressed all_reduce of ``numel`` elements over ``p`` workers.
+    """The two-phase compressed all_reduce of ``numel`` elements over ``p`` workers
+    (:class:`gradzip.comm.routes.twophase.TwoPhase`).
 
     The bucket is cut as :func:`gradzip.comm.traffic.chunk_sizes` cuts it (``p`` chunks, sizes
     differing by at most one) and every chunk compressed: ``P = sum_j payload(c_j)`` bytes per
@@ -279,15 +280,7 @@ def twophase_exchange(payload_nbytes, numel: int, dtype: torch.dtype, p: int) ->
     Args:
         payload_nbytes: the codec's ``payload_nbytes(numel, dtype)``.
     """
-    total, own = chunked_payload_nbytes(payload_nbytes, numel, dtype, p)
-    item = wire.dtype_nbytes(dtype)
-    return Exchange(
-        "twophase",
-        (Round("alltoall", total), Round("allgather", total)),
-        total,
-        encode_bytes=(numel + own) * item,  # every chunk, then the own averaged chunk again
-        decode_bytes=(p * own + numel) * item,  # p versions of the own chunk, then every mean
-    )
+    return route_exchange(ROUTE_REGISTRY["twophase"], payload_nbytes, numel, dtype, p)
 
 
 def lowrank_exchange(codec: Compressor, shapes: Sequence[tuple[int, ...]], dtype: torch.dtype) -> Exchange:

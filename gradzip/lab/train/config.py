@@ -6,7 +6,7 @@ import os
 from dataclasses import asdict, dataclass, field
 
 from gradzip.choice import Choice, parse_compressor
-from gradzip.comm.traffic import COLLECTIVES
+from gradzip.comm.routes import COLLECTIVES
 from gradzip.control.auto import FIRST_WINDOW_STEPS
 from gradzip.lab.options import Int, Num, OneOf, check_fields, option
 
@@ -60,7 +60,7 @@ class TrainConfig:
                         "gradient reduce-scatter instead of DDP's all-reduce", must_match=True)
     collective: str = option(
         "auto", "how compressed buckets travel: auto picks by bytes; twophase is the compressed all_reduce whose bytes "
-        "per worker stay flat in the world size (see gradzip.comm.traffic)", check=OneOf(COLLECTIVES))
+        "per worker stay flat in the world size (see gradzip.comm.routes)", check=OneOf(COLLECTIVES))
     min_compress_bytes: int = option(0, "buckets below N bytes travel uncompressed, fused into one all_reduce per step",
                                      check=Int(0), metavar="N")
     no_exchange: bool = option(False, "no gradient exchange at all: measures compute alone, the limit of any speedup "

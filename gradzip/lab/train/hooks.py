@@ -10,7 +10,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 
 from gradzip.choice import Choice, TorchHookChoice
-from gradzip.comm.traffic import allreduce_bytes, check_collective
+from gradzip.comm.routes import check_collective
+from gradzip.comm.traffic import allreduce_bytes
 from gradzip.compressors import check_int
 from gradzip.compressors.kernels import fused
 from gradzip.ddp import CompressionState, compression_hook

@@ -1,0 +1,379 @@
+"""Compressed gradient reduce-scatter of one FSDP2 module, with error feedback.
+
+FSDP copies each module's gradients into one flat padded buffer and reduce-scatters it:
+``input.view(world_size, -1)[r]`` is the chunk rank ``r`` keeps. :class:`CompressedReduceScatter`
+replaces that collective (``gradzip.fsdp`` installs it with ``set_custom_reduce_scatter``) by a
+route of the registry (:mod:`gradzip.comm.routes`, family ``shard``), chosen per call from the
+codec's declared properties:
+
+1. ``all_to_all`` (any single-round codec): compress each destination chunk, exchange the
+   ``world_size`` payloads with one ``all_to_all_single``, decode the payloads of the own chunk
+   and sum them in rank order. Nothing is re-compressed, so there is no server-side residual.
+   Each rank sends ``(world_size - 1)`` chunk payloads of a chunk of ``numel / world_size``
+   elements: flat in the world size.
+2. ``reduce_scatter``: compress each destination chunk, reduce-scatter the payloads (summed on
+   the wire), decode the own chunk once. The identity codec ``none`` always takes it (it is
+   FSDP's own collective, so it equals FSDP's default bit for bit); other aggregatable codecs
+   with an all floating-point payload take it where it sends no more bytes than the
+   all_to_all: on a ring reduce-scatter (NCCL), not on gloo, whose reduce-scatter moves as
+   much as an all_reduce (``2 (W-1)/W`` of the buffer per rank, measured; see
+   :func:`gradzip.comm.traffic.reduce_scatter_bytes`).
+3. PowerSGD (Vogels et al. 2019, arXiv 1905.13727), a multi-round codec with its own reducer:
+   each parameter of 2 or more dims is taken as the matrix its ``world_size`` chunks stack into
+   (``(world_size * rows, cols)``, the padded unsharded gradient for FSDP's default
+   ``Shard(0)``) and reduced by :class:`~gradzip.comm.powersgd.PowerSGDReducer`, exactly as the
+   DDP hook reduces it (``P`` and ``Q`` all_reduced, shared warm start); each rank keeps its own
+   rows. The other parameters (1-D, or too small to gain) are reduce-scattered uncompressed.
+   PowerSGD needs the parameters' shard shapes; where they are unknown the whole buffer travels
+   uncompressed, with a warning.
+
+A compressed exchange that would hand more bytes to its collective than the raw buffer falls
+back to FSDP's plain reduce-scatter (route ``dense_reduce_scatter``, recorded as ``dense``) and
+says so in the metrics (``uncompressed_buckets``).
+
+Reduce ops: FSDP passes ``AVG`` (fp32 and bf16 reduce dtypes), ``SUM`` (fp16 reduce dtype, or
+``set_force_sum_reduction_for_comms(True)``; FSDP divides before and after) or
+``PREMUL_SUM(f)`` (a gradient divide factor other than the world size). All three are handled:
+the mean, the sum, or ``f`` times the sum of the ranks' decoded chunks. gloo has no
+``PREMUL_SUM``, so gradzip multiplies by ``f`` itself; an fp16 wire predivides ``AVG`` by the
+world size (fp16 sums overflow). Other ops raise ``ValueError``.
+
+Non-finite gradients follow :mod:`gradzip.comm.nonfinite` on the compressed single-round routes:
+a rank whose buffer holds inf or NaN sends NaN-marked payloads of zeros for every chunk (codecs
+with no floating tensor in their payload get the 2-byte marker slot), every rank then finds the
+marker among what it receives for its own chunk and returns all NaN, and the module's residual
+updates of that call are dropped on every rank (a residual never turns inf or NaN). The plain
+reduce-scatter carries inf and NaN through as they are.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from gradzip.comm import nonfinite
+from gradzip.comm.powersgd import PowerSGDReducer
+from gradzip.comm.queue import CollectiveQueue
+from gradzip.comm.routes import REGISTRY, choose_shard_route
+from gradzip.compressors import Compressor, Payload
+from gradzip.compressors.kernels import wire
+from gradzip.compressors.lowrank import PowerSGD
+from gradzip.feedback import ErrorFeedback
+from gradzip.metrics import StepMetrics
+
+try:  # the interface class is private; any object with allocate() and __call__() works
+    from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter as ReduceScatterBase
+except ImportError:  # pragma: no cover - other torch versions
+    ReduceScatterBase = object
+
+try:  # a completed Work for callers that ask for async_op=True
+    from torch._C._distributed_c10d import _create_work_from_future
+except ImportError:  # pragma: no cover - other torch versions
+    _create_work_from_future = None
+
+ReduceOp = dist.ReduceOp
+
+
+def op_kind(op: Any, world_size: int) -> tuple[str, float]:
+    """``("avg", 1/world_size)``, ``("sum", 1.0)`` or ``("premul", factor)`` for an FSDP op.
+
+    Raises:
+        ValueError: for an op FSDP does not use for gradients (MIN, MAX, ...).
+    """
+    if op == ReduceOp.AVG:
+        return "avg", 1.0 / world_size
+    if op == ReduceOp.SUM:
+        return "sum", 1.0
+    if getattr(op, "op", None) == ReduceOp.PREMUL_SUM:
+        return "premul", float(op.factor)
+    raise ValueError(f"op must be AVG, SUM or PREMUL_SUM for a gradient reduce-scatter; got {op!r}")
+
+
+def wire_op(input: Tensor, op: Any, kind: str, factor: float, world_size: int) -> tuple[Tensor, Any]:
+    """What a reduce-scatter of ``input`` under ``op`` hands to the backend: gloo has no
+    PREMUL_SUM (multiplied here, then summed) and fp16 sums overflow (AVG predivided, summed)."""
+    if kind == "premul":
+        return input * factor, ReduceOp.SUM
+    if kind == "avg" and input.dtype == torch.float16:
+        return input / world_size, ReduceOp.SUM
+    return input, op
+
+
+def encode_chunk(
+    codec: Compressor, feedback: ErrorFeedback | None, name: str, chunk: Tensor, j: int, step: int, sendable: bool
+) -> Payload:
+    """Compress destination chunk ``j`` (codec key ``(name, j)``) with its residual (key ``j``)
+    and stage the residual's update. A rank whose buffer is not finite (``sendable`` False)
+    sends the NaN-marked payload of zeros and leaves the residual alone."""
+    key = (name, j)
+    if not sendable:
+        return nonfinite.marked(codec.compress(torch.zeros_like(chunk), step=step, key=key))
+    if feedback is None:
+        return codec.compress(chunk, step=step, key=key)
+    compensated = feedback.compensate(j, chunk, step=step)
+    # A finite gradient plus its residual may overflow the wire dtype: saturate, never inf.
+    wire_input = nonfinite.saturate(compensated, chunk.dtype).to(chunk.dtype)
+    payload = codec.compress(wire_input, step=step, key=key)
+    feedback.update(j, compensated, codec.decompress(payload, like=wire_input), step=step)
+    return payload
+
+
+def decode_sum(codec: Compressor, payloads: Sequence[Payload], like: Tensor) -> Tensor:
+    """Sum of the decoded payloads, in rank order (the order every rank uses)."""
+    total = codec.decompress(payloads[0], like=like).clone()
+    for payload in payloads[1:]:
+        total += codec.decompress(payload, like=like)
+    return total
+
+
+class CompressedReduceScatter(ReduceScatterBase):
+    """One FSDP module's reduce-scatter, compressed (FSDP's ``ReduceScatter`` interface).
+
+    Args:
+        compressor: a built codec (this module's own instance).
+        name: the module's name; keys metrics and seeds (``(name, chunk)``).
+        shard_shapes: the parameters' shapes within one chunk, in buffer order (PowerSGD needs
+            them); None if unknown.
+        error_feedback: keep a residual per destination chunk; None uses the codec's default.
+            PowerSGD always keeps one.
+        metrics: where bytes and times go (shared by the modules of a model).
+        queue: the ordered launch queue of the group (PowerSGD's two rounds go through it).
+
+    ``__call__(output_tensor, input_tensor, group, op)`` reduces ``input_tensor`` (1-D,
+    ``world_size * c`` elements, fp32, bf16 or fp16) into ``output_tensor`` (``c`` elements,
+    same dtype) synchronously. Payload handed to collectives per call: the route's ``nbytes``
+    (``world_size * payload_nbytes(c, dtype)`` for the compressed single-round routes); for
+    PowerSGD ``sum((n + m) * r) * itemsize`` for the matrices plus ``world_size * u * itemsize``
+    for the ``u`` uncompressed elements per chunk.
+    """
+
+    def __init__(
+        self,
+        compressor: Compressor,
+        *,
+        name: str,
+        shard_shapes: Sequence[torch.Size] | None = None,
+        error_feedback: bool | None = None,
+        metrics: StepMetrics | None = None,
+        queue: CollectiveQueue | None = None,
+    ) -> None:
+        self.compressor = compressor
+        self.name = name
+        self.shard_shapes = None if shard_shapes is None else [torch.Size(s) for s in shard_shapes]
+        self.metrics = metrics or StepMetrics()
+        self.step = 0
+        self.calls = 0
+        #: the exchange of the latest call: a shard route's label (``reduce_scatter``,
+        #: ``all_to_all``, ``dense``) or ``powersgd``
+        self.last_exchange: str | None = None
+        self._warned_layout = False
+        self._floating: dict[tuple[int, torch.dtype], bool] = {}
+        if not compressor.multi_round:
+            # A slot for the NaN marker where the payload has no floating tensor (2 bytes, counted).
+            compressor = self.compressor = nonfinite.with_marker_slot(compressor)
+        if compressor.multi_round:
+            if not isinstance(compressor, PowerSGD):
+                raise ValueError(f"fsdp: multi-round codec {compressor.name!r} has no reduce-scatter exchange; use powersgd or a single-round codec")
+            self.powersgd = PowerSGDReducer(compressor, queue=queue or CollectiveQueue(), metrics=self.metrics)
+            self.feedback = None
+        else:
+            self.powersgd = None
+            use_feedback = compressor.error_feedback if error_feedback is None else error_feedback
+            # fp32 residuals keep what a bf16 or fp16 wire drops from flushing to zero; updates are
+            # staged until the exchange shows whether some rank sent the NaN marker.
+            self.feedback = ErrorFeedback(dtype=torch.float32, deferred=True) if use_feedback else None
+
+    @property
+    def keeps_residuals(self) -> bool:
+        """Whether this reduce-scatter keeps error-feedback state."""
+        return self.powersgd is not None or self.feedback is not None
+
+    def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> Tensor:
+        """A fresh buffer for FSDP to copy gradients into (or to receive into)."""
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(
+        self, output_tensor: Tensor, input_tensor: Tensor, group: dist.ProcessGroup, op: Any, async_op: bool = False
+    ) -> Any:
+        """Reduce-scatter ``input_tensor`` into ``output_tensor`` through the codec.
+
+        Args:
+            output_tensor: 1-D, ``input_tensor.numel() // world_size`` elements, written.
+            input_tensor: 1-D flat padded gradients; ``view(world_size, -1)[r]`` goes to rank r.
+                Not modified.
+            group: the process group (its size is the world size).
+            op: ``AVG``, ``SUM`` or ``PREMUL_SUM(f)``.
+            async_op: the work runs synchronously either way; True returns a completed work.
+
+        Returns:
+            None, or a completed work when ``async_op`` is True.
+
+        Raises:
+            ValueError: for another op, or buffers whose sizes do not match.
+        """
+        world_size = group.size()
+        kind, factor = op_kind(op, world_size)
+        if input_tensor.numel() != world_size * output_tensor.numel():
+            raise ValueError(
+                f"input_tensor holds {input_tensor.numel()} elements, not world_size ({world_size}) "
+                f"x output_tensor ({output_tensor.numel()})"
+            )
+        step = self.step
+        if world_size == 1:
+            output_tensor.copy_(input_tensor if kind != "premul" else input_tensor * factor)
+        elif self.powersgd is not None:
+            self._powersgd(output_tensor, input_tensor, group, op, kind, factor, step, world_size, group.rank())
+        else:
+            route = self.route(output_tensor.numel(), input_tensor.dtype, group, step=step)
+            route.launch(self, output_tensor, input_tensor, group, op, step=step)
+        self.step += 1
+        self.calls += 1
+        if async_op:
+            if _create_work_from_future is None:
+                raise ValueError("async_op=True needs torch's _create_work_from_future; call with async_op=False")
+            fut: torch.futures.Future = torch.futures.Future()
+            fut.set_result(output_tensor)
+            return _create_work_from_future(fut)
+        return None
+
+    def route(self, chunk_numel: int, dtype: torch.dtype, group: dist.ProcessGroup, *, step: int):
+        """The shard route of a call with ``chunk_numel`` elements per chunk (single-round codecs)."""
+        return choose_shard_route(
+            self.compressor, group.size() * chunk_numel, dtype, group.size(), backend=dist.get_backend(group),
+            step=step, floating_payload=lambda: self._floating_payload(chunk_numel, dtype),
+        )
+
+    def _floating_payload(self, chunk_numel: int, dtype: torch.dtype) -> bool:
+        """Whether the codec's payload of a chunk is all floating point (found once per size by
+        encoding zeros with a copy of the codec, so its state is untouched)."""
+        if chunk_numel == 0:
+            return False
+        key = (chunk_numel, dtype)
+        if key not in self._floating:
+            probe = copy.deepcopy(self.compressor).compress(torch.zeros(chunk_numel, dtype=dtype), step=0, key="probe")
+            self._floating[key] = all(t.is_floating_point() for t in probe.tensors)
+        return self._floating[key]
+
+    # -- what the routes use -----------------------------------------------------------------
+
+    def timed_collective(self, issue) -> None:
+        """Run a blocking collective, timed as in flight (in total and for this module)."""
+        done: torch.futures.Future = torch.futures.Future()
+        self.metrics.track(done, (self.name,))
+        try:
+            issue()
+        finally:
+            done.set_result(None)
+
+    def reduce_scatter(self, output: Tensor, input: Tensor, group, op: Any) -> None:
+        """One reduce-scatter applying ``op`` (see :func:`wire_op`)."""
+        kind, factor = op_kind(op, group.size())
+        input, op = wire_op(input, op, kind, factor, group.size())
+        self.timed_collective(lambda: dist.reduce_scatter_single(output, input, op=op, group=group))
+
+    def encode(self, chunk: Tensor, j: int, step: int, sendable: bool) -> Payload:
+        """:func:`encode_chunk` with this module's codec, residuals and name."""
+        return encode_chunk(self.compressor, self.feedback, self.name, chunk, j, step, sendable)
+
+    def settle(self, marked: bool) -> None:
+        """Keep the staged residual updates, or drop them where some rank sent the marker."""
+        if self.feedback is None:
+            return
+        if marked:
+            self.feedback.discard()
+        else:
+            self.feedback.commit()
+
+    def check_bytes(self, handed: int, chunks: Tensor) -> None:
+        expected = chunks.shape[0] * self.compressor.payload_nbytes(chunks.shape[1], chunks.dtype)
+        assert handed == expected, f"{self.compressor.name}: handed {handed} bytes, formula says {expected}"
+
+    # -- PowerSGD -------------------------------------------------------------------------
+
+    def _powersgd(self, output, input, group, op, kind, factor, step, world_size, rank) -> None:
+        chunk_numel = output.numel()
+        shapes = self.shard_shapes
+        dense = REGISTRY["dense_reduce_scatter"]
+        if shapes is None or sum(s.numel() for s in shapes) != chunk_numel:
+            if not self._warned_layout:
+                warnings.warn(
+                    f"fsdp: module {self.name!r}: parameter layout of its reduce-scatter buffer unknown "
+                    f"({chunk_numel} elements per chunk); powersgd sends it uncompressed",
+                    stacklevel=3,
+                )
+                self._warned_layout = True
+            dense.launch(self, output, input, group, op, step=step)
+            return
+        if step < self.compressor.start_step:
+            dense.launch(self, output, input, group, op, step=step)
+            return
+        self.last_exchange = "powersgd"
+        grid = input.view(world_size, chunk_numel)
+        offsets = [0]
+        for s in shapes[:-1]:
+            offsets.append(offsets[-1] + s.numel())
+        # The matrix a parameter's chunks stack into: (world_size * rows, cols...).
+        stacked_shapes = [torch.Size((world_size * s[0], *s[1:])) if len(s) else s for s in shapes]
+        matrices = [i for i, s in enumerate(stacked_shapes) if self.compressor.compresses(s)]
+        rest_ids = [i for i in range(len(shapes)) if i not in set(matrices)]
+
+        if matrices:
+            self.powersgd.group = group
+            with self.metrics.timed("compress_s", self.name):
+                flat = torch.cat([grid[:, offsets[i] : offsets[i] + shapes[i].numel()].reshape(-1) for i in matrices])
+            mean = self.powersgd.reduce(
+                self.name, flat, step=step, shapes=[stacked_shapes[i] for i in matrices]
+            ).wait()
+            # PowerSGDReducer returns the mean; scale it to what the op asks for.
+            scale = {"avg": 1.0, "sum": float(world_size), "premul": world_size * factor}[kind]
+            with self.metrics.timed("decompress_s", self.name):
+                offset = 0
+                for i in matrices:
+                    numel = shapes[i].numel()
+                    own = mean[offset : offset + world_size * numel].view(world_size, numel)[rank]
+                    output[offsets[i] : offsets[i] + numel] = own if scale == 1.0 else own * scale
+                    offset += world_size * numel
+        if rest_ids:
+            rest = torch.cat([grid[:, offsets[i] : offsets[i] + shapes[i].numel()] for i in rest_ids], dim=1)
+            recv = rest.new_empty(rest.shape[1])
+            nbytes = wire.nbytes([rest])
+            self.reduce_scatter(recv, rest.reshape(-1), group, op)
+            sent = dense.sent_nbytes(self.compressor, rest.numel(), rest.dtype, world_size, backend=dist.get_backend(group))
+            self.metrics.add_bucket(
+                self.name, payload_bytes=nbytes, dense_bytes=nbytes, collective="reduce_scatter",
+                compressed=bool(matrices), sent_bytes=sent, received_bytes=sent,
+            )
+            offset = 0
+            for i in rest_ids:
+                numel = shapes[i].numel()
+                output[offsets[i] : offsets[i] + numel] = recv[offset : offset + numel]
+                offset += numel
+
+    # -- checkpoints ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step, codec state and residuals (they differ across ranks); tensors cloned."""
+        return {
+            "step": self.step,
+            "compressor": self.compressor.state_dict(),
+            "feedback": None if self.feedback is None else self.feedback.state_dict(),
+            "powersgd": None if self.powersgd is None else self.powersgd.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.step = state["step"]
+        self.compressor.load_state_dict(state["compressor"])
+        if self.feedback is not None and state["feedback"] is not None:
+            self.feedback.load_state_dict(state["feedback"])
+        if self.powersgd is not None and state["powersgd"] is not None:
+            self.powersgd.load_state_dict(state["powersgd"])
+
+
+__all__ = ["CompressedReduceScatter", "ReduceScatterBase", "decode_sum", "encode_chunk", "op_kind", "wire_op"]
