@@ -12,10 +12,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from gradzip.compressors.values import FLOAT_TEXT, INT_TEXT
+
 _NAME = re.compile(r"^[a-z][a-z0-9_\-]*$")
 _KEY = re.compile(r"^[a-z_][a-z0-9_]*$")
-_INT = re.compile(r"[+-]?[0-9]+", re.ASCII)
-_FLOAT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
 MAX_SPEC_LEN = 1000
 
 
@@ -29,9 +29,9 @@ def parse_value(text: str) -> Any:
     if low in ("true", "false"):
         return low == "true"
     # Python's int() and float() also read other scripts' digits, underscores and nan/inf.
-    if _INT.fullmatch(text):
+    if INT_TEXT.fullmatch(text):
         return int(text)
-    if _FLOAT.fullmatch(text):
+    if FLOAT_TEXT.fullmatch(text):
         return float(text)
     return text
 

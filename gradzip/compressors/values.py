@@ -11,6 +11,7 @@ generator or size a tensor).
 from __future__ import annotations
 
 import math
+import re
 import sys
 from typing import Any
 
@@ -18,6 +19,11 @@ from typing import Any
 MAX_INT = 2**63 - 1
 #: the largest finite float
 MAX_FLOAT = sys.float_info.max
+#: an integer as text: ASCII digits and an optional sign (Python's ``int()`` also reads other
+#: scripts' digits, ``1_000`` and surrounding blanks)
+INT_TEXT = re.compile(r"[+-]?[0-9]+", re.ASCII)
+#: a decimal number as text, ASCII only (``float()`` also reads ``nan``, ``inf`` and other digits)
+FLOAT_TEXT = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?", re.ASCII)
 
 
 def shown(value: Any, limit: int = 40) -> str:
@@ -40,7 +46,7 @@ def check_int(value: Any, *, name: str, low: int, high: int | None = None) -> in
     Raises:
         ValueError: naming ``name`` and the allowed range.
     """
-    bound = f"[{low}, {high}]" if high is not None else f">= {low}"
+    bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an integer {bound}; got {shown(value)}")
     if value < low or (high is not None and value > high):
@@ -68,7 +74,7 @@ def check_number(
     below = low is not None and (value <= low if low_open else value < low)
     above = high is not None and (value >= high if high_open else value > high)
     if below or above:
-        wording = "" if low is not None and high is not None else "a finite number "
+        wording = "" if low is not None and high is not None else "a number "
         raise ValueError(f"{name} must be {wording}{bound}; got {shown(value)}")
     if abs(value) > MAX_FLOAT:
         finite = _interval(-MAX_FLOAT if low is None else low, MAX_FLOAT if high is None else high, low_open, high_open)

@@ -11,11 +11,11 @@ their definitions); the monitor runs on rank 0 and reports rank 0's figures.
 
 from __future__ import annotations
 
-import math
 import statistics
 from pathlib import Path
 from typing import Any
 
+from gradzip.compressors.values import check_number
 from gradzip.metrics import QUALITY_FIELDS
 
 BUCKET_FIELDS = ("codec", "payload_bytes", "dense_bytes", "compress_s", "decompress_s", "communicate_s")
@@ -36,8 +36,7 @@ class QualityMonitor:
     """
 
     def __init__(self, *, threshold: float = 0.9, patience: int = 3, tensorboard_dir: str | Path | None = None) -> None:
-        if not isinstance(threshold, (int, float)) or not math.isfinite(threshold) or not 0 < threshold <= 1:
-            raise ValueError(f"threshold must be a number in (0, 1]; got {threshold!r}")
+        check_number(threshold, name="threshold", low=0, high=1, low_open=True)
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
             raise ValueError(f"patience must be an integer >= 1; got {patience!r}")
         self.threshold = float(threshold)

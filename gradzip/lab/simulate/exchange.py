@@ -22,16 +22,16 @@ exchange of all momenta flattened into one buffer (DeepSpeed's ``compressed_allr
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from gradzip.comm.traffic import chunk_sizes
+from gradzip.comm.traffic import chunk_size_counts
 from gradzip.compressors import REGISTRY, Compressor, build
 from gradzip.compressors.kernels import wire
 from gradzip.compressors.spec import parse_spec
+from gradzip.compressors.values import check_number
 from gradzip.lab.simulate.collectives import Fabric
 
 COLLECTIVE_CHOICES = ("auto", "allgather", "twophase")
@@ -132,8 +132,7 @@ class Method:
                     f"{ONEBIT_ADAM} takes warmup (a fraction of steps in [0, 1]) and fused (true or false); "
                     f"got {sorted(params)}"
                 )
-            if isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or not 0 <= warmup <= 1:
-                raise ValueError(f"warmup must be a fraction of steps in [0, 1]; got {warmup!r}")
+            check_number(warmup, name="warmup", low=0, high=1)
             if not isinstance(fused, bool):
                 raise ValueError(f"fused must be true or false; got {fused!r}")
             self.warmup_fraction = float(warmup)
@@ -259,9 +258,10 @@ class Method:
 def chunked_payload_nbytes(payload_nbytes, numel: int, dtype: torch.dtype, p: int) -> tuple[int, int]:
     """Payload bytes of a bucket cut into ``p`` chunks as the reducer cuts it, and the largest chunk.
 
-    Chunks follow :func:`gradzip.comm.traffic.chunk_sizes`; an empty chunk sends nothing.
+    Chunks follow :func:`gradzip.comm.traffic.chunk_sizes`, counted arithmetically (constant
+    time in ``p``); an empty chunk sends nothing.
     """
-    counts = Counter(chunk_sizes(numel, p))
+    counts = chunk_size_counts(numel, p)
     total = sum(payload_nbytes(size, dtype) * count for size, count in counts.items() if size)
     return total, max(counts)
 
