@@ -23,7 +23,7 @@ from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload, check_int, check_ratio, kept_count, seeded_generator
 from gradzip.compressors.kernels import fused, native, wire
 from gradzip.compressors.kernels.elementwise import flatnonzero, greater_equal, sparse_flatnonzero, top_positions
-from gradzip.compressors.values import check_number
+from gradzip.compressors.values import check_number, shown
 
 #: elements handled per step of the candidate scan (1 MiB of fp32: stays in cache)
 SCAN_CHUNK = 1 << 18
@@ -401,7 +401,7 @@ class RandomK(Compressor):
         super().__init__(ratio=ratio, unbiased=unbiased, seed=seed)
         self.ratio = check_ratio(ratio)
         if not isinstance(unbiased, bool):
-            raise ValueError(f"unbiased must be true or false; got {unbiased!r}")
+            raise ValueError(f"unbiased must be true or false; got {shown(unbiased)}")
         self.unbiased = unbiased
         self.error_feedback = not unbiased
         self.seed = check_int(seed, name="seed", low=0)

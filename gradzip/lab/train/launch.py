@@ -95,13 +95,17 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
     """
     cfg.validate()
     make_hook(cfg.compressor, **hook_options(cfg))  # a bad spec fails here, in one line, not in every worker
-    preflight(cfg)
+    idle = preflight(cfg)
     Corpus.load(cfg.data, cfg.vocab_size).check_fits(cfg.seq_len)
     if cfg.resume:
         from gradzip.lab.train.checkpoint import check_compatible, find_checkpoint
 
         world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.world_size
         check_compatible(find_checkpoint(cfg.resume)[0], cfg.to_dict(), world_size)
+    from gradzip.lab.cli import warn
+
+    for line in idle if os.environ.get("RANK", "0") == "0" else []:
+        warn(line)  # after every check, so that a refused run prints its one error line alone
     if under_torchrun():
         from gradzip.lab.train.loop import train_worker
 
@@ -118,16 +122,27 @@ AUTO_ONLY = ("adapt_every", "auto_schedule", "auto_candidates", "auto_max_error"
 MONITOR_ONLY = ("norm_warn", "norm_warn_checks")
 
 
-def preflight(cfg: TrainConfig) -> None:
+def preflight(cfg: TrainConfig) -> list[str]:
     """What this machine can tell before any worker starts: the backend runs here, ``--out``
-    can be written, ``--tensorboard`` can be written; a warning for options set where nothing
-    reads them.
+    can be written, ``--tensorboard`` can be written.
+
+    Returns:
+        one warning per option set where nothing reads it (an ``--auto-*`` option without
+        ``--compressor auto``, a norm warning without monitoring).
 
     Raises:
         ValueError: naming the option, in one line.
     """
     check_backend(cfg)
-    from gradzip.lab.cli import warn, writable_folder
+    try:
+        cfg.auto_config().validate()  # checked whether or not --compressor auto reads it
+    except ValueError as exc:
+        message = str(exc)
+        for field, option in (("max_error", "--auto-max-error"), ("adapt_every", "--adapt-every")):
+            if message.startswith(field + " "):
+                message = option + message[len(field):]
+        raise ValueError(message) from None
+    from gradzip.lab.cli import writable_folder
 
     if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("--tensorboard needs the tensorboard package (pip install tensorboard)")
@@ -138,8 +153,7 @@ def preflight(cfg: TrainConfig) -> None:
         idle += [(name, "--compressor auto") for name in AUTO_ONLY if getattr(cfg, name) != getattr(defaults, name)]
     if not cfg.monitor_every:
         idle += [(name, "--monitor-every above 0") for name in MONITOR_ONLY if getattr(cfg, name) != getattr(defaults, name)]
-    for name, needs in idle:
-        warn(f"--{name.replace('_', '-')} has no effect without {needs}")
+    return [f"--{name.replace('_', '-')} has no effect without {needs}" for name, needs in idle]
 
 
 def check_backend(cfg: TrainConfig) -> None:
