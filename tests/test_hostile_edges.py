@@ -274,6 +274,8 @@ def test_train_options_nothing_reads_are_warned_about_after_all_checks(no_worker
         (["--compute-s", "0"], "--compute-s"),
         (["--tokens-per-gpu", "-" + NINES], "--tokens-per-gpu"),
         (["--out", "/proc/gz"], "--out"),
+        (["--codec-gbps", "inf"], "codec-gbps"),
+        (["--codec-gbps", "fp16=١"], "codec-gbps"),
         (["--calibrate", "runs", "--gpus", "8"], "--gpus applies only without --calibrate"),
         (["--calibrate", "runs", "--no-plot", "--model", "gpt2"], "--model, --no-plot apply only without --calibrate"),
     ],

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -144,14 +145,11 @@ def codec_speeds(methods: list[Method], codec_gbps: str | None) -> dict[str, Cod
     rates: dict[str, float] = {}
     for item in codec_gbps.split(","):
         key, eq, value = item.rpartition("=") if "=" in item else ("default", "=", item)
-        try:
-            rate = float(value)
-        except ValueError:
-            rate = -1.0
-        if not eq or not rate > 0 or not key.strip():
+        rate = float(value) if FLOAT_TEXT.fullmatch(value.strip()) else -1.0
+        if not eq or not 0 < rate < math.inf or not key.strip():
             raise ValueError(
                 f"codec-gbps must be a number of GB/s > 0, name=GBPS items (default=GBPS for the rest) "
-                f"or 'measure'; got {codec_gbps!r}"
+                f"or 'measure'; got {shown(codec_gbps)}"
             )
         rates[key.strip()] = rate
     out = {}
