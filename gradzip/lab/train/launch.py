@@ -124,7 +124,8 @@ MONITOR_ONLY = ("norm_warn", "norm_warn_checks")
 
 def preflight(cfg: TrainConfig) -> list[str]:
     """What this machine can tell before any worker starts: the backend runs here, ``--out``
-    can be written, ``--tensorboard`` can be written.
+    can be written, the ``tensorboard`` package is there for ``--tensorboard``, the
+    ``--compressor auto`` options are valid (whether or not auto reads them).
 
     Returns:
         one warning per option set where nothing reads it (an ``--auto-*`` option without
