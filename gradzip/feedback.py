@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from gradzip.compressors.values import check_number
+
 
 class ErrorFeedback:
     """One residual per key (a bucket index, a parameter name).
@@ -139,9 +141,7 @@ def check_clip_norm(clip_norm: Any) -> float | None:
     """
     if clip_norm is None:
         return None
-    if isinstance(clip_norm, bool) or not isinstance(clip_norm, (int, float)) or not math.isfinite(clip_norm) or clip_norm <= 0:
-        raise ValueError(f"clip_norm must be a number > 0 or None; got {clip_norm!r}")
-    return float(clip_norm)
+    return check_number(clip_norm, name="clip_norm", low=0, low_open=True)
 
 
 def clip_local(grad: Tensor, clip_norm: float | None, world_size: int) -> Tensor:

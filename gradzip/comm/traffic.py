@@ -30,6 +30,14 @@ def chunk_sizes(numel: int, world_size: int) -> tuple[int, ...]:
     return tuple(base + (1 if j < extra else 0) for j in range(world_size))
 
 
+def chunk_size_counts(numel: int, world_size: int) -> dict[int, int]:
+    """:func:`chunk_sizes` as ``{size: how many chunks}``, in constant time for any world size
+    (at most two sizes; none with a count of 0)."""
+    base, extra = divmod(numel, world_size)
+    counts = {base + 1: extra, base: world_size - extra}
+    return {size: count for size, count in counts.items() if count}
+
+
 @dataclass(frozen=True)
 class ChunkPlan:
     """How the two-phase exchange cuts one bucket.

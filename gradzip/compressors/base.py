@@ -8,7 +8,6 @@ payload may be ``all_reduce``-d), ``unbiased`` and ``needs_shared_seed``.
 from __future__ import annotations
 
 import inspect
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Hashable
 from dataclasses import dataclass
@@ -18,6 +17,9 @@ import torch
 from torch import Tensor
 
 from gradzip.compressors.kernels import wire
+from gradzip.compressors.values import check_int, check_ratio
+
+__all__ = ["Compressor", "Payload", "check_int", "check_ratio", "clamped_group", "kept_count", "seed_hash", "seeded_generator"]
 
 
 @dataclass(frozen=True)
@@ -123,31 +125,11 @@ def _format(value: Any) -> str:
     return str(value)
 
 
-def check_ratio(ratio: float, *, name: str = "ratio") -> float:
-    """Validate a kept fraction in (0, 1].
-
-    Raises:
-        ValueError: naming ``name`` when ``ratio`` is not a finite number in (0, 1].
-    """
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not math.isfinite(ratio):
-        raise ValueError(f"{name} must be a number in (0, 1]; got {ratio!r}")
-    if not 0 < ratio <= 1:
-        raise ValueError(f"{name} must be in (0, 1]; got {ratio}")
-    return float(ratio)
-
-
-def check_int(value: int, *, name: str, low: int, high: int | None = None) -> int:
-    """Validate an integer in ``[low, high]`` (``high`` None: unbounded).
-
-    Raises:
-        ValueError: naming ``name`` and the allowed range.
-    """
-    bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer {bound}; got {value!r}")
-    if value < low or (high is not None and value > high):
-        raise ValueError(f"{name} must be an integer {bound}; got {value}")
-    return value
+def clamped_group(group: int, numel: int) -> int:
+    """Elements per group actually used for a tensor of ``numel`` elements: ``group``, but no
+    more than ``numel`` (at least 1), so that a group parameter larger than the tensor sizes no
+    buffer beyond the tensor. One group either way: ``ceil(n / group)`` is unchanged."""
+    return max(1, min(group, numel))
 
 
 def kept_count(numel: int, ratio: float) -> int:

@@ -11,6 +11,7 @@ from torch import Tensor
 from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload, check_int
 from gradzip.compressors.kernels import wire
+from gradzip.compressors.values import shown
 
 
 def matrix_view_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int] | None:
@@ -62,7 +63,7 @@ class PowerSGD(Compressor):
         self.approx_rank = check_int(approx_rank, name="approx_rank", low=1)
         self.start_step = check_int(start_step, name="start_step", low=0)
         if not isinstance(warm_start, bool):
-            raise ValueError(f"warm_start must be true or false; got {warm_start!r}")
+            raise ValueError(f"warm_start must be true or false; got {shown(warm_start)}")
         self.warm_start = warm_start
         self.seed = check_int(seed, name="seed", low=0)
 

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from gradzip.compressors import register
-from gradzip.compressors.base import Compressor, Payload, check_int
+from gradzip.compressors.base import Compressor, Payload, check_int, clamped_group
 from gradzip.compressors.kernels import native, wire
 from gradzip.compressors.kernels.dither import hash_key, hashed_dither
 from gradzip.compressors.kernels.fused import (
@@ -49,6 +49,9 @@ class QSGD(Compressor):
             paper's analysis; decoded values are clamped to the dtype's finite range).
         seed: seed of the rounding dither (drawn per (seed, step, key)).
 
+    A ``bucket`` larger than the tensor is clamped to its size (one bucket): buffers follow the
+    tensor, not the parameter.
+
     Shapes and dtypes: any shape, fp16, bf16, fp32 or fp64 in. Payload tensors: signs
     ``(ceil(n / 8),)`` uint8, levels ``(ceil(n * bits / 8),)`` uint8, scales ``(ceil(n /
     bucket),)`` in the input dtype for ``norm=max``, fp32 (fp64 for fp64 input) for ``l2``.
@@ -75,18 +78,19 @@ class QSGD(Compressor):
         return dtype if self.norm == "max" else compute_dtype(dtype)
 
     def payload_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
-        """``ceil(n / 8) + ceil(n * bits / 8) + ceil(n / bucket) * itemsize(scale)``."""
-        buckets = -(-numel // self.bucket)
+        """``ceil(n / 8) + ceil(n * bits / 8) + ceil(n / bucket) * itemsize(scale)``, ``bucket``
+        clamped to ``n`` as the codec uses it (the same count of buckets)."""
+        buckets = -(-numel // clamped_group(self.bucket, numel))
         return (
             wire.packed_nbytes(numel, 1)
             + wire.packed_nbytes(numel, self.bits)
             + buckets * wire.dtype_nbytes(self.scale_dtype(dtype))
         )
 
-    def _scales(self, flat: Tensor) -> Tensor:
+    def _scales(self, flat: Tensor, bucket: int) -> Tensor:
         if self.norm == "max":
-            return reduce_rows(abs_max_rows, flat, group=self.bucket)[0]
-        parts = [torch.linalg.vector_norm(view, dim=1, dtype=torch.float64) for _offset, view in grouped(flat, self.bucket)]
+            return reduce_rows(abs_max_rows, flat, group=bucket)[0]
+        parts = [torch.linalg.vector_norm(view, dim=1, dtype=torch.float64) for _offset, view in grouped(flat, bucket)]
         scales = torch.cat(parts)
         wire_dtype = self.scale_dtype(flat.dtype)
         limit = torch.finfo(wire_dtype).max
@@ -103,6 +107,7 @@ class QSGD(Compressor):
             empty = torch.empty(0, dtype=torch.uint8, device=flat.device)
             return Payload((empty, empty, torch.empty(0, dtype=self.scale_dtype(flat.dtype), device=flat.device)))
         keys = hash_key(self.seed, step, key)
+        bucket = clamped_group(self.bucket, numel)
         if flat.dtype == torch.float32 and self.norm == "max":
             # fp32 arithmetic assumed: scales, parameters and codes in one loop over the
             # tensor; kept unless the scales need fp64.
@@ -110,7 +115,7 @@ class QSGD(Compressor):
                 _qsgd_encoder(self.levels, torch.float32),
                 (flat,),
                 keys,
-                group=self.bucket,
+                group=bucket,
                 out_bits=(1, self.bits),
                 with_positions=True,
                 row_stats=(_abs_max_column, _qsgd_params(self.levels, torch.float32)),
@@ -118,13 +123,13 @@ class QSGD(Compressor):
             )
             if _fits_fp32(scales, low=self.levels * 2.0**-100):
                 return Payload((signs, levels, scales))
-        scales = self._scales(flat)
+        scales = self._scales(flat, bucket)
         work = compute_dtype(flat.dtype)
         if work == torch.float32 and not _fits_fp32(scales, low=self.levels * 2.0**-100):
             work = torch.float64
         params = _qsgd_params(self.levels, work)(scales, *keys)
         signs, levels = encode_rows(
-            _qsgd_encoder(self.levels, work), (flat,), params, group=self.bucket, out_bits=(1, self.bits), with_positions=True
+            _qsgd_encoder(self.levels, work), (flat,), params, group=bucket, out_bits=(1, self.bits), with_positions=True
         )
         return Payload((signs, levels, scales))
 
@@ -141,7 +146,7 @@ class QSGD(Compressor):
         decode = _qsgd_decoder(self.levels, work, like.dtype, clamp)
         codes = ((signs, 1), (packed, self.bits))
         fast = native.qsgd_decoder(self.levels, self.bits) if like.dtype == work == torch.float32 and not clamp else None
-        values = decode_rows(decode, codes, (scales.to(work),), group=self.bucket, numel=numel, native=fast)
+        values = decode_rows(decode, codes, (scales.to(work),), group=clamped_group(self.bucket, numel), numel=numel, native=fast)
         return values.view(like.shape)
 
 

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from gradzip.compressors.values import shown
+
 #: rows of groups handled per step of the encoding loops (about 1 MiB of fp32: stays in cache)
 CHUNK = 1 << 18
 
@@ -51,7 +53,7 @@ def grouped(flat: Tensor, size: int) -> list[tuple[int, Tensor]]:
 def check_choice(value: str, *, name: str, allowed: tuple[str, ...]) -> str:
     """Raises: ValueError naming ``name`` unless ``value`` is one of ``allowed``."""
     if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {shown(value)}")
     return value
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from gradzip.compressors import register
-from gradzip.compressors.base import Compressor, Payload, check_int
+from gradzip.compressors.base import Compressor, Payload, check_int, clamped_group
 from gradzip.compressors.kernels import native, wire
 from gradzip.compressors.kernels.fused import BLOCK, decode_rows, encode_rows, reduce_rows
 from gradzip.compressors.kernels.sums import ordered_sums, total_with_tail
@@ -93,7 +93,7 @@ class _ScaledSign(Compressor):
     def payload_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         """``ceil(n / 8) + itemsize(dtype)``; with ``group=G``, ``ceil(n / 8) + ceil(n / G) *
         itemsize(dtype)``."""
-        scales = -(-numel // self.group) if self.group else 1
+        scales = -(-numel // clamped_group(self.group, numel)) if self.group else 1
         return wire.packed_nbytes(numel, 1) + scales * wire.dtype_nbytes(dtype)
 
     def compress(self, x: Tensor, *, step: int = 0, key: Hashable = 0) -> Payload:
@@ -102,7 +102,7 @@ class _ScaledSign(Compressor):
         flat = x.reshape(-1)
         numel = flat.numel()
         if numel == 0 or self.group:
-            scales = group_mean_magnitudes(flat, self.group) if self.group else mean_magnitude(flat)
+            scales = group_mean_magnitudes(flat, self._row(numel)) if self.group else mean_magnitude(flat)
             if numel == 0:
                 return Payload((torch.empty(0, dtype=torch.uint8, device=flat.device), scales))
             (signs,) = encode_rows(_nonnegative, (flat,), (), group=self._row(numel), out_bits=(1,))
@@ -135,7 +135,7 @@ class _ScaledSign(Compressor):
     def _row(self, numel: int) -> int:
         """Elements per row of packed bits: a scale's group (no longer than the tensor, so that
         a group larger than it is not padded out), or BLOCK with one scale."""
-        return min(self.group, numel) if self.group else BLOCK
+        return clamped_group(self.group, numel) if self.group else BLOCK
 
 
 def _nonnegative(x: Tensor) -> tuple[Tensor]:

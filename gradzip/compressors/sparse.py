@@ -23,6 +23,7 @@ from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload, check_int, check_ratio, kept_count, seeded_generator
 from gradzip.compressors.kernels import fused, native, wire
 from gradzip.compressors.kernels.elementwise import flatnonzero, greater_equal, sparse_flatnonzero, top_positions
+from gradzip.compressors.values import check_number, shown
 
 #: elements handled per step of the candidate scan (1 MiB of fp32: stays in cache)
 SCAN_CHUNK = 1 << 18
@@ -351,9 +352,7 @@ class Threshold(Sparsifier):
 
     def __init__(self, *, tau: float = 1e-3, max_ratio: float = 0.01) -> None:
         super().__init__(tau=tau, max_ratio=max_ratio)
-        if isinstance(tau, bool) or not isinstance(tau, (int, float)) or not math.isfinite(tau) or tau < 0:
-            raise ValueError(f"tau must be a finite number >= 0; got {tau!r}")
-        self.tau = float(tau)
+        self.tau = check_number(tau, name="tau", low=0)
         self.ratio = check_ratio(max_ratio, name="max_ratio")
 
     def select(self, flat: Tensor, k: int, *, step: int, key: Hashable) -> tuple[Tensor, Tensor | None]:
@@ -402,7 +401,7 @@ class RandomK(Compressor):
         super().__init__(ratio=ratio, unbiased=unbiased, seed=seed)
         self.ratio = check_ratio(ratio)
         if not isinstance(unbiased, bool):
-            raise ValueError(f"unbiased must be true or false; got {unbiased!r}")
+            raise ValueError(f"unbiased must be true or false; got {shown(unbiased)}")
         self.unbiased = unbiased
         self.error_feedback = not unbiased
         self.seed = check_int(seed, name="seed", low=0)

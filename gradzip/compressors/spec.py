@@ -1,14 +1,18 @@
 """One parser for codec specs such as ``topk:ratio=0.01`` or ``qsgd:bits=4,bucket=512``.
 
 Grammar: ``name[:key=value[,key=value...]]``, and ``spec+spec`` to compose (the second codec
-encodes the values the first keeps). Values parse as int, then float, then ``true``/``false``,
-else stay strings.
+encodes the values the first keeps). Values parse as int (ASCII digits, an optional sign), then
+float (ASCII decimal or exponent notation: ``nan``, ``inf``, ``1_000`` and other digits than
+0-9 are not numbers here), then ``true``/``false``, else stay strings; a value with a character
+outside ASCII is refused.
 """
 
 from __future__ import annotations
 
 import re
 from typing import Any
+
+from gradzip.compressors.values import FLOAT_TEXT, INT_TEXT
 
 _NAME = re.compile(r"^[a-z][a-z0-9_\-]*$")
 _KEY = re.compile(r"^[a-z_][a-z0-9_]*$")
@@ -20,18 +24,16 @@ class SpecError(ValueError):
 
 
 def parse_value(text: str) -> Any:
-    """Turn a spec value into int, float, bool or str."""
+    """Turn a spec value into int, float, bool or str (see the module docstring)."""
     low = text.lower()
     if low in ("true", "false"):
         return low == "true"
-    try:
+    # Python's int() and float() also read other scripts' digits, underscores and nan/inf.
+    if INT_TEXT.fullmatch(text):
         return int(text)
-    except ValueError:
-        pass
-    try:
+    if FLOAT_TEXT.fullmatch(text):
         return float(text)
-    except ValueError:
-        return text
+    return text
 
 
 def split_spec_list(text: str, *, name: str) -> list[str]:
@@ -98,6 +100,8 @@ def parse_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
                 raise SpecError(f"bad parameter {item.strip()!r} in spec {spec!r}; expected key=value")
             if key in params:
                 raise SpecError(f"parameter {key!r} given twice in spec {spec!r}")
+            if not value.isascii():
+                raise SpecError(f"{key} must be written in ASCII (digits 0-9, letters); got {value!r} in spec {spec!r}")
             params[key] = parse_value(value)
         parts.append((name, params))
     return parts

@@ -25,6 +25,7 @@ from gradzip.compressors.kernels.sums import ordered_sums
 from gradzip.compressors.quant import (
     compute_dtype,
 )
+from gradzip.compressors.values import check_number
 
 
 def _std(flat: Tensor) -> float:
@@ -75,9 +76,7 @@ class TernGrad(Compressor):
 
     def __init__(self, *, clip: float = 2.5, seed: int = 0) -> None:
         super().__init__(clip=clip, seed=seed)
-        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 <= clip < float("inf"):
-            raise ValueError(f"clip must be a finite number >= 0; got {clip!r}")
-        self.clip = float(clip)
+        self.clip = check_number(clip, name="clip", low=0)
         self.seed = check_int(seed, name="seed", low=0)
         self.unbiased = self.clip == 0
 

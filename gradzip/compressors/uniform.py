@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from gradzip.compressors import register
-from gradzip.compressors.base import Compressor, Payload, check_int
+from gradzip.compressors.base import Compressor, Payload, check_int, clamped_group
 from gradzip.compressors.kernels import native, wire
 from gradzip.compressors.kernels.dither import hash_key, hashed_dither
 from gradzip.compressors.kernels.fused import (
@@ -58,6 +58,9 @@ class Uniform(Compressor):
         rounding: ``nearest`` or ``stochastic``.
         seed: seed of the stochastic rounding dither (drawn per (seed, step, key)).
 
+    A ``group`` larger than the tensor is clamped to its size (one group): buffers follow the
+    tensor, not the parameter.
+
     Shapes and dtypes: any shape, fp16, bf16, fp32 or fp64 in. Payload tensors: codes
     ``(ceil(n * bits / 8),)`` uint8, minima and maxima ``(ceil(n / group),)`` each in the input
     dtype (a zero among them as +0.0). Payload: ``ceil(n * bits / 8) + 2 * ceil(n / group) * itemsize(dtype)`` bytes.
@@ -80,8 +83,10 @@ class Uniform(Compressor):
         self.error_feedback = not self.unbiased
 
     def payload_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
-        """``ceil(n * bits / 8) + 2 * ceil(n / group) * itemsize(dtype)``."""
-        return wire.packed_nbytes(numel, self.bits) + 2 * -(-numel // self.group) * wire.dtype_nbytes(dtype)
+        """``ceil(n * bits / 8) + 2 * ceil(n / group) * itemsize(dtype)``, ``group`` clamped to ``n``
+        as the codec uses it (the same count of groups)."""
+        groups = -(-numel // clamped_group(self.group, numel))
+        return wire.packed_nbytes(numel, self.bits) + 2 * groups * wire.dtype_nbytes(dtype)
 
     def _frame(self, low: Tensor, high: Tensor, dtype: torch.dtype) -> tuple[torch.dtype, float]:
         """Arithmetic dtype and a power-of-two prescale keeping ``high - low`` and its
@@ -108,8 +113,9 @@ class Uniform(Compressor):
         numel = flat.numel()
         if numel == 0:
             return Payload((torch.empty(0, dtype=torch.uint8, device=flat.device), flat.new_empty(0), flat.new_empty(0)))
-        extremes = native.min_max(flat, self.group)
-        low, high = extremes if extremes is not None else reduce_rows(min_max_rows, flat, group=self.group)
+        group = clamped_group(self.group, numel)
+        extremes = native.min_max(flat, group)
+        low, high = extremes if extremes is not None else reduce_rows(min_max_rows, flat, group=group)
         work, prescale = self._frame(low, high, flat.dtype)
         prescale_w = torch.tensor(prescale, dtype=work)
         stochastic = self.rounding == "stochastic"
@@ -122,7 +128,7 @@ class Uniform(Compressor):
             _uniform_encoder(self.steps, work, self.rounding),
             (flat,),
             params,
-            group=self.group,
+            group=group,
             out_bits=(self.bits,),
             with_positions=stochastic,
             native=native.uniform_encoder(self.steps, self.bits, stochastic) if fp32 else None,
@@ -143,7 +149,9 @@ class Uniform(Compressor):
         decode = _uniform_decoder(work, like.dtype)
         params = (*group_params, torch.tensor(1 / prescale, dtype=work))
         fast = native.uniform_decoder(self.bits) if fp32 else None
-        return decode_rows(decode, ((packed, self.bits),), params, group=self.group, numel=numel, native=fast).view(like.shape)
+        return decode_rows(
+            decode, ((packed, self.bits),), params, group=clamped_group(self.group, numel), numel=numel, native=fast
+        ).view(like.shape)
 
 
 @cache

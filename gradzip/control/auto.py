@@ -42,11 +42,11 @@ Candidates are listed gentlest first (``none`` is always candidate 0 and is adde
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from gradzip.compressors.values import check_number
 from gradzip.control.figures import BucketFigures, CandidateFigures, Plan, WindowFigures
 
 SCHEDULES = ("cost", "accordion", "legacy", "edgc")
@@ -118,8 +118,7 @@ class AutoConfig:
             raise ValueError(f"trial_steps must be an integer >= 3; got {self.trial_steps!r}")
         for name in ("max_error", "min_gain", "trial_margin", "critical_change", "entropy_step"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"{name} must be a number > 0; got {value!r}")
+            check_number(value, name=name, low=0, low_open=True)
         if self.min_gain >= 1 or self.trial_margin >= 1:
             raise ValueError("min_gain and trial_margin must be below 1")
         if self.candidates is not None and len([c for c in self.candidates if c.strip() != "none"]) < 1:

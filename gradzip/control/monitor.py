@@ -24,11 +24,11 @@ definitions); the monitor runs on rank 0 and reports rank 0's figures.
 
 from __future__ import annotations
 
-import math
 import statistics
 from pathlib import Path
 from typing import Any
 
+from gradzip.compressors.values import check_number
 from gradzip.integrations.tensorboard import summary_writer
 from gradzip.metrics import QUALITY_FIELDS
 
@@ -56,12 +56,10 @@ class QualityMonitor:
 
     def __init__(self, *, threshold: float = 0.9, patience: int = 3, feedback_limit: float = FEEDBACK_LIMIT,
                  tensorboard_dir: str | Path | None = None) -> None:
-        if not isinstance(threshold, (int, float)) or not math.isfinite(threshold) or not 0 < threshold <= 1:
-            raise ValueError(f"threshold must be a number in (0, 1]; got {threshold!r}")
+        check_number(threshold, name="threshold", low=0, high=1, low_open=True)
         if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
             raise ValueError(f"patience must be an integer >= 1; got {patience!r}")
-        if not isinstance(feedback_limit, (int, float)) or not math.isfinite(feedback_limit) or feedback_limit <= 0:
-            raise ValueError(f"feedback_limit must be a finite number > 0; got {feedback_limit!r}")
+        check_number(feedback_limit, name="feedback_limit", low=0, low_open=True)
         self.threshold = float(threshold)
         self.patience = patience
         self.feedback_limit = float(feedback_limit)

@@ -26,6 +26,7 @@ from torch import Tensor
 from gradzip.compressors import Compressor, build, list_compressors
 from gradzip.compressors.kernels import fused, native
 from gradzip.compressors.spec import split_spec_list
+from gradzip.compressors.values import check_int
 from gradzip.lab.bench_input import bench_input, heavy_tailed_gradient
 
 __all__ = ["heavy_tailed_gradient", "measure", "run", "split_specs"]
@@ -112,10 +113,8 @@ def _timed(fn: Callable[[], object], timer: Callable[[], float]) -> float:
 def run(args: argparse.Namespace) -> int:
     if not (math.isfinite(args.size_mb) and 0 < args.size_mb <= 4096):
         raise ValueError(f"--size-mb must be in (0, 4096]; got {args.size_mb}")
-    if args.repeats < 1:
-        raise ValueError(f"--repeats must be >= 1; got {args.repeats}")
-    if args.threads < 1:
-        raise ValueError(f"--threads must be >= 1; got {args.threads}")
+    check_int(args.repeats, name="--repeats", low=1, high=10**6)
+    check_int(args.threads, name="--threads", low=1, high=1024)
     specs = split_specs(args.codecs) if args.codecs else list(DEFAULT_CODECS)
     codecs = [build(spec) for spec in specs]
     for codec in codecs:

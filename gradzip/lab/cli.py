@@ -1,15 +1,23 @@
 """The ``gradzip`` command. Thin: each subcommand lives beside the code it drives.
 
 Every subcommand module exposes ``add_parser(subparsers)`` (which sets ``func`` on its parser)
-and is listed in :data:`COMMANDS`. User errors (a ``ValueError``, a missing file) print one line
-and exit 2, never a traceback.
+and is listed in :data:`COMMANDS`. User errors (a ``ValueError``, a missing file, a number too
+large for the arithmetic it feeds) print one line and exit 2, never a traceback. Options declared
+``type=int`` or ``type=float`` read ASCII numbers only: no other scripts' digits, no ``1_000``,
+and no NaN or infinity.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
+import os
 import sys
+import tempfile
+from pathlib import Path
+
+from gradzip.compressors.values import FLOAT_TEXT, INT_TEXT, shown
 
 #: modules that contribute subcommands, in the order ``--help`` lists them
 COMMANDS = [
@@ -31,7 +39,59 @@ def one_line(text: object) -> str:
     return str(text).strip().replace("\r", "\\r").replace("\n", "\\n")
 
 
+def ascii_int(text: str) -> int:
+    """An option's integer: ASCII digits with an optional sign.
+
+    Raises:
+        argparse.ArgumentTypeError: for anything else.
+    """
+    if not INT_TEXT.fullmatch(text.strip()):
+        raise argparse.ArgumentTypeError(f"must be an integer written in ASCII digits; got {shown(text)}")
+    return int(text)
+
+
+def finite_float(text: str) -> float:
+    """An option's number: ASCII decimal or exponent notation that is finite as a float.
+
+    Raises:
+        argparse.ArgumentTypeError: for anything else, NaN and numbers beyond the float range included.
+    """
+    if not FLOAT_TEXT.fullmatch(text.strip()) or not math.isfinite(float(text)):
+        raise argparse.ArgumentTypeError(f"must be a finite number written in ASCII; got {shown(text)}")
+    return float(text)
+
+
+def writable_folder(path: str | os.PathLike, option: str) -> Path:
+    """Make sure ``path`` is a folder this process can write to, creating it if need be.
+
+    Raises:
+        ValueError: naming ``option`` and why not, in one line.
+    """
+    folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{option} {shown(str(path))} is a file, not a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise ValueError(f"{option} {shown(str(path))} cannot be written: {reason}") from None
+    return folder
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr, the way errors are printed."""
+    print(f"gradzip: warning: {one_line(message)}", file=sys.stderr)
+
+
 class _Parser(argparse.ArgumentParser):
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        # Every subcommand's type=int and type=float options read through these.
+        self.register("type", int, ascii_int)
+        self.register("type", float, finite_float)
+
     def error(self, message: str) -> None:  # one line, exit 2 (argparse prints usage too)
         self.exit(2, f"gradzip: error: {one_line(message)}\n")
 
@@ -67,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
                   "pip install 'gradzip[lab]'", file=sys.stderr)
             return 2
         raise
-    except (ValueError, OSError) as exc:  # bad values, unreadable or missing files
+    except (ValueError, OSError, OverflowError) as exc:  # bad values, unreadable or missing files
         print(f"gradzip: error: {one_line(exc)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

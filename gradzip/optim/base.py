@@ -19,7 +19,6 @@ compressed.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -31,6 +30,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from gradzip.comm import Reducer
 from gradzip.comm.queue import CollectiveQueue
+from gradzip.compressors.values import check_number
 from gradzip.metrics import StepMetrics
 from gradzip.optim import exchange
 
@@ -56,12 +56,7 @@ def check_nonnegative(value: Any, *, name: str, strict: bool = False) -> float:
     Raises:
         ValueError: naming ``name`` and the allowed range.
     """
-    bound = "> 0" if strict else ">= 0"
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a number {bound}; got {value!r}")
-    if value < 0 or (strict and value == 0):
-        raise ValueError(f"{name} must be a number {bound}; got {value!r}")
-    return float(value)
+    return check_number(value, name=name, low=0, low_open=strict)
 
 
 def group_world_size(group: dist.ProcessGroup | None) -> int:

@@ -18,7 +18,6 @@ the codec, the residuals and the metrics, and apply FSDP's op (``AVG``, ``SUM`` 
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +27,7 @@ from torch import Tensor
 
 from gradzip.comm import nonfinite
 from gradzip.comm.routes.base import SHARD, Cost, Round, Route, raw_nbytes
-from gradzip.comm.traffic import all_to_all_bytes, chunk_sizes, reduce_scatter_bytes
+from gradzip.comm.traffic import all_to_all_bytes, chunk_size_counts, reduce_scatter_bytes
 from gradzip.compressors import Compressor, Payload
 from gradzip.compressors.cast import Identity
 from gradzip.compressors.kernels import wire
@@ -212,7 +211,7 @@ class ShardAllToAll(Route):
 
     def cost(self, payload_nbytes, numel, dtype, world_size) -> Cost:
         # One compressed chunk per shard: the first phase of the two-phase exchange.
-        counts = Counter(chunk_sizes(numel, world_size))
+        counts = chunk_size_counts(numel, world_size)
         total = sum(payload_nbytes(size, dtype) * count for size, count in counts.items() if size)
         item = wire.dtype_nbytes(dtype)
         return Cost((Round("alltoall", total),), total, raw_nbytes(numel, dtype), world_size * max(counts) * item)

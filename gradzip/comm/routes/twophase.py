@@ -9,7 +9,6 @@ about ``2 (W-1) P / W``, flat in the world size.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
@@ -18,7 +17,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from gradzip.comm.routes.base import Cost, Round, Route
-from gradzip.comm.traffic import chunk_sizes, plan_chunks
+from gradzip.comm.traffic import chunk_size_counts, plan_chunks
 from gradzip.comm.twophase import chunk_key, mean_key, mean_of_payloads
 from gradzip.compressors import Payload
 from gradzip.compressors.kernels import wire
@@ -57,7 +56,7 @@ class TwoPhase(Route):
         return 2 * (world_size - 1) * plan_chunks(codec, numel, dtype, world_size).total_payload_nbytes
 
     def cost(self, payload_nbytes, numel, dtype, world_size) -> Cost:
-        counts = Counter(chunk_sizes(numel, world_size))
+        counts = chunk_size_counts(numel, world_size)
         total = sum(payload_nbytes(size, dtype) * count for size, count in counts.items() if size)
         own = max(counts)
         item = wire.dtype_nbytes(dtype)

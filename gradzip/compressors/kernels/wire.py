@@ -12,6 +12,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from gradzip.compressors.values import shown
+
 PACKABLE_BITS = (1, 2, 4, 8)
 
 
@@ -23,7 +25,7 @@ def check_bits(bits: int, *, allowed: Iterable[int] = PACKABLE_BITS, name: str =
     """
     allowed = tuple(allowed)
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}; got {bits!r}")
+        raise ValueError(f"{name} must be one of {', '.join(map(str, allowed))}; got {shown(bits)}")
     return bits
 
 

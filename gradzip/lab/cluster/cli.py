@@ -5,7 +5,16 @@ from __future__ import annotations
 import argparse
 import signal
 
-from gradzip.lab.cluster.netns import Cluster, clean, format_bandwidth, leftovers, support_problem
+from gradzip.compressors.values import check_int
+from gradzip.lab.cluster.netns import (
+    MAX_HOSTS,
+    Cluster,
+    clean,
+    format_bandwidth,
+    leftovers,
+    parse_bandwidth,
+    support_problem,
+)
 
 
 def _check(args: argparse.Namespace) -> int:
@@ -34,6 +43,8 @@ def _clean(args: argparse.Namespace) -> int:
 
 
 def _up(args: argparse.Namespace) -> int:
+    check_int(args.hosts, name="--hosts", low=1, high=MAX_HOSTS)
+    parse_bandwidth(args.bandwidth)
     problem = support_problem()
     if problem:
         raise ValueError(problem)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gradzip.compressors.values import check_int, check_number
 from gradzip.lab.cluster import Cluster, format_bandwidth, parse_bandwidth, support_problem
 from gradzip.lab.compare import report
 from gradzip.lab.compare.analysis import BASELINE, LIMIT, compare_rows
@@ -80,12 +81,11 @@ class CompareConfig:
         if self.network not in NETWORKS:
             raise ValueError(f"--network must be one of {', '.join(NETWORKS)}; got {self.network!r}")
         parse_bandwidth(self.bandwidth)
+        check_int(self.seed, name="--seed", low=0, high=2**63 - 1)
         for name in ("timeout_s", "collective_timeout_s"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be > 0; got {value!r}")
-        if self.target_loss is not None and not self.target_loss > 0:
-            raise ValueError(f"--target-loss must be > 0; got {self.target_loss!r}")
+            check_number(getattr(self, name), name=f"--{name.replace('_', '-')}", low=0, low_open=True)
+        if self.target_loss is not None:
+            check_number(self.target_loss, name="--target-loss", low=0, low_open=True)
         if LIMIT in self.compressors:
             raise ValueError(f"'{LIMIT}' is the no-exchange row, added by default; it is not a compressor")
         return self
@@ -121,7 +121,10 @@ def _check_specs(cfg: CompareConfig) -> None:
             check_optimizer(TrainConfig(optimizer=spec, steps=cfg.steps))
         else:  # the spec with train's default options, as each run will use it
             TrainConfig(compressor=spec, steps=cfg.steps, world_size=cfg.world_size).validate()
-    TrainConfig(steps=cfg.steps, seed=cfg.seed, world_size=cfg.world_size, **cfg.train_options).validate()
+    TrainConfig(
+        steps=cfg.steps, seed=cfg.seed, world_size=cfg.world_size, timeout_s=cfg.collective_timeout_s, out=cfg.out,
+        **cfg.train_options,
+    ).validate()
 
 
 def _slug(label: str) -> str:
@@ -162,6 +165,9 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
         ValueError: for bad settings, or ``network="emulated"`` where namespaces are unavailable.
     """
     cfg.validate()
+    from gradzip.lab.cli import writable_folder
+
+    out = writable_folder(cfg.out, "--out")
     if cfg.train_prefix == TRAIN_PREFIX:
         _check_specs(cfg)
         from gradzip.lab.train.data import Corpus
@@ -175,8 +181,6 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
         log(f"gradzip compare: {reason}; running on loopback without a bandwidth limit")
     bandwidth = format_bandwidth(parse_bandwidth(cfg.bandwidth))
 
-    out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     entries = cfg.entries()
     results: list[RunResult] = []
     with Cluster(cfg.world_size, bandwidth) if emulated else nullcontext() as cluster:

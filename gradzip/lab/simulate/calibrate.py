@@ -42,6 +42,7 @@ cores with backward.
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 from dataclasses import asdict, dataclass
@@ -77,8 +78,8 @@ def parse_rate_bits(text: str | float | int) -> float:
         if not unit and not prefix:
             scale = 1e6
         value = float(number) * scale * (8 if (unit or "").lower() == "bps" else 1)
-    if not value > 0:
-        raise ValueError(f"bandwidth must be > 0; got {text!r}")
+    if not 0 < value < math.inf:
+        raise ValueError(f"bandwidth must be a finite rate > 0; got {text!r}")
     return value
 
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
 import torch
 
 from gradzip.compressors.spec import split_spec_list
+from gradzip.compressors.values import FLOAT_TEXT, INT_TEXT, check_int, check_number, shown
+from gradzip.lab.cli import writable_folder
 from gradzip.lab.simulate.calibrate import (
     DEFAULT_LATENCY_US,
     TCP_GOODPUT,
@@ -16,6 +19,7 @@ from gradzip.lab.simulate.calibrate import (
     calibrate,
     fit_link_efficiency,
     fit_link_efficiency_on_comm,
+    parse_rate_bits,
 )
 from gradzip.lab.simulate.collectives import ALGORITHMS
 from gradzip.lab.simulate.exchange import COLLECTIVE_CHOICES, Method
@@ -23,6 +27,17 @@ from gradzip.lab.simulate.presets import CLUSTERS, GBYTE, MODELS, get_cluster, m
 from gradzip.lab.simulate.project import ProjectionRow, Scenario, project, state_note
 from gradzip.lab.simulate.step import STRATEGIES, CodecSpeed
 
+#: the largest GPU count the model takes: counts stay exact in its float64 arithmetic, and every
+#: figure is computed from the count in constant time (no per-GPU work)
+MAX_GPUS = 2**53
+#: the most tokens per GPU per step the model takes (as exact in float64 as the GPU count)
+MAX_TOKENS_PER_GPU = 2**53
+#: options that only the calibration reads, and those that only the projection reads
+CALIBRATION_ONLY = ("bandwidth", "latency_us", "link_efficiency")
+PROJECTION_ONLY = (
+    "model", "gpus", "cluster", "compressors", "strategy", "tokens_per_gpu", "mfu", "compute_s", "codec_gbps",
+    "grad_dtype", "bucket_cap_mb", "algorithm", "collective", "price_per_gpu_hour", "sweep", "out", "no_plot",
+)
 DEFAULT_COMPRESSORS = "none,fp16,powersgd:approx_rank=4,onebit-adam"
 DEFAULT_SWEEP = "8,16,32,64,128,256,512,1024,2048,4096"
 GRAD_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -33,14 +48,70 @@ def split_specs(text: str) -> list[str]:
     return split_spec_list(text, name="--compressors")
 
 
-def _positive_ints(text: str, name: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise ValueError(f"{name} must be comma-separated integers >= 1; got {text!r}") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{name} must be comma-separated integers >= 1; got {text!r}")
+def _positive_ints(text: str, name: str, high: int) -> list[int]:
+    items = [v.strip() for v in text.split(",") if v.strip()]
+    if not items or not all(INT_TEXT.fullmatch(v) for v in items):
+        raise ValueError(f"{name} must be comma-separated integers in [1, {high}]; got {shown(text)}")
+    values = [int(v) for v in items]
+    if min(values) < 1 or max(values) > high:
+        raise ValueError(f"{name} must be comma-separated integers in [1, {high}]; got {shown(text)}")
     return values
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """Check every option before any work, whether or not this run reads it; refuse the
+    calibration's options without ``--calibrate`` (the projection takes its links from
+    ``--cluster``: they would change nothing), and the projection's options with it (a
+    ``gradzip compare`` folder records its own model, codecs and world size).
+
+    Raises:
+        ValueError: naming the option and its allowed range.
+    """
+    check_int(args.gpus, name="--gpus", low=1, high=MAX_GPUS)
+    _positive_ints(args.sweep, "--sweep", MAX_GPUS)
+    check_int(args.tokens_per_gpu, name="--tokens-per-gpu", low=1, high=MAX_TOKENS_PER_GPU)
+    check_number(args.mfu, name="--mfu", low=0, high=1, low_open=True)
+    if args.compute_s is not None:
+        check_number(args.compute_s, name="--compute-s", low=0, low_open=True)
+    check_number(args.price_per_gpu_hour, name="--price-per-gpu-hour", low=0)
+    check_number(args.bucket_cap_mb, name="--bucket-cap-mb", low=0, low_open=True)
+    if args.latency_us is not None:
+        check_number(args.latency_us, name="--latency-us", low=0)
+    if args.bandwidth is not None:
+        parse_rate_bits(args.bandwidth)
+    link_efficiency(args.link_efficiency)
+    if not args.calibrate:
+        writable_folder(args.out, "--out")
+    given = [f"--{name.replace('_', '-')}" for name in CALIBRATION_ONLY if getattr(args, name) is not None]
+    if given and not args.calibrate:
+        raise ValueError(
+            f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} only with --calibrate; "
+            "the projection takes its links from --cluster"
+        )
+    defaults = getattr(args, "projection_defaults", {})
+    unused = [f"--{name.replace('_', '-')}" for name in PROJECTION_ONLY if name in defaults and getattr(args, name) != defaults[name]]
+    if unused and args.calibrate:
+        raise ValueError(
+            f"{', '.join(unused)} appl{'ies' if len(unused) == 1 else 'y'} only without --calibrate, "
+            "which reads the model, codecs and world size from the runs"
+        )
+
+
+def link_efficiency(text: str | None) -> float | str | None:
+    """``--link-efficiency``: None, ``fit``, ``fit-comm`` or a fraction in (0, 1].
+
+    Raises:
+        ValueError: naming ``--link-efficiency`` for anything else.
+    """
+    if text is None or text.strip() in ("fit", "fit-comm"):
+        return None if text is None else text.strip()
+    message = f"--link-efficiency must be a fraction in (0, 1], 'fit' or 'fit-comm'; got {shown(text)}"
+    if not FLOAT_TEXT.fullmatch(text.strip()):
+        raise ValueError(message)
+    value = float(text)
+    if not 0 < value <= 1:
+        raise ValueError(message)
+    return value
 
 
 def codec_speeds(methods: list[Method], codec_gbps: str | None) -> dict[str, CodecSpeed]:
@@ -62,14 +133,11 @@ def codec_speeds(methods: list[Method], codec_gbps: str | None) -> dict[str, Cod
     rates: dict[str, float] = {}
     for item in codec_gbps.split(","):
         key, eq, value = item.rpartition("=") if "=" in item else ("default", "=", item)
-        try:
-            rate = float(value)
-        except ValueError:
-            rate = -1.0
-        if not eq or not rate > 0 or not key.strip():
+        rate = float(value) if FLOAT_TEXT.fullmatch(value.strip()) else -1.0
+        if not eq or not 0 < rate < math.inf or not key.strip():
             raise ValueError(
                 f"codec-gbps must be a number of GB/s > 0, name=GBPS items (default=GBPS for the rest) "
-                f"or 'measure'; got {codec_gbps!r}"
+                f"or 'measure'; got {shown(codec_gbps)}"
             )
         rates[key.strip()] = rate
     out = {}
@@ -82,13 +150,7 @@ def codec_speeds(methods: list[Method], codec_gbps: str | None) -> dict[str, Cod
 
 
 def scenario_from_args(args: argparse.Namespace) -> Scenario:
-    """The :class:`Scenario` the command line describes."""
-    if args.tokens_per_gpu < 1:
-        raise ValueError(f"tokens-per-gpu must be >= 1; got {args.tokens_per_gpu}")
-    if not 0 < args.mfu <= 1:
-        raise ValueError(f"mfu must be in (0, 1]; got {args.mfu}")
-    if args.price_per_gpu_hour < 0:
-        raise ValueError(f"price-per-gpu-hour must be >= 0; got {args.price_per_gpu_hour}")
+    """The :class:`Scenario` the command line describes (options checked by :func:`check_options`)."""
     return Scenario(
         model=args.model,
         cluster=get_cluster(args.cluster),
@@ -207,23 +269,17 @@ def format_calibration(rows: list[CalibrationRow], *, fitted: bool = False) -> s
 
 
 def run_calibration(args: argparse.Namespace) -> int:
-    choice = str(args.link_efficiency).strip()
+    choice = link_efficiency(args.link_efficiency)
     fit = choice == "fit"
-    efficiency = TCP_GOODPUT
+    latency_us = DEFAULT_LATENCY_US if args.latency_us is None else args.latency_us
+    efficiency = choice if isinstance(choice, float) else TCP_GOODPUT
     if choice == "fit-comm":
-        efficiency = fit_link_efficiency_on_comm(args.calibrate, bandwidth=args.bandwidth, latency_us=args.latency_us)
-    elif not fit and args.link_efficiency is not None:
-        try:
-            efficiency = float(args.link_efficiency)
-        except ValueError:
-            raise ValueError(
-                f"link-efficiency must be a fraction in (0, 1], 'fit' or 'fit-comm'; got {args.link_efficiency!r}"
-            ) from None
+        efficiency = fit_link_efficiency_on_comm(args.calibrate, bandwidth=args.bandwidth, latency_us=latency_us)
     rows: list[CalibrationRow] = []
     for directory in args.calibrate:
         if fit:
-            efficiency = fit_link_efficiency(directory, bandwidth=args.bandwidth, latency_us=args.latency_us)
-        rows.extend(calibrate(directory, bandwidth=args.bandwidth, latency_us=args.latency_us, link_efficiency=efficiency))
+            efficiency = fit_link_efficiency(directory, bandwidth=args.bandwidth, latency_us=latency_us)
+        rows.extend(calibrate(directory, bandwidth=args.bandwidth, latency_us=latency_us, link_efficiency=efficiency))
     # With a fitted link the 'none' run is matched by construction, not predicted.
     errors = [abs(r.error) for r in rows if r.compressor != "limit" and r.error is not None and not (fit and r.compressor == "none")]
     if args.json:
@@ -237,7 +293,7 @@ def run_calibration(args: argparse.Namespace) -> int:
     )
     efficiencies = ", ".join(sorted({f"{r.link_efficiency:.3f}" for r in rows}))
     print(
-        f"\nlink: tbf rate x {efficiencies} ({how}), {args.latency_us:g} us per collective step; "
+        f"\nlink: tbf rate x {efficiencies} ({how}), {latency_us:g} us per collective step; "
         "prediction = compute alone (limit row) + codec seconds + collectives, not overlapped."
     )
     if errors:
@@ -246,13 +302,12 @@ def run_calibration(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_options(args)
     if args.calibrate:
         return run_calibration(args)
     scenario = scenario_from_args(args)
     methods = [Method(spec) for spec in split_specs(args.compressors)]
-    if args.gpus < 1:
-        raise ValueError(f"gpus must be >= 1; got {args.gpus}")
-    sweep = sorted(set(_positive_ints(args.sweep, "sweep")) | {args.gpus})
+    sweep = sorted(set(_positive_ints(args.sweep, "--sweep", MAX_GPUS)) | {args.gpus})
     speeds = codec_speeds(methods, args.codec_gbps)
     rows = project(scenario, methods, args.gpus, speeds)
     setup = describe(scenario, args.gpus, rows)
@@ -288,7 +343,7 @@ def add_parser(sub) -> None:
         ),
     )
     p.add_argument("--model", default="llama-7b", choices=sorted(MODELS), help="model preset (default llama-7b)")
-    p.add_argument("--gpus", type=int, default=1024, help="GPUs in the table (default 1024)")
+    p.add_argument("--gpus", type=int, default=1024, help="GPUs in the table, 1 to 2**53 (default 1024)")
     p.add_argument("--cluster", default="h100-100gbe", choices=list(CLUSTERS), help="cluster preset (default h100-100gbe)")
     p.add_argument("--compressors", default=DEFAULT_COMPRESSORS, help=f"comma-separated specs (default {DEFAULT_COMPRESSORS})")
     p.add_argument("--strategy", default="ddp", choices=STRATEGIES, help="data parallelism (default ddp)")
@@ -318,7 +373,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--bandwidth", default=None, help="with --calibrate: the emulated link rate (100mbit) if not recorded")
     p.add_argument(
-        "--latency-us", type=float, default=DEFAULT_LATENCY_US,
+        "--latency-us", type=float, default=None,
         help=f"with --calibrate: latency per collective step, us (default {DEFAULT_LATENCY_US:g})",
     )
     p.add_argument(
@@ -327,4 +382,4 @@ def add_parser(sub) -> None:
         f"'none' step, 'fit-comm' one fraction for all directories on the 'none' runs' collective seconds "
         f"(default {TCP_GOODPUT:.4f}, TCP over Ethernet)",
     )
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, projection_defaults={name: p.get_default(name) for name in PROJECTION_ONLY})

@@ -35,6 +35,7 @@ from gradzip.comm.routes import Route as CommRoute
 from gradzip.compressors import REGISTRY, Compressor, build
 from gradzip.compressors.kernels import wire
 from gradzip.compressors.spec import parse_spec
+from gradzip.compressors.values import check_number
 from gradzip.lab.simulate.collectives import Fabric
 
 #: ``collective`` values for codecs that are not aggregatable: ``auto`` or a route that takes them
@@ -146,8 +147,7 @@ class Method:
                     f"{ONEBIT_ADAM} takes warmup (a fraction of steps in [0, 1]) and fused (true or false); "
                     f"got {sorted(params)}"
                 )
-            if isinstance(warmup, bool) or not isinstance(warmup, (int, float)) or not 0 <= warmup <= 1:
-                raise ValueError(f"warmup must be a fraction of steps in [0, 1]; got {warmup!r}")
+            check_number(warmup, name="warmup", low=0, high=1)
             if not isinstance(fused, bool):
                 raise ValueError(f"fused must be true or false; got {fused!r}")
             self.warmup_fraction = float(warmup)

@@ -37,7 +37,7 @@ from gradzip.lab.train.atomic import atomic_save, atomic_write_text
 from gradzip.lab.train.config import TrainConfig
 
 MANIFEST = "complete.json"
-_FOLDER = re.compile(r"^step-(\d+)$")
+_FOLDER = re.compile(r"^step-(\d+)$", re.ASCII)
 
 #: settings a resumed run must share with its checkpoint: they shape the saved state or the data
 MUST_MATCH = names_where(TrainConfig, "must_match")
@@ -151,15 +151,20 @@ def incomplete_reason(folder: Path) -> str | None:
         files = {name: (int(entry["bytes"]), str(entry["sha256"])) for name, entry in manifest["files"].items()}
     except (ValueError, KeyError, TypeError, AttributeError):
         return f"{MANIFEST} is damaged"
+    except OSError as exc:
+        return f"{MANIFEST} cannot be read ({exc.strerror or type(exc).__name__})"
     for name, (size, digest) in files.items():
         path = folder / name
-        if not path.is_file():
+        if "/" in name or not path.is_file():
             return f"{name} is missing"
-        actual = path.stat().st_size
-        if actual != size:
-            return f"{name} has {actual} of its {size} bytes"
-        if sha256(path) != digest:
-            return f"{name} does not match its checksum"
+        try:
+            actual = path.stat().st_size
+            if actual != size:
+                return f"{name} has {actual} of its {size} bytes"
+            if sha256(path) != digest:
+                return f"{name} does not match its checksum"
+        except OSError as exc:
+            return f"{name} cannot be read ({exc.strerror or type(exc).__name__})"
     return None
 
 
@@ -193,15 +198,11 @@ def find_checkpoint(path: str | Path) -> tuple[Path, list[str]]:
         return path, []
     root = path / "checkpoints"
     folders = sorted((f for f in root.glob("step-*") if step_of(f) is not None), key=step_of, reverse=True)
-    latest = root / "latest"
-    if latest.is_file():
-        named = root / latest.read_text().strip()
-        limit = step_of(named)
-        if limit is not None:
-            # Newer folders than the one ``latest`` names belong to a later, unfinished write or
-            # to another run: start at the named one.
-            folders = [named] + [f for f in folders if step_of(f) < limit]
-    notes = []
+    named, notes = read_latest(root)
+    if named is not None:
+        # Newer folders than the one ``latest`` names belong to a later, unfinished write or
+        # to another run: start at the named one.
+        folders = [named] + [f for f in folders if step_of(f) < step_of(named)]
     for folder in folders:
         reason = incomplete_reason(folder) if folder.is_dir() else "is missing"
         if reason is None:
@@ -209,6 +210,31 @@ def find_checkpoint(path: str | Path) -> tuple[Path, list[str]]:
         notes.append(f"{folder.name}: {reason}")
     found = "; ".join(notes) if notes else f"no checkpoints under {root}"
     raise NoUsableCheckpoint(f"--resume: no usable checkpoint in {path} ({found})")
+
+
+def read_latest(root: Path) -> tuple[Path | None, list[str]]:
+    """The folder ``root/latest`` names, read defensively.
+
+    Returns:
+        the named checkpoint folder (which may be missing or damaged: the caller checks), or None
+        when there is no pointer or it cannot be trusted; and a note saying why it was passed
+        over (non-UTF-8 bytes, not a ``step-N`` name, unreadable), none when it is absent.
+    """
+    latest = root / "latest"
+    if not latest.exists():
+        return None, []
+    try:
+        text = latest.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None, ["latest: not UTF-8 text"]
+    except OSError as exc:
+        return None, [f"latest: cannot be read ({exc.strerror or type(exc).__name__})"]
+    named = root / text
+    # A bare step-N folder name only: never a path that leads out of the checkpoints folder.
+    if "/" in text or "\\" in text or step_of(named) is None:
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        return None, [f"latest: names {shown!r}, not a step-N folder"]
+    return named, []
 
 
 def manifest_of(folder: Path) -> dict[str, Any]:

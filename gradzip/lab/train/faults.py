@@ -100,11 +100,16 @@ def parse_faults(text: str | None) -> list[Fault]:
             value = params.get(name, 0)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{ENV}: {name} must be an integer >= 0; got {value!r}")
-        value = params.get("value", math.inf)
-        if isinstance(value, bool) or not isinstance(value, float) or math.isfinite(value):
-            raise ValueError(f"{ENV}: value must be inf, -inf or nan; got {value!r}")
+        # Spec values read nan and inf as words (numbers are ASCII decimals there): name them here.
+        value = NON_FINITE.get(str(params.get("value", "inf")).lower())
+        if value is None:
+            raise ValueError(f"{ENV}: value must be inf, -inf or nan; got {params['value']!r}")
         faults.append(Fault(kind, params["rank"], params["step"], params.get("code", 1), value))
     return faults
+
+
+#: the values a ``nonfinite`` fault may write
+NON_FINITE = {"inf": math.inf, "+inf": math.inf, "-inf": -math.inf, "nan": math.nan}
 
 
 class FaultPlan:

@@ -12,6 +12,7 @@ to resume from.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import multiprocessing.connection
 import os
@@ -93,12 +94,17 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
         WorkerFailed: if a worker fails.
     """
     cfg.validate()
+    idle = preflight(cfg)
     Corpus.load(cfg.data, cfg.vocab_size, say=report.status if cfg.progress else None).check_fits(cfg.seq_len)
     if cfg.resume:
         from gradzip.lab.train.checkpoint import check_compatible, find_checkpoint
 
         world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.world_size
         check_compatible(find_checkpoint(cfg.resume)[0], cfg.to_dict(), world_size)
+    from gradzip.lab.cli import warn
+
+    for line in idle if os.environ.get("RANK", "0") == "0" else []:
+        warn(line)  # after every check, so that a refused run prints its one error line alone
     if under_torchrun():
         from gradzip.lab.train.loop import train_worker
 
@@ -108,6 +114,76 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
 
     summary_path = Path(cfg.out) / "summary.json"
     return json.loads(summary_path.read_text()) if summary_path.exists() else None
+
+
+#: options read only with ``--compressor auto``, and only with ``--monitor-every`` above 0
+AUTO_ONLY = ("adapt_every", "auto_schedule", "auto_candidates", "auto_max_error")
+MONITOR_ONLY = ("norm_warn", "norm_warn_checks")
+
+
+def preflight(cfg: TrainConfig) -> list[str]:
+    """What this machine can tell before any worker starts: the backend runs here, ``--out``
+    can be written, the ``tensorboard`` package is there for ``--tensorboard``, the
+    ``--compressor auto`` options are valid (whether or not auto reads them).
+
+    Returns:
+        one warning per option set where nothing reads it (an ``--auto-*`` option without
+        ``--compressor auto``, a norm warning without monitoring).
+
+    Raises:
+        ValueError: naming the option, in one line.
+    """
+    check_backend(cfg)
+    try:
+        cfg.auto_config().validate()  # checked whether or not --compressor auto reads it
+    except ValueError as exc:
+        message = str(exc)
+        for field, option in (("max_error", "--auto-max-error"), ("adapt_every", "--adapt-every")):
+            if message.startswith(field + " "):
+                message = option + message[len(field):]
+        raise ValueError(message) from None
+    from gradzip.lab.cli import writable_folder
+
+    if cfg.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError("--tensorboard needs the tensorboard package (pip install tensorboard)")
+    writable_folder(cfg.out, "--out")
+    defaults = TrainConfig()
+    idle = []
+    if cfg.compressor.strip().lower() != "auto":
+        idle += [(name, "--compressor auto") for name in AUTO_ONLY if getattr(cfg, name) != getattr(defaults, name)]
+    if not cfg.monitor_every:
+        idle += [(name, "--monitor-every above 0") for name in MONITOR_ONLY if getattr(cfg, name) != getattr(defaults, name)]
+    return [f"--{name.replace('_', '-')} has no effect without {needs}" for name, needs in idle]
+
+
+def check_backend(cfg: TrainConfig) -> None:
+    """Refuse a process-group backend this machine cannot run for this many local workers.
+
+    Raises:
+        ValueError: naming ``--backend`` and what is missing.
+    """
+    import torch
+
+    from gradzip.lab.train.loop import pick_backend
+
+    backend = pick_backend(cfg)
+    if backend == "gloo" and not dist.is_gloo_available():
+        raise ValueError(f"--backend gloo: this torch build ({torch.__version__}) has no gloo backend")
+    if backend != "nccl":
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if under_torchrun() else cfg.world_size
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"--backend nccl needs CUDA GPUs and this machine has none available to torch {torch.__version__}; "
+            "use --backend gloo"
+        )
+    if not dist.is_nccl_available():
+        raise ValueError(f"--backend nccl: this torch build ({torch.__version__}) has no NCCL; use --backend gloo")
+    if torch.cuda.device_count() < local:
+        raise ValueError(
+            f"--backend nccl runs one local worker per GPU: {local} workers, {torch.cuda.device_count()} GPUs visible; "
+            "lower --world-size or use --backend gloo"
+        )
 
 
 def spawn_workers(cfg: TrainConfig) -> None:
