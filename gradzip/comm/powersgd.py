@@ -177,6 +177,8 @@ class PowerSGDReducer:
         flat = grad.reshape(-1)
         pieces = [flat[o : o + s.numel()] for o, s in zip(layout.offsets, layout.shapes)]
         wire_dtype = grad.dtype
+        factor_dtype = self.compressor.factor_dtype(grad.dtype)
+        low_bit = factor_dtype != wire_dtype
         out = torch.empty_like(flat)
 
         # Step 1: error-compensated matrices and their Q.
@@ -197,15 +199,20 @@ class PowerSGDReducer:
                 qs.append(q)
         uncompressed = [pieces[i] for i in layout.uncompressed]
         sendable = sendable and all(guard.is_finite(piece) for piece in uncompressed)
+        n_p = sum(mat.shape[0] * q.shape[1] for mat, q in zip(matrices, qs))
         round1 = torch.cat(
             [torch.cat(uncompressed).div(world_size) if uncompressed else flat.new_empty(0)]
-            + [flat.new_empty(mat.shape[0] * q.shape[1]) for mat, q in zip(matrices, qs)]
+            + [flat.new_empty(0 if low_bit else n_p)]
         ).to(wire_dtype)
         n_uncompressed = sum(p.numel() for p in uncompressed)
-        round2 = torch.empty(sum(q.numel() for q in qs), dtype=wire_dtype, device=grad.device)
-        sent = allreduce_bytes(wire.nbytes([round1]), world_size) + allreduce_bytes(wire.nbytes([round2]), world_size)
+        # Round 1's P: the tail of round1, or its own tensor where the factors travel narrower.
+        p_wire = torch.empty(n_p, dtype=factor_dtype, device=grad.device) if low_bit else round1[n_uncompressed:]
+        round1_parts = [t for t in ((round1, p_wire) if low_bit else (round1,)) if t.numel()]
+        round2 = torch.empty(sum(q.numel() for q in qs), dtype=factor_dtype, device=grad.device)
+        sent = sum(allreduce_bytes(wire.nbytes([t]), world_size) for t in round1_parts)
+        sent += allreduce_bytes(wire.nbytes([round2]), world_size)
         self.metrics.add_bucket(
-            key, payload_bytes=(round1.numel() + round2.numel()) * round1.element_size(),
+            key, payload_bytes=wire.nbytes(round1_parts) + wire.nbytes([round2]),
             dense_bytes=grad.numel() * grad.element_size(), collective="allreduce",
             compressed=bool(matrices), sent_bytes=sent, received_bytes=sent, codec=self.compressor.spec,
         )
@@ -213,35 +220,44 @@ class PowerSGDReducer:
         p_hat: list[Tensor] = []
         q_local_list: list[Tensor] = []
 
-        # Step 2: P = M Q for every matrix, one all_reduce with the uncompressed gradients.
+        def all_reduce_round1() -> Future:
+            futures = [self._all_reduce(key, t) for t in round1_parts]
+            return futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
+
+        # Step 2: P = M Q for every matrix, one all_reduce with the uncompressed gradients (two
+        # where the factors travel in a narrower dtype).
         def launch_p() -> Future:
             with self.metrics.timed("compress_s", key):
                 if not sendable:
-                    round1.fill_(float("nan"))  # the marker: every rank's sum turns NaN
-                    return self._all_reduce(key, round1)
-                offset = n_uncompressed
+                    for t in round1_parts:
+                        t.fill_(float("nan"))  # the marker: every rank's sum turns NaN
+                    return all_reduce_round1()
+                offset = 0
                 for mat, q in zip(matrices, qs):
-                    p = to_wire(product(mat, q), world_size, wire_dtype)
-                    round1[offset : offset + p.numel()] = p.reshape(-1)
+                    p = to_wire(product(mat, q), world_size, factor_dtype)
+                    p_wire[offset : offset + p.numel()] = p.reshape(-1)
                     offset += p.numel()
-            return self._all_reduce(key, round1)
+            return all_reduce_round1()
 
         # Steps 3 and 4: orthogonalize P, then Q = M^T P, one all_reduce.
         def launch_q() -> Future:
-            if guard.received_marker([round1]):
+            if guard.received_marker(round1_parts):
                 # Some rank's bucket was not finite. The sum is the same on every rank, so all
                 # of them skip round 2 here together.
                 self.ledger.mark_nonfinite(step)
                 return completed(None)
             with self.metrics.timed("compress_s", key):
-                offset, q_offset = n_uncompressed, 0
+                offset, q_offset = 0, 0
                 for mat, q in zip(matrices, qs):
                     n, r = mat.shape[0], q.shape[1]
-                    p = orthogonalize(round1[offset : offset + n * r].view(n, r))
+                    p = orthogonalize(p_wire[offset : offset + n * r].view(n, r))
                     p_hat.append(p)
                     q_local = product(mat.T, p)
-                    round2[q_offset : q_offset + q_local.numel()] = to_wire(q_local, world_size, wire_dtype).reshape(-1)
-                    q_local_list.append(q_local)
+                    q_sent = to_wire(q_local, world_size, factor_dtype)
+                    round2[q_offset : q_offset + q_local.numel()] = q_sent.reshape(-1)
+                    # Low-bit factors: the residual is taken against what this rank's Q became
+                    # on the wire, so the rounding is fed back too.
+                    q_local_list.append(q_sent.float().mul_(world_size) if low_bit else q_local)
                     offset += n * r
                     q_offset += q_local.numel()
             return self._all_reduce(key, round2)
@@ -249,7 +265,7 @@ class PowerSGDReducer:
         # Step 5: decode, update residuals and Q memory.
         def finish(fut: Future) -> Tensor:
             fut.value()  # re-raises a failed collective
-            if guard.received_marker([round1, round2]):
+            if guard.received_marker([*round1_parts, round2]):
                 self.ledger.mark_nonfinite(step)
                 return guard.marker_like(grad)
             quality = QualityAccumulator() if monitored else None
@@ -394,8 +410,9 @@ class PowerSGDReducer:
             end = time.perf_counter()
             compress_s += middle - start
             decompress_s += end - middle
-            payload_bytes += (n + m) * r * grad.element_size()
-            factor_bytes += m * r * grad.element_size()
+            factor_item = wire.dtype_nbytes(self.compressor.factor_dtype(grad.dtype))
+            payload_bytes += (n + m) * r * factor_item
+            factor_bytes += m * r * factor_item
         sent = allreduce_bytes(payload_bytes - factor_bytes, world_size) + allreduce_bytes(factor_bytes, world_size)
         return {
             "compress_s": compress_s, "decompress_s": decompress_s, "payload_bytes": payload_bytes,

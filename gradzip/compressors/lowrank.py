@@ -38,18 +38,28 @@ class PowerSGD(Compressor):
     ``r = min(approx_rank, n, m)``. Matrices where ``(n + m) * r >= n * m`` and all 1-D tensors
     travel uncompressed in round 1.
 
+    Low-bit factors (``factor_bits=16``): ``P`` and ``Q`` travel as fp16, divided by world_size
+    and saturated at the fp16 range before they are summed (in fp16), as PyTorch's
+    ``fp16_compress_hook`` sends a gradient; uncompressed tensors keep the gradient's dtype. The
+    residual is taken against this rank's fp16-rounded ``Q``, so what the wire rounds is fed back.
+    Not in the paper, which sends fp32 factors; the low-rank and quantization families composed,
+    as the seeds' hybrid compression describes. Values below fp16's subnormal range (about 6e-8
+    after the division) flush to zero and are carried by the residual.
+
     Args:
         approx_rank: rank of the approximation, an integer >= 1.
         start_step: steps of plain all_reduce before compression starts (>= 0).
         warm_start: reuse last step's ``Q`` as the start of the power iteration.
         seed: seed of the initial ``Q`` (drawn identically on every rank).
+        factor_bits: 32 sends the factors in the gradient's own dtype (the paper); 16 sends them
+            as fp16.
 
-    Payload per matrix: ``(n + m) * r * itemsize(dtype)`` bytes; uncompressed tensors
-    ``numel * itemsize(dtype)``. :meth:`payload_nbytes` takes a flat tensor, which travels
+    Payload per matrix: ``(n + m) * r * f`` bytes, ``f = itemsize(dtype)`` at ``factor_bits=32``
+    and 2 at ``factor_bits=16``; uncompressed tensors ``numel * itemsize(dtype)``. :meth:`payload_nbytes` takes a flat tensor, which travels
     uncompressed; :meth:`matrix_payload_nbytes` gives the matrix formula.
 
     Raises:
-        ValueError: if ``approx_rank < 1`` or ``start_step < 0``.
+        ValueError: if ``approx_rank < 1``, ``start_step < 0`` or ``factor_bits`` is not 16 or 32.
     """
 
     name = "powersgd"
@@ -57,14 +67,23 @@ class PowerSGD(Compressor):
     error_feedback = True
     multi_round = True
 
-    def __init__(self, *, approx_rank: int = 4, start_step: int = 0, warm_start: bool = True, seed: int = 0) -> None:
-        super().__init__(approx_rank=approx_rank, start_step=start_step, warm_start=warm_start, seed=seed)
+    def __init__(
+        self, *, approx_rank: int = 4, start_step: int = 0, warm_start: bool = True, seed: int = 0, factor_bits: int = 32
+    ) -> None:
+        super().__init__(
+            approx_rank=approx_rank, start_step=start_step, warm_start=warm_start, seed=seed, factor_bits=factor_bits
+        )
         self.approx_rank = check_int(approx_rank, name="approx_rank", low=1)
         self.start_step = check_int(start_step, name="start_step", low=0)
         if not isinstance(warm_start, bool):
             raise ValueError(f"warm_start must be true or false; got {warm_start!r}")
         self.warm_start = warm_start
         self.seed = check_int(seed, name="seed", low=0)
+        self.factor_bits = wire.check_bits(factor_bits, allowed=(16, 32), name="factor_bits")
+
+    def factor_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype ``P`` and ``Q`` travel in for a gradient of ``dtype``."""
+        return torch.float16 if self.factor_bits == 16 else dtype
 
     def effective_rank(self, n: int, m: int) -> int:
         """``min(approx_rank, n, m)``."""
@@ -81,14 +100,13 @@ class PowerSGD(Compressor):
 
     def matrix_payload_nbytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
         """Bytes sent for one gradient of ``shape``: factors if it compresses, else dense."""
-        item = wire.dtype_nbytes(dtype)
         if not self.compresses(shape):
             numel = 1
             for d in shape:
                 numel *= d
-            return numel * item
+            return numel * wire.dtype_nbytes(dtype)
         n, m = matrix_view_shape(shape)
-        return (n + m) * self.effective_rank(n, m) * item
+        return (n + m) * self.effective_rank(n, m) * wire.dtype_nbytes(self.factor_dtype(dtype))
 
     def payload_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return numel * wire.dtype_nbytes(dtype)
