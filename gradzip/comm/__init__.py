@@ -93,6 +93,10 @@ def own_reducer(codec: Compressor, **kwargs) -> Reducer:
         from gradzip.comm.separate import SeparateReducer
 
         return SeparateReducer(codec, **kwargs)
+    if codec.name == "countsketch":
+        from gradzip.comm.countsketch import CountSketchReducer
+
+        return CountSketchReducer(codec, **kwargs)
     from gradzip.comm.powersgd import PowerSGDReducer
 
     return PowerSGDReducer(codec, **kwargs)

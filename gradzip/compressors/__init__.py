@@ -81,7 +81,7 @@ def build(spec: str | Compressor) -> Compressor:
 
 
 # Registration happens on import of each family.
-from gradzip.compressors import cast, lowrank, quant, separate, sign, sparse  # noqa: E402,F401
+from gradzip.compressors import cast, countsketch, lowrank, quant, separate, sign, sparse  # noqa: E402,F401
 
 __all__ = [
     "Compressor",
