@@ -129,6 +129,7 @@ class CountSketchReducer:
                     self.feedback.update(key, compensated, compensated * mask, step=step)
                 box["bitmap"] = bitmap if packed else mask.to(torch.uint8)
                 box["table"] = table
+            assert wire.nbytes([box["bitmap"], table]) == payload_bytes, "payload differs from its formula"
             op = dist.ReduceOp.BOR if packed else dist.ReduceOp.MAX
             works = [
                 dist.all_reduce(box["bitmap"], op=op, group=self.group, async_op=True).get_future(),
