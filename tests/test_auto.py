@@ -141,8 +141,8 @@ def _grad(rank: int, step: int, key: int) -> torch.Tensor:
 
 
 def _agreement(rank: int, world_size: int) -> dict:
-    from gradzip.control.auto_reducer import AutoReducer
     from gradzip.control.auto import make_controller
+    from gradzip.control.auto_reducer import AutoReducer
 
     out = {}
     candidates = ("none", "fp16", "topk:ratio=0.1", "powersgd:approx_rank=1")
@@ -188,8 +188,8 @@ FORCED = {2: "topk:ratio=0.1", 5: "powersgd:approx_rank=1", 8: "fp16", 10: "none
 
 
 def _forced(rank: int, world_size: int) -> dict:
-    from gradzip.control.auto_reducer import AutoReducer
     from gradzip.control.auto import make_controller
+    from gradzip.control.auto_reducer import AutoReducer
 
     cfg = AutoConfig(adapt_every=1000, candidates=("fp16", "topk:ratio=0.1", "powersgd:approx_rank=1"))
     specs = cfg.candidate_specs()

@@ -35,7 +35,7 @@ EXTRA_SPECS = ["topk:ratio=0.2", "powersgd:approx_rank=1", "powersgd:approx_rank
 
 
 def _specs() -> list[str]:
-    return [name for name in list_compressors() if name != "powersgd"] + EXTRA_SPECS
+    return [name for name in list_compressors() if not build(name).multi_round] + EXTRA_SPECS
 
 
 def _buffer(rank: int, step: int, world_size: int) -> torch.Tensor:

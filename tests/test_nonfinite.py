@@ -107,9 +107,8 @@ def reducer_specs() -> list[tuple[str, dict]]:
 def _make(spec: str, options: dict):
     if spec != "auto":
         return make_reducer(spec, **options)
-    from gradzip.control.auto_reducer import AutoReducer
-
     from gradzip.control.auto import AutoConfig, make_controller
+    from gradzip.control.auto_reducer import AutoReducer
 
     cfg = AutoConfig(adapt_every=1000, candidates=options["candidates"])
     specs = cfg.candidate_specs()

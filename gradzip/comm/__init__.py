@@ -75,17 +75,31 @@ def make_reducer(
     """
     codec = build(compressor)
     if codec.multi_round:
-        from gradzip.comm.powersgd import PowerSGDReducer
-
         if collective != "auto":
             raise ValueError(f"collective must be auto for {codec.name}, which brings its own rounds; got {collective!r}")
         if min_compress_bytes:
             raise ValueError(f"min_compress_bytes applies to single-round codecs, not {codec.name}; got {min_compress_bytes!r}")
-        return PowerSGDReducer(codec, group=group, queue=queue, metrics=metrics)
+        return own_reducer(codec, group=group, queue=queue, metrics=metrics)
     return CompressedReducer(
         codec, group=group, error_feedback=error_feedback, collective=collective,
         min_compress_bytes=min_compress_bytes, queue=queue, metrics=metrics,
     )
 
 
-__all__ = ["COLLECTIVES", "CollectiveQueue", "CompressedReducer", "Reducer", "TwoPhaseAllReduce", "make_reducer"]
+def own_reducer(codec: Compressor, **kwargs) -> Reducer:
+    """The reducer a codec that brings its own rounds (``multi_round``) runs in, by its name;
+    ``kwargs`` go to the reducer (``group``, ``queue``, ``metrics``, ``ledger``)."""
+    if codec.name == "separate":
+        from gradzip.comm.separate import SeparateReducer
+
+        return SeparateReducer(codec, **kwargs)
+    if codec.name == "countsketch":
+        from gradzip.comm.countsketch import CountSketchReducer
+
+        return CountSketchReducer(codec, **kwargs)
+    from gradzip.comm.powersgd import PowerSGDReducer
+
+    return PowerSGDReducer(codec, **kwargs)
+
+
+__all__ = ["COLLECTIVES", "CollectiveQueue", "CompressedReducer", "Reducer", "TwoPhaseAllReduce", "make_reducer", "own_reducer"]

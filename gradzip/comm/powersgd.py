@@ -41,7 +41,7 @@ from gradzip.comm.queue import CollectiveQueue, completed
 from gradzip.comm.traffic import allreduce_bytes, dense_probe
 from gradzip.compressors.base import seeded_generator
 from gradzip.compressors.kernels import wire
-from gradzip.compressors.lowrank import PowerSGD, matrix_view_shape
+from gradzip.compressors.lowrank import PowerSGD, from_codes, int8_levels, matrix_view_shape, to_codes
 from gradzip.feedback import ErrorFeedback
 from gradzip.metrics import QualityAccumulator, StepMetrics, quality_figures
 
@@ -177,6 +177,10 @@ class PowerSGDReducer:
         flat = grad.reshape(-1)
         pieces = [flat[o : o + s.numel()] for o, s in zip(layout.offsets, layout.shapes)]
         wire_dtype = grad.dtype
+        factor_dtype = self.compressor.factor_dtype(grad.dtype)
+        low_bit = factor_dtype != wire_dtype
+        int8 = factor_dtype == torch.int8
+        levels = int8_levels(world_size) if int8 else 0
         out = torch.empty_like(flat)
 
         # Step 1: error-compensated matrices and their Q.
@@ -197,59 +201,138 @@ class PowerSGDReducer:
                 qs.append(q)
         uncompressed = [pieces[i] for i in layout.uncompressed]
         sendable = sendable and all(nonfinite.is_finite(piece) for piece in uncompressed)
+        n_p = sum(mat.shape[0] * q.shape[1] for mat, q in zip(matrices, qs))
         round1 = torch.cat(
             [torch.cat(uncompressed).div(world_size) if uncompressed else flat.new_empty(0)]
-            + [flat.new_empty(mat.shape[0] * q.shape[1]) for mat, q in zip(matrices, qs)]
+            + [flat.new_empty(0 if low_bit else n_p)]
         ).to(wire_dtype)
         n_uncompressed = sum(p.numel() for p in uncompressed)
-        round2 = torch.empty(sum(q.numel() for q in qs), dtype=wire_dtype, device=grad.device)
-        sent = allreduce_bytes(wire.nbytes([round1]), world_size) + allreduce_bytes(wire.nbytes([round2]), world_size)
+        # Round 1's P: the tail of round1, or its own tensor where the factors travel narrower.
+        p_wire = torch.empty(n_p, dtype=factor_dtype, device=grad.device) if low_bit else round1[n_uncompressed:]
+        round1_parts = [t for t in ((round1, p_wire) if low_bit else (round1,)) if t.numel()]
+        round2 = torch.empty(sum(q.numel() for q in qs), dtype=factor_dtype, device=grad.device)
+        # int8 factors: one fp32 scale per matrix and factor, agreed by an all_reduce MAX first.
+        p_scale = torch.zeros(len(matrices) if int8 else 0, device=grad.device)
+        q_scale = torch.zeros_like(p_scale)
+        sent = sum(allreduce_bytes(wire.nbytes([t]), world_size) for t in round1_parts)
+        sent += allreduce_bytes(wire.nbytes([round2]), world_size)
+        sent += 2 * allreduce_bytes(wire.nbytes([p_scale]), world_size)
         self.metrics.add_bucket(
-            key, payload_bytes=(round1.numel() + round2.numel()) * round1.element_size(),
+            key, payload_bytes=wire.nbytes(round1_parts) + wire.nbytes([round2, p_scale, q_scale]),
             dense_bytes=grad.numel() * grad.element_size(), collective="allreduce",
             compressed=bool(matrices), sent_bytes=sent, received_bytes=sent, codec=self.compressor.spec,
         )
         monitored = self.metrics.wants_quality(step)
         p_hat: list[Tensor] = []
         q_local_list: list[Tensor] = []
+        p_local: list[Tensor] = []  # int8: this rank's P, waiting for the shared scale
+        q_raw: list[Tensor] = []  # int8: this rank's Q, waiting for the shared scale
+        box = {"skip": False}  # int8: some rank's bucket was not finite (seen in a scale round)
 
-        # Step 2: P = M Q for every matrix, one all_reduce with the uncompressed gradients.
-        def launch_p() -> Future:
+        def scale_round(factors: list[Tensor], scale: Tensor, finite: bool) -> Future:
+            """All ranks agree on max|factor| per matrix; +inf marks a bucket that was not finite."""
+            if finite:
+                for j, f in enumerate(factors):
+                    scale[j] = f.abs().max() if f.numel() else 0.0
+            else:
+                scale.fill_(float("inf"))
+            work = dist.all_reduce(scale, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            return self.metrics.track(work.get_future(), (key,))
+
+        def scale_marker(scale: Tensor) -> bool:
+            if scale.numel() and not bool(torch.isfinite(scale).all()):
+                box["skip"] = True
+                self.ledger.mark_nonfinite(step)
+            return box["skip"]
+
+        def launch_p_scale() -> Future:
             with self.metrics.timed("compress_s", key):
+                if sendable:
+                    p_local.extend(product(mat, q) for mat, q in zip(matrices, qs))
+            return scale_round(p_local, p_scale, sendable)
+
+        def all_reduce_round1() -> Future:
+            futures = [self._all_reduce(key, t) for t in round1_parts]
+            return futures[0] if len(futures) == 1 else torch.futures.collect_all(futures)
+
+        # Step 2: P = M Q for every matrix, one all_reduce with the uncompressed gradients (two
+        # where the factors travel in a narrower dtype).
+        def launch_p() -> Future:
+            if int8 and scale_marker(p_scale):
+                return completed(None)  # the MAX is the same on every rank: all skip together
+            with self.metrics.timed("compress_s", key):
+                if int8 and matrices:
+                    offset = 0
+                    for j, p in enumerate(p_local):
+                        p_wire[offset : offset + p.numel()] = to_codes(p, float(p_scale[j]), levels).reshape(-1)
+                        offset += p.numel()
+                    return all_reduce_round1()
                 if not sendable:
-                    round1.fill_(float("nan"))  # the marker: every rank's sum turns NaN
-                    return self._all_reduce(key, round1)
-                offset = n_uncompressed
+                    for t in round1_parts:
+                        t.fill_(float("nan"))  # the marker: every rank's sum turns NaN
+                    return all_reduce_round1()
+                offset = 0
                 for mat, q in zip(matrices, qs):
-                    p = to_wire(product(mat, q), world_size, wire_dtype)
-                    round1[offset : offset + p.numel()] = p.reshape(-1)
+                    p = to_wire(product(mat, q), world_size, factor_dtype)
+                    p_wire[offset : offset + p.numel()] = p.reshape(-1)
                     offset += p.numel()
-            return self._all_reduce(key, round1)
+            return all_reduce_round1()
 
         # Steps 3 and 4: orthogonalize P, then Q = M^T P, one all_reduce.
-        def launch_q() -> Future:
-            if nonfinite.received_marker([round1]):
-                # Some rank's bucket was not finite. The sum is the same on every rank, so all
-                # of them skip round 2 here together.
+        def prepare_q() -> bool:
+            """Orthogonalize the summed P and compute this rank's Q; False if some rank's bucket
+            was not finite (the sum is the same on every rank, so all of them skip together)."""
+            if box["skip"]:
+                return False
+            if nonfinite.received_marker(round1_parts):
                 self.ledger.mark_nonfinite(step)
-                return completed(None)
+                box["skip"] = True
+                return False
             with self.metrics.timed("compress_s", key):
-                offset, q_offset = n_uncompressed, 0
+                offset = 0
                 for mat, q in zip(matrices, qs):
                     n, r = mat.shape[0], q.shape[1]
-                    p = orthogonalize(round1[offset : offset + n * r].view(n, r))
+                    summed = p_wire[offset : offset + n * r].view(n, r)
+                    # int8: the summed codes span what the scaled sum spans (the scale is one
+                    # positive number), and cannot overflow.
+                    p = orthogonalize(summed)
                     p_hat.append(p)
-                    q_local = product(mat.T, p)
-                    round2[q_offset : q_offset + q_local.numel()] = to_wire(q_local, world_size, wire_dtype).reshape(-1)
-                    q_local_list.append(q_local)
+                    q_raw.append(product(mat.T, p))
                     offset += n * r
+            return True
+
+        def launch_q_scale() -> Future:
+            if not prepare_q():
+                return completed(None)
+            return scale_round(q_raw, q_scale, True)
+
+        def launch_q() -> Future:
+            if int8 and scale_marker(q_scale):
+                return completed(None)
+            if not int8 and not prepare_q():
+                return completed(None)
+            with self.metrics.timed("compress_s", key):
+                q_offset = 0
+                for j, q_local in enumerate(q_raw):
+                    if int8:
+                        codes = to_codes(q_local, float(q_scale[j]), levels)
+                        round2[q_offset : q_offset + q_local.numel()] = codes.reshape(-1)
+                        # The residual is taken against this rank's Q as its codes carry it.
+                        q_local_list.append(from_codes(codes, float(q_scale[j]), levels))
+                        q_offset += q_local.numel()
+                        continue
+                    q_sent = to_wire(q_local, world_size, factor_dtype)
+                    round2[q_offset : q_offset + q_local.numel()] = q_sent.reshape(-1)
+                    # Low-bit factors: the residual is taken against what this rank's Q became
+                    # on the wire, so the rounding is fed back too.
+                    q_local_list.append(q_sent.float().mul_(world_size) if low_bit else q_local)
                     q_offset += q_local.numel()
             return self._all_reduce(key, round2)
 
         # Step 5: decode, update residuals and Q memory.
         def finish(fut: Future) -> Tensor:
             fut.value()  # re-raises a failed collective
-            if nonfinite.received_marker([round1, round2]):
+            if box["skip"] or nonfinite.received_marker([*round1_parts, round2]):
                 self.ledger.mark_nonfinite(step)
                 return nonfinite.marker_like(grad)
             quality = QualityAccumulator() if monitored else None
@@ -263,6 +346,8 @@ class PowerSGDReducer:
                 for j, i in enumerate(layout.compressed):
                     mat, p, q_local = matrices[j], p_hat[j], q_local_list[j]
                     q_mean = round2[q_offset : q_offset + q_local.numel()].view_as(q_local).float()
+                    if int8:  # the summed codes, back to the mean of the ranks' Q
+                        q_mean = from_codes(q_mean, float(q_scale[j]), levels * world_size)
                     q_offset += q_local.numel()
                     o = layout.offsets[i]
                     self._decode(p, q_mean, out[o : o + mat.numel()].view(mat.shape))
@@ -291,6 +376,9 @@ class PowerSGDReducer:
                 self.metrics.add_quality(key, quality.figures())
             return out.view(grad.shape)
 
+        if int8 and matrices:
+            first = self.queue.submit(launch_p, after=self.queue.submit(launch_p_scale))
+            return self.queue.submit(launch_q, after=self.queue.submit(launch_q_scale, after=first)).then(finish)
         first = self.queue.submit(launch_p)
         if not matrices:
             return first.then(finish)
@@ -394,8 +482,9 @@ class PowerSGDReducer:
             end = time.perf_counter()
             compress_s += middle - start
             decompress_s += end - middle
-            payload_bytes += (n + m) * r * grad.element_size()
-            factor_bytes += m * r * grad.element_size()
+            factor_item = wire.dtype_nbytes(self.compressor.factor_dtype(grad.dtype))
+            payload_bytes += self.compressor.matrix_payload_nbytes(layout.shapes[i], grad.dtype)
+            factor_bytes += m * r * factor_item
         sent = allreduce_bytes(payload_bytes - factor_bytes, world_size) + allreduce_bytes(factor_bytes, world_size)
         return {
             "compress_s": compress_s, "decompress_s": decompress_s, "payload_bytes": payload_bytes,

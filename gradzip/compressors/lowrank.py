@@ -25,6 +25,32 @@ def matrix_view_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int] | 
     return n, m
 
 
+def int8_levels(world_size: int) -> int:
+    """Code levels each rank may use so that the int8 sum over ``world_size`` ranks cannot
+    overflow: ``floor(127 / world_size)``.
+
+    Raises:
+        ValueError: if ``world_size`` exceeds 127 (no level would be left).
+    """
+    if world_size > 127:
+        raise ValueError(f"powersgd factor_bits=8 sums int8 codes over at most 127 ranks; world_size is {world_size}")
+    return 127 // world_size
+
+
+def to_codes(x: Tensor, scale: float, levels: int) -> Tensor:
+    """``round(x / scale * levels)`` as int8 (all zeros for a zero scale); ``|x| <= scale``."""
+    if scale == 0.0:
+        return torch.zeros(x.shape, dtype=torch.int8, device=x.device)
+    return torch.round(x.float() * (levels / scale)).clamp_(-levels, levels).to(torch.int8)
+
+
+def from_codes(codes: Tensor, scale: float, levels: int) -> Tensor:
+    """``codes / levels * scale`` in fp32 (codes of any integer or floating dtype); dividing
+    first keeps ``|result| <= scale`` wherever ``|codes| <= levels``, so a scale near the fp32
+    maximum does not overflow. Pass ``levels * world_size`` to turn summed codes into a mean."""
+    return codes.float().div_(levels).mul_(scale)
+
+
 @register
 class PowerSGD(Compressor):
     """PowerSGD: rank-``r`` approximation by one step of subspace iteration per training step.
@@ -39,18 +65,39 @@ class PowerSGD(Compressor):
     ``r = min(approx_rank, n, m)``. Matrices where ``(n + m) * r >= n * m`` and all 1-D tensors
     travel uncompressed in round 1.
 
+    Low-bit factors (``factor_bits=16``): ``P`` and ``Q`` travel as fp16, divided by world_size
+    and saturated at the fp16 range before they are summed (in fp16), as PyTorch's
+    ``fp16_compress_hook`` sends a gradient; uncompressed tensors keep the gradient's dtype. The
+    residual is taken against this rank's fp16-rounded ``Q``, so what the wire rounds is fed back.
+    Not in the paper, which sends fp32 factors; the low-rank and quantization families composed,
+    as the seeds' hybrid compression describes. Values below fp16's subnormal range (about 6e-8
+    after the division) flush to zero and are carried by the residual.
+
+    ``factor_bits=8``: before each factor round an all_reduce MAX agrees on one fp32 scale per
+    matrix, ``s = max over ranks of max|factor|``; each rank then sends
+    ``round(factor / s * L)`` as int8 with ``L = floor(127 / world_size)`` levels, so the int8
+    sum of all ranks' codes cannot overflow, and every rank decodes ``sum * s / L``. Bytes stay
+    one per factor element at every world size; the price is resolution: each rank's factor is
+    rounded to ``2 L + 1`` levels (127 at 2 ranks, 31 at 4, 15 at 8; world sizes above 127 are
+    refused). Summing int8 codes in a wider integer type instead would keep 255 levels but send
+    2 bytes per element, no fewer than fp16. The residual is taken against this rank's decoded
+    codes. Each of the two factor rounds becomes two collectives (the MAX, then the codes).
+
     Args:
         approx_rank: rank of the approximation, an integer >= 1.
         start_step: steps of plain all_reduce before compression starts (>= 0).
         warm_start: reuse last step's ``Q`` as the start of the power iteration.
         seed: seed of the initial ``Q`` (drawn identically on every rank).
+        factor_bits: 32 sends the factors in the gradient's own dtype (the paper); 16 sends them
+            as fp16; 8 as int8 codes with shared scales.
 
-    Payload per matrix: ``(n + m) * r * itemsize(dtype)`` bytes; uncompressed tensors
-    ``numel * itemsize(dtype)``. :meth:`payload_nbytes` takes a flat tensor, which travels
+    Payload per matrix: ``(n + m) * r * f`` bytes, ``f = itemsize(dtype)`` at ``factor_bits=32``,
+    2 at ``factor_bits=16``, and 1 plus 8 bytes of scales (two fp32) at ``factor_bits=8``;
+    uncompressed tensors ``numel * itemsize(dtype)``. :meth:`payload_nbytes` takes a flat tensor, which travels
     uncompressed; :meth:`matrix_payload_nbytes` gives the matrix formula.
 
     Raises:
-        ValueError: if ``approx_rank < 1`` or ``start_step < 0``.
+        ValueError: if ``approx_rank < 1``, ``start_step < 0`` or ``factor_bits`` is not 8, 16 or 32.
     """
 
     name = "powersgd"
@@ -58,14 +105,23 @@ class PowerSGD(Compressor):
     error_feedback = True
     multi_round = True
 
-    def __init__(self, *, approx_rank: int = 4, start_step: int = 0, warm_start: bool = True, seed: int = 0) -> None:
-        super().__init__(approx_rank=approx_rank, start_step=start_step, warm_start=warm_start, seed=seed)
+    def __init__(
+        self, *, approx_rank: int = 4, start_step: int = 0, warm_start: bool = True, seed: int = 0, factor_bits: int = 32
+    ) -> None:
+        super().__init__(
+            approx_rank=approx_rank, start_step=start_step, warm_start=warm_start, seed=seed, factor_bits=factor_bits
+        )
         self.approx_rank = check_int(approx_rank, name="approx_rank", low=1)
         self.start_step = check_int(start_step, name="start_step", low=0)
         if not isinstance(warm_start, bool):
             raise ValueError(f"warm_start must be true or false; got {shown(warm_start)}")
         self.warm_start = warm_start
         self.seed = check_int(seed, name="seed", low=0)
+        self.factor_bits = wire.check_bits(factor_bits, allowed=(8, 16, 32), name="factor_bits")
+
+    def factor_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype ``P`` and ``Q`` travel in for a gradient of ``dtype``."""
+        return {8: torch.int8, 16: torch.float16}.get(self.factor_bits, dtype)
 
     def effective_rank(self, n: int, m: int) -> int:
         """``min(approx_rank, n, m)``."""
@@ -82,14 +138,14 @@ class PowerSGD(Compressor):
 
     def matrix_payload_nbytes(self, shape: torch.Size | tuple[int, ...], dtype: torch.dtype = torch.float32) -> int:
         """Bytes sent for one gradient of ``shape``: factors if it compresses, else dense."""
-        item = wire.dtype_nbytes(dtype)
         if not self.compresses(shape):
             numel = 1
             for d in shape:
                 numel *= d
-            return numel * item
+            return numel * wire.dtype_nbytes(dtype)
         n, m = matrix_view_shape(shape)
-        return (n + m) * self.effective_rank(n, m) * item
+        scales = 8 if self.factor_bits == 8 else 0
+        return (n + m) * self.effective_rank(n, m) * wire.dtype_nbytes(self.factor_dtype(dtype)) + scales
 
     def payload_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return numel * wire.dtype_nbytes(dtype)

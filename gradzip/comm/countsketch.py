@@ -1,0 +1,200 @@
+"""The count-sketch reducer (TAGC-style; arithmetic in :mod:`gradzip.compressors.countsketch`).
+
+For one bucket at a step past ``start_step``, in one launch of the group's queue:
+
+1. Error-compensate the flat bucket in fp32; keep its top entries (``ratio``); encode the packed
+   bitmap of the kept coordinates and a count sketch of the kept values divided by world_size.
+2. Two collectives issued together: an all_reduce of the bitmaps with ``ReduceOp.BOR`` (gloo and
+   MPI), or, on backends without it (NCCL), with ``ReduceOp.MAX`` on one byte per element (MAX of
+   packed bytes is not an OR); and an all_reduce (sum) of the sketches.
+3. Decode the summed sketch on the OR-ed support by peeling, then median estimates; the
+   residual keeps what thresholding dropped (``compensated - kept``).
+
+Non-finite gradients (:mod:`gradzip.comm.nonfinite`): a rank whose bucket holds inf or NaN sends an
+all-NaN sketch; every rank sees the NaN sum, returns all NaN, and the step's residual updates are
+put back when the next step starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from gradzip.comm import nonfinite
+from gradzip.comm.queue import CollectiveQueue, completed
+from gradzip.comm.traffic import allreduce_bytes
+from gradzip.compressors.countsketch import CountSketch
+from gradzip.compressors.kernels import wire
+from gradzip.feedback import ErrorFeedback
+from gradzip.metrics import StepMetrics
+
+#: backends whose all_reduce takes ReduceOp.BOR on uint8
+_BOR_BACKENDS = ("gloo", "mpi")
+
+
+def packed_bitmaps(group: dist.ProcessGroup | None) -> bool:
+    """Whether the bitmaps travel packed (the group's backend ORs bytes), else one byte each."""
+    return str(dist.get_backend(group)) in _BOR_BACKENDS
+
+
+class CountSketchReducer:
+    """Averages buckets over ``group`` through a shared bitmap and a summed count sketch.
+
+    Args:
+        compressor: the :class:`~gradzip.compressors.countsketch.CountSketch` parameters.
+        group: the process group (None: the default group).
+        queue: the ordered launch queue shared by every reducer of ``group``.
+        metrics: where bytes and times go (no quality figures are recorded).
+        ledger: the steps whose gradient was not finite, shared by every reducer of one hook;
+            None for a ledger of this reducer's own.
+    """
+
+    def __init__(
+        self,
+        compressor: CountSketch,
+        *,
+        group: dist.ProcessGroup | None = None,
+        queue: CollectiveQueue | None = None,
+        metrics: StepMetrics | None = None,
+        ledger: nonfinite.StepLedger | None = None,
+    ) -> None:
+        self.compressor = compressor
+        self.group = group
+        self.queue = queue or CollectiveQueue()
+        self.metrics = metrics or StepMetrics()
+        self.feedback = ErrorFeedback(dtype=torch.float32, deferred=True)
+        self.ledger = ledger or nonfinite.StepLedger()
+        self.open_step = nonfinite.OpenStep()
+
+    def reduce(
+        self,
+        key: Hashable,
+        grad: Tensor,
+        *,
+        step: int,
+        shapes: Sequence[torch.Size] | None = None,
+        flush: bool = True,
+    ) -> Future:
+        """Start averaging a bucket; returns at once.
+
+        Args:
+            key: the bucket's name across steps; keys the residual and the hashes.
+            grad: any shape (read flat), floating dtype; must stay unchanged until the future
+                completes.
+            step: the training step (seeds the hashes).
+            shapes: ignored (the sketch sees the flat bucket).
+            flush: accepted for the :class:`~gradzip.comm.Reducer` interface; nothing is held.
+
+        Returns:
+            a future whose value is the decoded mean, ``grad``'s shape and dtype; all NaN on every
+            rank if the bucket held inf or NaN on any rank.
+        """
+        closed = self.open_step.begin(key, step)
+        if closed is not None:
+            self._settle(self.ledger.finite(closed))
+        world_size = dist.get_world_size(self.group)
+        if grad.numel() == 0:
+            return completed(grad.clone())
+        codec = self.compressor
+        numel = grad.numel()
+        raw = numel * grad.element_size()
+        if step < codec.start_step or codec.payload_nbytes(numel, packed=packed_bitmaps(self.group)) >= raw:
+            return self._reduce_dense(key, grad, world_size, step)
+        packed = packed_bitmaps(self.group)
+        payload_bytes = codec.payload_nbytes(numel, packed=packed)
+        bitmap_bytes = wire.packed_nbytes(numel, 1) if packed else numel
+        self.metrics.add_bucket(
+            key, payload_bytes=payload_bytes, dense_bytes=raw, collective="allreduce",
+            sent_bytes=allreduce_bytes(bitmap_bytes, world_size) + allreduce_bytes(payload_bytes - bitmap_bytes, world_size),
+            received_bytes=allreduce_bytes(bitmap_bytes, world_size) + allreduce_bytes(payload_bytes - bitmap_bytes, world_size),
+            codec=codec.spec,
+        )
+        box: dict[str, Any] = {}
+
+        def launch() -> Future:
+            with self.metrics.timed("compress_s", key):
+                flat = grad.reshape(-1)
+                compensated, sendable = nonfinite.checked_input(flat, self.feedback.compensate(key, flat, step=step))
+                if not sendable:
+                    compensated = torch.zeros_like(compensated)
+                mask, bitmap, table = codec.encode(compensated, step=step, key=key, scale=1.0 / world_size)
+                if not sendable:
+                    table.fill_(float("nan"))  # the marker: every rank's sum turns NaN
+                else:
+                    self.feedback.update(key, compensated, compensated * mask, step=step)
+                box["bitmap"] = bitmap if packed else mask.to(torch.uint8)
+                box["table"] = table
+            assert wire.nbytes([box["bitmap"], table]) == payload_bytes, "payload differs from its formula"
+            op = dist.ReduceOp.BOR if packed else dist.ReduceOp.MAX
+            works = [
+                dist.all_reduce(box["bitmap"], op=op, group=self.group, async_op=True).get_future(),
+                dist.all_reduce(box["table"], group=self.group, async_op=True).get_future(),
+            ]
+            return self.metrics.track(torch.futures.collect_all(works), (key,))
+
+        def finish(fut: Future) -> Tensor:
+            fut.value()  # re-raises a failed collective
+            if nonfinite.received_marker([box["table"]]):
+                self.ledger.mark_nonfinite(step)
+                return nonfinite.marker_like(grad)
+            with self.metrics.timed("decompress_s", key):
+                bitmap = box["bitmap"]
+                support = wire.unpack_bits(bitmap, 1, numel).bool() if packed else bitmap.bool()
+                return codec.decode(support, box["table"], step=step, key=key, like=grad)
+
+        return self.queue.submit(launch).then(finish)
+
+    def _reduce_dense(self, key: Hashable, grad: Tensor, world_size: int, step: int) -> Future:
+        """Before ``start_step``, or where the payload would not be smaller: the plain mean."""
+        tensor = grad.div(world_size)
+        if not nonfinite.is_finite(grad):
+            tensor.fill_(float("nan"))  # the marker; an inf alone could pass for an overflow
+        raw = wire.nbytes([tensor])
+        self.metrics.add_bucket(
+            key, payload_bytes=raw, dense_bytes=raw, collective="dense", compressed=False,
+            sent_bytes=allreduce_bytes(raw, world_size), received_bytes=allreduce_bytes(raw, world_size),
+            codec=self.compressor.spec,
+        )
+
+        def launch() -> Future:
+            work = dist.all_reduce(tensor, group=self.group, async_op=True)
+            return self.metrics.track(work.get_future(), (key,))
+
+        def finish(fut: Future) -> Tensor:
+            fut.value()
+            if not nonfinite.received_marker([tensor]):
+                return tensor
+            self.ledger.mark_nonfinite(step)
+            return nonfinite.marker_like(tensor)
+
+        return self.queue.submit(launch).then(finish)
+
+    def _settle(self, keep: bool) -> None:
+        if keep:
+            self.feedback.commit()
+        else:
+            self.feedback.discard()
+
+    def settle(self) -> None:
+        """End the current step now: keep the residuals it changed, or put them back if any bucket
+        of the step was non-finite on some rank."""
+        closed = self.open_step.finish()
+        self._settle(closed is None or self.ledger.finite(closed))
+
+    def flush(self) -> None:
+        """Nothing is held back; see :meth:`reduce`."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The residuals (they differ across ranks), after settling the step in progress."""
+        self.settle()
+        return {"feedback": self.feedback.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (anything undoable is forgotten)."""
+        self.open_step.finish()
+        self.feedback.load_state_dict(state["feedback"])

@@ -1,0 +1,223 @@
+"""Count sketch with a shared support bitmap (TAGC-style): the arithmetic, no communication.
+
+Source: Polyakov et al., "TAGC: Optimizing Gradient Communication in Distributed Transformer
+Training" (EuroMLSys 2025, arXiv 2504.05638), after lossless homomorphic compression. The two
+collectives (an OR of the bitmaps, a sum of the sketches) are in
+:mod:`gradzip.comm.countsketch`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from gradzip.compressors import register
+from gradzip.compressors.base import Compressor, Payload, check_int, check_ratio, kept_count, seeded_generator
+from gradzip.compressors.kernels import wire
+
+#: the Mersenne prime of the hash family ``((a i + b) mod p)``: ``a i`` stays below 2^62 in int64
+_PRIME = (1 << 31) - 1
+
+
+@dataclass(frozen=True)
+class Hashes:
+    """``rows`` hash functions, the same on every rank for the same ``(seed, step, key)``.
+
+    Row ``j`` sends coordinate ``i`` to column ``((a_j i + b_j) mod p) mod cols`` with sign
+    ``+1`` or ``-1`` from the low bit of ``((c_j i + d_j) mod p)`` (a 2-universal family, so two
+    coordinates share a cell with probability about ``1 / cols``).
+    """
+
+    coeffs: Tensor  # rows x 4 int64: a, b, c, d
+    cols: int
+
+    @classmethod
+    def draw(cls, seed: int, step: int, key: Hashable, rows: int, cols: int) -> Hashes:
+        gen = seeded_generator(seed, step, key)
+        return cls(torch.randint(1, _PRIME, (rows, 4), generator=gen, dtype=torch.int64), cols)
+
+    def cells(self, index: Tensor) -> tuple[Tensor, Tensor]:
+        """Columns (``rows x len(index)`` int64) and signs (fp32, +-1) of the coordinates ``index``."""
+        coeffs = self.coeffs.to(index.device)
+        i = index.reshape(1, -1)
+        cols = ((coeffs[:, 0:1] * i + coeffs[:, 1:2]) % _PRIME) % self.cols
+        signs = (((coeffs[:, 2:3] * i + coeffs[:, 3:4]) % _PRIME) & 1).to(torch.float32).mul_(2).sub_(1)
+        return cols, signs
+
+
+def sketch(values: Tensor, index: Tensor, hashes: Hashes) -> Tensor:
+    """The count sketch (``rows x cols`` fp32) of a sparse vector: ``values`` at ``index``."""
+    cols, signs = hashes.cells(index)
+    rows = cols.shape[0]
+    # Summed in float64 and saturated at the fp32 range: cells of values near the fp32 maximum
+    # would otherwise overflow, and +inf and -inf in one cell make the NaN marker.
+    out = torch.zeros(rows * hashes.cols, dtype=torch.float64, device=values.device)
+    offsets = (torch.arange(rows, device=values.device) * hashes.cols).reshape(-1, 1)
+    out.index_add_(0, (cols + offsets).reshape(-1), (signs.double() * values.double().reshape(1, -1)).reshape(-1))
+    limit = torch.finfo(torch.float32).max
+    return out.clamp_(-limit, limit).float().view(rows, hashes.cols)
+
+
+def unsketch(table: Tensor, index: Tensor, hashes: Hashes) -> Tensor:
+    """Values at ``index`` (the known support) from a count sketch ``table`` (``rows x cols``).
+
+    Peeling first: a cell that holds exactly one coordinate of the support gives that
+    coordinate's value (times its sign); the value is subtracted from its cells in every row,
+    which may leave other cells with one coordinate; repeat until nothing changes. Coordinates
+    still unresolved (a 2-core of the hash graph) get the median over rows of their cells'
+    signed remainders. Arithmetic in float64; the same on every rank for the same inputs.
+
+    Returns:
+        float64 tensor of ``len(index)`` values.
+    """
+    rows, n_cols = table.shape
+    cols, signs = hashes.cells(index)
+    flat_cells = (cols + (torch.arange(rows, device=index.device) * n_cols).reshape(-1, 1)).reshape(rows, -1)
+    rest = table.double().reshape(-1).clone()
+    signs = signs.double()
+    counts = torch.zeros(rows * n_cols, dtype=torch.int64, device=index.device)
+    counts.index_add_(0, flat_cells.reshape(-1), torch.ones(flat_cells.numel(), dtype=torch.int64, device=index.device))
+    values = torch.zeros(index.numel(), dtype=torch.float64, device=index.device)
+    open_ = torch.ones(index.numel(), dtype=torch.bool, device=index.device)
+    while bool(open_.any()):
+        pure = (counts[flat_cells] == 1) & open_.reshape(1, -1)  # rows x support
+        found = pure.any(0)
+        if not bool(found.any()):
+            break
+        first = pure.to(torch.int8).argmax(0)  # the first row whose cell is pure
+        pick = found.nonzero().reshape(-1)
+        row = first[pick]
+        values[pick] = signs[row, pick] * rest[flat_cells[row, pick]]
+        open_[pick] = False
+        # Take the peeled coordinates out of every row's cells.
+        cells = flat_cells[:, pick].reshape(-1)
+        rest.index_add_(0, cells, -(signs[:, pick] * values[pick].reshape(1, -1)).reshape(-1))
+        counts.index_add_(0, cells, torch.full((cells.numel(),), -1, dtype=torch.int64, device=index.device))
+    left = open_.nonzero().reshape(-1)
+    if left.numel():
+        estimates = signs[:, left] * rest[flat_cells[:, left]]
+        values[left] = estimates.median(0).values if rows % 2 else estimates.quantile(0.5, dim=0)
+    return values
+
+
+@register
+class CountSketch(Compressor):
+    """Threshold sparsification sent as a shared support bitmap and a count sketch of the values.
+
+    Source: Polyakov et al., "TAGC: Optimizing Gradient Communication in Distributed Transformer
+    Training" (EuroMLSys 2025, arXiv 2504.05638), after lossless homomorphic compression.
+
+    Each rank keeps the ``k = clamp(round(ratio * numel), 1, numel)`` largest-magnitude nonzero
+    entries of its (error-compensated) flat tensor: every entry at least the ``k``-th largest
+    magnitude, so ties can keep a few more. It sends (1) the bitmap of the kept coordinates,
+    packed one bit per element, combined across ranks by a bitwise OR, and (2) a count sketch
+    (``rows x cols`` fp32, ``cols = ceil(width * k)``) of the kept values divided by world_size,
+    summed across ranks; hashes and signs come from a generator seeded from ``(seed, step, key)``.
+    Every rank decodes the OR-ed support from the summed sketch by peeling, then median
+    estimates (:func:`unsketch`), and gets bit-identical results.
+
+    Exact recovery: where the support's hash graph peels completely (with 3 rows, about when
+    ``rows * cols > 1.23 * |support|``; the support is the union over ranks, up to
+    ``world_size * k``) the decode is the mean of the sparsified tensors up to float rounding.
+    Otherwise the coordinates left get median estimates, which are biased by collisions.
+    Aggregatable (the sketch is linear and the bitmap an OR); biased (thresholding), with error
+    feedback of what thresholding drops; collision errors after aggregation are not fed back.
+
+    What differs from TAGC: its code sums packed uint8 bitmaps, which carries into neighbouring
+    bits; here the bitmaps are OR-ed (``ReduceOp.BOR`` on gloo; MAX on one byte per element on
+    backends without BOR). The kept set is the top ``k`` by magnitude (TAGC thresholds by a
+    value; a fraction is the library's ``ratio`` convention). TAGC's per-module choice under
+    FSDP is not implemented.
+
+    Args:
+        ratio: fraction of entries each rank keeps, in (0, 1].
+        rows: hash rows of the sketch, an integer in [1, 15] (odd counts give a true median).
+        width: sketch columns per kept entry, a number > 0.
+        seed: seed of the hashes (the same on every rank), an integer >= 0.
+        start_step: steps of plain all_reduce before compression starts (>= 0).
+
+    Payload per flat tensor of ``numel`` elements: ``ceil(numel / 8) + rows * cols * 4`` bytes
+    (bitmap and fp32 sketch); on backends without BOR the bitmap is ``numel`` bytes.
+
+    Raises:
+        ValueError: naming the parameter, for ``ratio`` outside (0, 1], ``rows`` outside
+            [1, 15], ``width <= 0``, ``seed < 0`` or ``start_step < 0``.
+    """
+
+    name = "countsketch"
+    aggregatable = True
+    unbiased = False
+    needs_shared_seed = True
+    error_feedback = True
+    multi_round = True  # brings its own reducer: the bitmap is OR-ed, the sketch summed
+
+    def __init__(
+        self, *, ratio: float = 0.01, rows: int = 3, width: float = 2.0, seed: int = 0, start_step: int = 0
+    ) -> None:
+        super().__init__(ratio=ratio, rows=rows, width=width, seed=seed, start_step=start_step)
+        self.ratio = check_ratio(ratio)
+        self.rows = check_int(rows, name="rows", low=1, high=15)
+        if isinstance(width, bool) or not isinstance(width, (int, float)) or not math.isfinite(width) or width <= 0:
+            raise ValueError(f"width must be a number > 0; got {width!r}")
+        self.width = float(width)
+        self.seed = check_int(seed, name="seed", low=0)
+        self.start_step = check_int(start_step, name="start_step", low=0)
+
+    def cols(self, numel: int) -> int:
+        """Sketch columns for a tensor of ``numel`` elements: ``ceil(width * k)``."""
+        return max(1, math.ceil(self.width * kept_count(numel, self.ratio)))
+
+    def payload_nbytes(self, numel: int, dtype: torch.dtype = torch.float32, *, packed: bool = True) -> int:
+        """``ceil(numel / 8) + rows * cols * 4`` (``numel + ...`` with an unpacked bitmap); 0 for
+        an empty tensor."""
+        if numel == 0:
+            return 0
+        bitmap = wire.packed_nbytes(numel, 1) if packed else numel
+        return bitmap + self.rows * self.cols(numel) * 4
+
+    def hashes(self, numel: int, *, step: int, key: Hashable) -> Hashes:
+        """The hashes of a tensor of ``numel`` elements at ``step``."""
+        return Hashes.draw(self.seed, step, key, self.rows, self.cols(numel))
+
+    def keep(self, x: Tensor) -> Tensor:
+        """The kept mask of flat ``x``: nonzero entries at least the ``k``-th largest magnitude."""
+        magnitude = x.abs()
+        k = kept_count(x.numel(), self.ratio)
+        threshold = torch.topk(magnitude.float(), k, sorted=False).values.min()
+        return (magnitude >= threshold) & (magnitude > 0)
+
+    def encode(self, x: Tensor, *, step: int, key: Hashable, scale: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+        """``(mask, bitmap, table)`` of flat ``x``: the kept mask, its packed bitmap (uint8) and
+        the sketch (``rows x cols`` fp32) of the kept values times ``scale``."""
+        flat = x.reshape(-1)
+        mask = self.keep(flat)
+        index = mask.nonzero().reshape(-1)
+        table = sketch(flat[index].float() * scale, index, self.hashes(flat.numel(), step=step, key=key))
+        return mask, wire.pack_bits(mask, 1), table
+
+    def decode(self, support: Tensor, table: Tensor, *, step: int, key: Hashable, like: Tensor) -> Tensor:
+        """The vector with support ``support`` (a bool mask, ``like``'s numel) whose sketch is
+        ``table``, in ``like``'s shape and dtype (saturated at its range)."""
+        index = support.reshape(-1).nonzero().reshape(-1)
+        values = unsketch(table, index, self.hashes(like.numel(), step=step, key=key))
+        out = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
+        limit = torch.finfo(like.dtype).max
+        out[index] = values.clamp(-limit, limit).to(like.dtype)
+        return out.view(like.shape)
+
+    def compress(self, x: Tensor, *, step: int = 0, key: Hashable = 0) -> Payload:
+        """One rank's payload ``(bitmap, sketch)``; ``ctx`` keeps ``(step, key)`` for the hashes."""
+        _, bitmap, table = self.encode(x, step=step, key=key)
+        return Payload((bitmap, table.reshape(-1)), ctx=(step, key))
+
+    def decompress(self, payload: Payload, *, like: Tensor) -> Tensor:
+        """Decode one payload (or the OR of bitmaps with the sum of sketches) into ``like``'s
+        shape and dtype."""
+        step, key = payload.ctx
+        bitmap, table = payload.tensors
+        support = wire.unpack_bits(bitmap, 1, like.numel()).bool()
+        return self.decode(support, table.view(self.rows, -1), step=step, key=key, like=like)

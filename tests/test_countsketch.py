@@ -1,0 +1,113 @@
+"""The count sketch with a shared bitmap (TAGC-style): parameters, exact decoding of sparse
+vectors, the aggregatable property, the reducer on 2-4 gloo ranks against a single-process
+reference, bytes, exact resume, non-finite input and the DDP hook."""
+
+import math
+
+import pytest
+import torch
+from aggregatable_runs import bucket_grad, check_nonfinite, ddp_steps, reduce_steps
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradzip.compressors import Payload, build
+from gradzip.compressors.countsketch import CountSketch, Hashes, sketch, unsketch
+from gradzip.testing import run_ranks
+
+SHAPES = [(12, 10), (10,), (6, 8), (3, 2)]
+SPEC = "countsketch:ratio=0.1,width=3"
+STEPS, RESUME_AT = 4, 2
+
+
+@pytest.mark.parametrize(
+    "params",
+    [{"ratio": 0}, {"ratio": 1.5}, {"rows": 0}, {"rows": 16}, {"width": 0}, {"width": -1.0}, {"seed": -1}, {"start_step": -1}],
+)
+def test_bad_parameters_raise_value_error_naming_them(params):
+    with pytest.raises(ValueError, match=next(iter(params))):
+        CountSketch(**params)
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(numel=st.integers(1, 3000), sparsity=st.integers(1, 60), seed=st.integers(0, 10**6), rows=st.sampled_from([3, 5]))
+def test_sparse_vector_decodes_exactly_from_a_large_enough_sketch(numel, sparsity, seed, rows):
+    """``rows * cols`` at 4 cells per row per nonzero, far past the peeling threshold (about 1.23
+    cells per nonzero for 3 rows): peeling resolves every coordinate, and the values come back
+    up to fp32 rounding of the sketch."""
+    gen = torch.Generator().manual_seed(seed)
+    s = min(sparsity, numel)
+    index = torch.randperm(numel, generator=gen)[:s].sort().values
+    values = torch.randn(s, generator=gen) + torch.sign(torch.randn(s, generator=gen)) * 0.5
+    hashes = Hashes.draw(seed, 0, "k", rows, 4 * s)
+    got = unsketch(sketch(values, index, hashes), index, hashes)
+    torch.testing.assert_close(got.float(), values, rtol=1e-5, atol=1e-6)
+
+
+def test_too_small_a_sketch_does_not_decode_exactly():
+    # Two coordinates in one cell of one row: peeling cannot start; the estimates are the cell.
+    index, values = torch.tensor([3, 7]), torch.tensor([1.0, 2.0])
+    hashes = Hashes.draw(0, 0, "k", 1, 1)
+    got = unsketch(sketch(values, index, hashes), index, hashes)
+    assert not torch.allclose(got.float(), values)
+
+
+def _sparsified(x: torch.Tensor, ratio: float) -> torch.Tensor:
+    """Independent selection: entries at least the k-th largest magnitude, by sorting."""
+    k = min(max(round(ratio * x.numel()), 1), x.numel())
+    threshold = x.abs().sort(descending=True).values[k - 1]
+    return torch.where((x.abs() >= threshold) & (x != 0), x, torch.zeros_like(x))
+
+
+def test_sum_of_payloads_decodes_to_sum_of_sparsified_inputs_and_bytes_match():
+    codec = build("countsketch:ratio=0.05,width=3")
+    xs = [torch.randn(1000, generator=torch.Generator().manual_seed(r)) for r in range(3)]
+    payloads = [codec.compress(x, step=5, key="b") for x in xs]
+    for p in payloads:
+        assert p.nbytes == codec.payload_nbytes(1000) == 125 + 3 * 150 * 4
+    bitmap = payloads[0].tensors[0] | payloads[1].tensors[0] | payloads[2].tensors[0]
+    table = sum(p.tensors[1] for p in payloads)
+    got = codec.decompress(Payload((bitmap, table), payloads[0].ctx), like=xs[0])
+    torch.testing.assert_close(got, sum(_sparsified(x, 0.05) for x in xs), rtol=1e-5, atol=1e-5)
+
+
+def reference(world_size, codec, shapes, steps):
+    """Every rank's output per step from the definition: the mean of the sparsified
+    error-compensated buckets (the sketch is large enough to peel completely)."""
+    numel = sum(math.prod(s) for s in shapes)
+    errors = [torch.zeros(numel) for _ in range(world_size)]
+    outs = []
+    for step in range(steps):
+        total = torch.zeros(numel)
+        for rank in range(world_size):
+            c = bucket_grad(rank, step, numel) + errors[rank]
+            kept = _sparsified(c, codec.ratio)
+            errors[rank] = c - kept
+            total += kept / world_size
+        outs.append(total)
+    return outs
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_ranks_bit_identical_equal_reference_bytes_and_resume(world_size):
+    results = run_ranks(reduce_steps, world_size, SPEC, SHAPES, STEPS, RESUME_AT)
+    codec = build(SPEC)
+    numel = sum(math.prod(s) for s in SHAPES)
+    expected = reference(world_size, codec, SHAPES, STEPS)
+    assert codec.payload_nbytes(numel) < numel * 4
+    for res in results:
+        assert res["bytes"] == [codec.payload_nbytes(numel)] * STEPS  # gloo: packed bitmap
+        for step in range(STEPS):
+            assert torch.equal(res["outs"][step], results[0]["outs"][step]), step
+            torch.testing.assert_close(res["outs"][step], expected[step], rtol=1e-5, atol=1e-5)
+        for got, want in zip(res["resumed"], res["outs"][RESUME_AT:]):
+            assert torch.equal(got, want), "a resumed run differs"
+
+
+def test_nonfinite_input_marks_every_rank_and_leaves_no_state():
+    check_nonfinite("countsketch:ratio=0.2,width=3")
+
+
+def test_ddp_hook_two_ranks_bit_identical():
+    params = run_ranks(ddp_steps, 2, "countsketch:ratio=0.1,width=3")
+    assert torch.isfinite(params[0]).all()
+    assert torch.equal(params[0], params[1])
