@@ -147,3 +147,23 @@ def test_fragments_and_delay_exchange_every_tensor_once_per_cycle(cfg):
     # due within the run), and nothing else moves the global parameters
     expected = {c * H + o + D: fragments[p] for c in range(cycles) for p, o in enumerate(offsets) if c * H + o + D <= cycles * H}
     assert {s: sorted(v) for s, v in changed.items() if v} == expected
+
+
+def every_codec(rank, world_size):
+    out = {}
+    for spec in gradzip.list_compressors():
+        model, opt = train_diloco(rank, 6, {"compressor": spec, "sync_every": 2, "fragments": 2, "delay": 1})
+        opt.synchronize()
+        out[spec] = (flat(opt.global_params), opt.skipped, opt.metrics.pop()["payload_bytes"])
+    return out
+
+
+def test_every_codec_runs_on_the_outer_exchange():
+    start = flat(tiny_model().parameters())
+    results = run_ranks(every_codec, 2)
+    assert set(results[0]) == set(gradzip.list_compressors())
+    for spec, (global_params, skipped, payload) in results[0].items():
+        assert torch.isfinite(global_params).all(), spec
+        assert skipped == 0 and payload > 0, spec
+        assert not torch.equal(global_params, start), spec
+        assert torch.equal(global_params, results[1][spec][0]), spec  # replicas agree bit for bit
