@@ -83,12 +83,19 @@ def tiny_model_flat():
 
 
 def hierarchical(rank, world_size, cfg, steps):
-    """2 replicas of 2 ranks: DDP inside each replica, DiLoCo between them."""
+    """2 replicas of 2 ranks: DDP inside each replica, DiLoCo between them; each rank
+    exchanging everything, then the replica's ranks sharing the exchange out."""
     replica_group, outer_group = gradzip.replica_groups(world_size, 2)
-    ddp = DDP(tiny_model(), process_group=replica_group)
-    model, opt = train_diloco(rank, steps, {"compressor": "none", **cfg}, group=outer_group, model=ddp)
-    opt.synchronize()
-    out = {"params": flat(model.module.parameters()), "global": flat(opt.global_params)}
+    out = {}
+    for shared in (False, True):
+        ddp = DDP(tiny_model(), process_group=replica_group)
+        extra = {"replica_group": replica_group} if shared else {}
+        model, opt = train_diloco(rank, steps, {"compressor": "none", **cfg, **extra}, group=outer_group, model=ddp)
+        opt.synchronize()
+        out[shared] = {
+            "params": flat(model.module.parameters()), "global": flat(opt.global_params),
+            "payload_bytes": opt.metrics.pop()["payload_bytes"],
+        }
     if rank == 0:
         out["reference"] = reference(2, steps, cfg, ranks_per_replica=2)
     return out
@@ -98,12 +105,17 @@ def test_two_replicas_of_two_ranks_equal_the_reference():
     cfg = CONFIGS["streaming"]
     results = run_ranks(hierarchical, 4, cfg, STEPS)
     ref_params, ref_global = results[0]["reference"]
-    for rank, r in enumerate(results):
-        # DDP inside a replica averages 2 gradients and the outer exchange 2 pseudo-gradients:
-        # both are one rounding whatever the order, so the reference is matched bit for bit
-        assert torch.equal(r["global"], ref_global)
-        assert torch.equal(r["params"], ref_params[rank // 2])
-        assert torch.equal(r["params"], results[rank - rank % 2]["params"])  # a replica stays one
+    for shared in (False, True):
+        for rank, r in enumerate(results):
+            # DDP inside a replica averages 2 gradients and the outer exchange 2
+            # pseudo-gradients: each is one rounding whatever the order, so bit for bit
+            assert torch.equal(r[shared]["global"], ref_global), shared
+            assert torch.equal(r[shared]["params"], ref_params[rank // 2]), shared
+    # sharing the exchange out within a replica halves the bytes sent between replicas, and
+    # both ranks of a replica take part
+    total = {shared: sum(r[shared]["payload_bytes"] for r in results) for shared in (False, True)}
+    assert total[True] * 2 == total[False]
+    assert all(r[True]["payload_bytes"] > 0 for r in results)
 
 
 def count_exchanges(rank, world_size, cfg, cycles):

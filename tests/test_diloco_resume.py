@@ -66,3 +66,40 @@ def test_loading_a_checkpoint_of_other_settings_raises():
     other = _build({"sync_every": 5})[1]
     with pytest.raises(ValueError, match="settings"):
         other.load_state_dict(opt.state_dict())
+
+
+def resume_shared_replicas(rank, world_size, save_points):
+    """2 replicas of 2 ranks sharing the exchange out, saved while an exchange is in flight."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    replica_group, outer_group = gradzip.replica_groups(world_size, 2)
+    cfg = {**CONFIGS["streaming_topk"], "group": outer_group, "replica_group": replica_group}
+
+    def build():
+        ddp = DDP(tiny_model(), process_group=replica_group)
+        return ddp, gradzip.DiLoCo(ddp, inner_optimizer(ddp.parameters(), "adamw"), **cfg)
+
+    model, opt = build()
+    _steps(model, opt, rank, 1, STEPS)
+    opt.synchronize()
+    uninterrupted = flat(model.parameters())
+    resumed = {}
+    for save_at in save_points:
+        model, opt = build()
+        _steps(model, opt, rank, 1, save_at)
+        in_flight = len(opt.pending)
+        state = {"model": model.state_dict(), "diloco": opt.state_dict()}
+        model, opt = build()
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["diloco"])
+        _steps(model, opt, rank, save_at + 1, STEPS)
+        opt.synchronize()
+        resumed[save_at] = (in_flight, flat(model.parameters()))
+    return uninterrupted, resumed
+
+
+def test_resume_with_replicas_sharing_the_exchange_is_bit_exact():
+    for uninterrupted, resumed in run_ranks(resume_shared_replicas, 4, [2, 6]):
+        for save_at, (in_flight, params) in resumed.items():
+            assert in_flight == 1, save_at
+            assert torch.equal(params, uninterrupted), save_at

@@ -36,7 +36,7 @@ from gradzip.comm import Reducer, make_reducer
 from gradzip.comm.queue import CollectiveQueue, completed
 from gradzip.compressors import Compressor, build
 from gradzip.metrics import StepMetrics
-from gradzip.outer.exchange import Exchange, launch, make_buckets, unflatten
+from gradzip.outer.exchange import Exchange, launch, make_buckets, share_in_replica, unflatten
 from gradzip.outer.nesterov import OuterNesterov
 from gradzip.outer.schedule import Schedule, strided_fragments
 
@@ -93,6 +93,12 @@ class DiLoCo:
         group: process group of the outer exchange, between replicas (None: the default
             group); see :func:`gradzip.outer.groups.replica_groups`. Its timeout bounds how long
             an exchange with a replica that stopped waits before :meth:`step` raises.
+        replica_group: the ranks of this replica (None: a replica is one rank). Given, the
+            replica's ranks share the exchange out: each bucket is exchanged by one of them
+            (bucket ``b`` of a fragment by the replica's rank ``b % replica_size``; fragments
+            are cut into at least that many buckets where the tensors allow) and broadcast to
+            the others when its update is applied, so the bytes between replicas are one
+            rank's, not ``replica_size`` copies.
         metrics: where the exchange's bytes and times go.
 
     Raises:
@@ -130,6 +136,7 @@ class DiLoCo:
         min_compress_bytes: int = 0,
         bucket_cap_mb: float = 25.0,
         group: dist.ProcessGroup | None = None,
+        replica_group: dist.ProcessGroup | None = None,
         metrics: StepMetrics | None = None,
     ) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -162,7 +169,14 @@ class DiLoCo:
         self.outer = OuterNesterov(self.global_params, lr=self.outer_lr, momentum=0.0 if sparseloco else momentum)
         self.fragments = strided_fragments(len(self.params), fragments)
         cap_bytes = int(cap_mb * 2**20)
-        self.buckets = [make_buckets(p, idx, self.params, cap_bytes) for p, idx in enumerate(self.fragments)]
+        self.replica_group = replica_group
+        share = 1 if replica_group is None else dist.get_world_size(replica_group)
+        position = 0 if replica_group is None else dist.get_rank(replica_group)
+        self.buckets = [
+            make_buckets(p, idx, self.params, cap_bytes, share=share) for p, idx in enumerate(self.fragments)
+        ]
+        self._share = share
+        self._mine = [[b % share == position for b in range(len(bs))] for bs in self.buckets]
         self.inner_steps = 0  # inner steps taken
         self.exchanges = 0  # fragment exchanges launched: the reducer's step number
         self.skipped = 0  # outer updates skipped for a non-finite pseudo-gradient
@@ -198,10 +212,14 @@ class DiLoCo:
 
     @torch.no_grad()
     def _launch(self, fragment: int) -> Exchange:
-        pseudo = {i: self.global_params[i] - self.params[i] for i in self.fragments[fragment]}
+        pseudo = {
+            i: self.global_params[i] - self.params[i]
+            for bucket, mine in zip(self.buckets[fragment], self._mine[fragment]) if mine
+            for i in bucket.indices
+        }
         exchange = launch(
             self.reducer, self.buckets[fragment], pseudo, fragment=fragment,
-            due=self.inner_steps + self.schedule.delay, step=self.exchanges,
+            due=self.inner_steps + self.schedule.delay, step=self.exchanges, mine=self._mine[fragment],
         )
         self.exchanges += 1
         return exchange
@@ -209,7 +227,11 @@ class DiLoCo:
     @torch.no_grad()
     def _apply(self, exchange: Exchange) -> None:
         indices = self.fragments[exchange.fragment]
-        means = unflatten(self.buckets[exchange.fragment], exchange.result(), self.params)
+        buckets = self.buckets[exchange.fragment]
+        results = exchange.result()
+        if self.replica_group is not None:
+            results = share_in_replica(buckets, results, self.params, self.replica_group, lambda b: b % self._share)
+        means = unflatten(buckets, results, self.params)
         if means is None:
             self.skipped += 1
             for i in indices:
@@ -245,7 +267,10 @@ class DiLoCo:
             "global": [g.clone() for g in self.global_params],
             "outer": self.outer.state_dict(),
             "pending": [
-                {"fragment": e.fragment, "due": e.due, "step": e.step, "results": [f.wait().clone() for f in e.futures]}
+                {
+                    "fragment": e.fragment, "due": e.due, "step": e.step,
+                    "results": [None if f is None else f.wait().clone() for f in e.futures],
+                }
                 for e in self.pending
             ],
             "reducer": self.reducer.state_dict(),
@@ -268,7 +293,10 @@ class DiLoCo:
                 g.copy_(saved)
         self.outer.load_state_dict(state["outer"])
         self.pending = [
-            Exchange(e["fragment"], e["due"], e["step"], [completed(t.to(self.params[0].device)) for t in e["results"]])
+            Exchange(
+                e["fragment"], e["due"], e["step"],
+                [None if t is None else completed(t.to(self.params[0].device)) for t in e["results"]],
+            )
             for e in state["pending"]
         ]
         self.reducer.load_state_dict(state["reducer"])
@@ -278,6 +306,6 @@ class DiLoCo:
         s = self.schedule
         return {
             "compressor": self.spec, "method": self.method, "sync_every": s.sync_every,
-            "fragments": s.fragments, "delay": s.delay, "n_tensors": s.n_tensors,
+            "fragments": s.fragments, "delay": s.delay, "n_tensors": s.n_tensors, "replica_size": self._share,
         }
 

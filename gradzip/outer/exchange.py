@@ -7,6 +7,12 @@ error-feedback residuals and warm starts carry from one outer step to the next. 
 one exchange shares one reducer step number: a non-finite pseudo-gradient on any rank turns the
 whole fragment's result into NaN on every rank (:mod:`gradzip.comm.guard`) and the reducer puts
 back what that step changed.
+
+A replica of several ranks holds identical pseudo-gradients on each of them, so it shares the
+exchange out instead of repeating it: bucket ``b`` of a fragment is exchanged (over the outer
+group) only by the replica's rank ``b % replica_size``, which then broadcasts the mean to the
+other ranks of its replica (over the replica group). The bytes between replicas are those of
+one rank, spread over the replica's ranks.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
@@ -31,9 +38,16 @@ class Bucket:
     indices: tuple[int, ...]
 
 
-def make_buckets(fragment: int, indices: Sequence[int], params: Sequence[Tensor], cap_bytes: int) -> list[Bucket]:
+def make_buckets(
+    fragment: int, indices: Sequence[int], params: Sequence[Tensor], cap_bytes: int, *, share: int = 1
+) -> list[Bucket]:
     """Split a fragment's tensors into buckets of one dtype and at most ``cap_bytes`` (a tensor
-    larger than the cap travels alone; ``cap_bytes`` 0 sends every tensor alone)."""
+    larger than the cap travels alone; ``cap_bytes`` 0 sends every tensor alone). With
+    ``share`` > 1 (ranks per replica) the cap is lowered to ``ceil(fragment bytes / share)``
+    so that each rank of the replica gets a bucket where the tensors allow."""
+    if share > 1 and cap_bytes > 0:
+        total = sum(params[i].numel() * params[i].element_size() for i in indices)
+        cap_bytes = min(cap_bytes, -(-total // share))
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i in indices:
         by_dtype.setdefault(params[i].dtype, []).append(i)
@@ -56,23 +70,25 @@ def make_buckets(fragment: int, indices: Sequence[int], params: Sequence[Tensor]
 class Exchange:
     """One fragment's exchange in flight (or resolved), and when to apply it.
 
-    ``futures`` yield the mean flat bucket each; :meth:`result` waits for them.
+    ``futures`` yield the mean flat bucket each (None for a bucket another rank of the replica
+    exchanges); :meth:`result` waits for them.
     """
 
     fragment: int
     due: int  # the inner step after which its outer update is applied
     step: int  # the reducer's step number
-    futures: list[Future] = field(default_factory=list)
+    futures: list[Future | None] = field(default_factory=list)
 
-    def result(self) -> list[Tensor]:
-        """The mean of every bucket (flat), waiting for the collectives.
+    def result(self) -> list[Tensor | None]:
+        """The mean of every bucket this rank exchanges (flat; None for the others), waiting
+        for the collectives.
 
         Raises:
             RuntimeError: if a collective failed (a replica gone, a timeout), naming the
                 fragment and the reducer step.
         """
         try:
-            return [f.wait() for f in self.futures]
+            return [None if f is None else f.wait() for f in self.futures]
         except Exception as exc:
             raise RuntimeError(
                 f"outer exchange of fragment {self.fragment} (reducer step {self.step}) failed: {exc}. "
@@ -81,21 +97,47 @@ class Exchange:
 
     def resolve(self) -> None:
         """Wait now and keep the results as completed futures (for a checkpoint)."""
-        self.futures = [completed(t) for t in self.result()]
+        self.futures = [None if t is None else completed(t) for t in self.result()]
 
 
 def launch(
-    reducer: Reducer, buckets: Sequence[Bucket], pseudo: Mapping[int, Tensor], *, fragment: int, due: int, step: int
+    reducer: Reducer,
+    buckets: Sequence[Bucket],
+    pseudo: Mapping[int, Tensor],
+    *,
+    fragment: int,
+    due: int,
+    step: int,
+    mine: Sequence[bool],
 ) -> Exchange:
     """Start averaging a fragment's pseudo-gradients (``pseudo[i]`` for every index in the
-    buckets); returns at once. The flat tensors are this module's own, so the caller may go on
-    changing the parameters while the collectives run."""
-    futures = []
+    buckets this rank exchanges, ``mine[b]``); returns at once. The flat tensors are this
+    module's own, so the caller may go on changing the parameters while the collectives run."""
+    futures: list[Future | None] = []
+    last = max((b for b in range(len(buckets)) if mine[b]), default=-1)
     for b, bucket in enumerate(buckets):
+        if not mine[b]:
+            futures.append(None)
+            continue
         flat = torch.cat([pseudo[i].reshape(-1) for i in bucket.indices])
         shapes = [pseudo[i].shape for i in bucket.indices]
-        futures.append(reducer.reduce(bucket.key, flat, step=step, shapes=shapes, flush=b == len(buckets) - 1))
+        futures.append(reducer.reduce(bucket.key, flat, step=step, shapes=shapes, flush=b == last))
     return Exchange(fragment, due, step, futures)
+
+
+def share_in_replica(
+    buckets: Sequence[Bucket], results: Sequence[Tensor | None], like: Sequence[Tensor], group, owner_of
+) -> list[Tensor]:
+    """Every bucket's mean on every rank of the replica: each broadcast from the rank that
+    exchanged it (``owner_of(b)``, a rank of ``group``), in bucket order on every rank."""
+    out = []
+    for b, (bucket, result) in enumerate(zip(buckets, results)):
+        if result is None:
+            numel = sum(like[i].numel() for i in bucket.indices)
+            result = torch.empty(numel, dtype=like[bucket.indices[0]].dtype, device=like[bucket.indices[0]].device)
+        dist.broadcast(result, group=group, group_src=owner_of(b))
+        out.append(result)
+    return out
 
 
 def unflatten(buckets: Sequence[Bucket], results: Sequence[Tensor], like: Sequence[Tensor]) -> dict[int, Tensor] | None:
