@@ -10,11 +10,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gradzip
 from gradzip.testing import run_ranks
 
-STEPS = 9  # ends mid-cycle for every configuration below
+STEPS = 9  # ends mid-cycle for "streaming", with an exchange in flight
 CONFIGS = {
     "diloco": {"sync_every": 3},
     "streaming": {"sync_every": 4, "fragments": 2, "delay": 1, "mix": 0.5},
-    "streaming_replace": {"sync_every": 6, "fragments": 3, "delay": 2, "outer_momentum": 0.5, "outer_lr": 0.9},
+    "streaming_replace": {"sync_every": 6, "fragments": 3, "delay": 1, "outer_momentum": 0.5, "outer_lr": 0.9},
 }
 
 
@@ -141,7 +141,7 @@ def count_exchanges(rank, world_size, cfg, cycles):
     return sent, changed, opt.fragments
 
 
-@pytest.mark.parametrize("cfg", [{"sync_every": 6, "fragments": 3, "delay": 2}, {"sync_every": 5, "fragments": 2, "delay": 4}])
+@pytest.mark.parametrize("cfg", [{"sync_every": 6, "fragments": 3, "delay": 1}, {"sync_every": 9, "fragments": 2, "delay": 3}])
 def test_fragments_and_delay_exchange_every_tensor_once_per_cycle(cfg):
     H, F, D = cfg["sync_every"], cfg["fragments"], cfg["delay"]
     cycles = 3

@@ -77,7 +77,8 @@ class DiLoCo:
         fragments: ``F``, parameter fragments synchronised on a staggered schedule, in
             ``[1, min(parameter tensors, sync_every)]`` (1: all at once, DiLoCo).
         delay: ``D``, inner steps between launching a fragment's exchange and applying its
-            outer update, in ``[0, sync_every - 1]`` (0: synchronous).
+            outer update, in ``[0, sync_every // fragments - 1]`` (0: synchronous): one
+            exchange is in flight at a time.
         mix: ``alpha`` in [0, 1], the weight of the replica's own parameters when an outer
             update lands (``theta_local = alpha * theta_local + (1 - alpha) * theta_global``);
             0 replaces them by the global parameters, as DiLoCo does.
