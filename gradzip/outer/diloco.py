@@ -105,18 +105,24 @@ class DiLoCo:
     Raises:
         ValueError: naming the option and its allowed range, for any setting out of range.
 
-    Payload per outer step of a fragment: the codec's payload for each of its buckets (dense:
-    4 bytes per fp32 element); a full cycle of ``H`` inner steps sends every parameter once.
+    Payload per outer step of a fragment: the codec's payload for each of its buckets (the
+    identity codec: 4 bytes per fp32 element); a full cycle of ``H`` inner steps sends every
+    parameter exactly once. Biased or not, aggregatable or not: as the codec. Memory: one copy
+    of the trained parameters (the global parameters, in the parameters' dtype and device) and
+    one momentum buffer per tensor.
 
     A pseudo-gradient that is not finite on any rank is skipped on every rank: the global
     parameters and outer state stay, the fragment's local parameters go back to the global
     ones, the reducer's residuals are put back, and :attr:`skipped` counts it. The inner
     optimizer's own state is left as it is.
 
-    What differs from the papers: fragments are strided over parameter tensors rather than
-    transformer blocks; with ``delay >= 1`` the staleness is counted in inner steps after the
-    exchange is launched, and the pseudo-gradient is taken at launch, as in the paper's
-    Algorithm 2 and torchft.
+    What differs from the papers: fragments are strided over parameter tensors, not over
+    transformer blocks; ``mix`` defaults to 0 (replace, as DiLoCo and torchft's default do), while
+    Streaming DiLoCo mixes the late update with the local parameters (set ``mix``, its
+    ``alpha``); ``delay`` is below ``sync_every // fragments`` (as torchft requires) so at most
+    one exchange is in flight; any gradzip codec takes the place of the papers' FP4 / int8 /
+    chunked Top-K with 2-bit values. The codec compresses on the calling thread when the
+    exchange is launched; what overlaps the following inner steps is the collectives.
     """
 
     def __init__(
@@ -183,10 +189,6 @@ class DiLoCo:
         self.skipped = 0  # outer updates skipped for a non-finite pseudo-gradient
         self.pending: list[Exchange] = []
 
-    @property
-    def sync_every(self) -> int:
-        return self.schedule.sync_every
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The inner optimizer's ``zero_grad``."""
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
@@ -247,7 +249,8 @@ class DiLoCo:
 
     def synchronize(self) -> None:
         """Wait for every exchange in flight and apply it now (before evaluating or at the end
-        of training, so that the model holds every update that was sent)."""
+        of training, so that the model holds every update that was sent). Training may go on
+        afterwards; those updates have then landed earlier than ``delay`` said."""
         while self.pending:
             self._apply(self.pending.pop(0))
 
