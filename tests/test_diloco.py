@@ -164,7 +164,7 @@ def test_fragments_and_delay_exchange_every_tensor_once_per_cycle(cfg):
 def every_codec(rank, world_size):
     out = {}
     for spec in gradzip.list_compressors():
-        model, opt = train_diloco(rank, 6, {"compressor": spec, "sync_every": 2, "fragments": 2, "delay": 1})
+        model, opt = train_diloco(rank, 8, {"compressor": spec, "sync_every": 4, "fragments": 2, "delay": 1})
         opt.synchronize()
         out[spec] = (flat(opt.global_params), opt.skipped, opt.metrics.pop()["payload_bytes"])
     return out
