@@ -18,9 +18,9 @@ import torch
 from torch import Tensor
 
 from gradzip.compressors.base import kept_count
-from gradzip.train.config import TrainConfig
-from gradzip.train.data import Corpus, batch_generator, sample_batch
-from gradzip.train.model import build_model
+from gradzip.lab.train.config import TrainConfig
+from gradzip.lab.train.data import Corpus, batch_generator, sample_batch
+from gradzip.lab.train.model import build_model
 
 
 def kept_energy(v: Tensor, ratio: float) -> Tensor:

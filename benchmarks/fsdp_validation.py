@@ -15,8 +15,8 @@ import argparse
 import json
 from pathlib import Path
 
-from gradzip.train.config import TrainConfig
-from gradzip.train.launch import launch
+from gradzip.lab.train.config import TrainConfig
+from gradzip.lab.train.launch import launch
 
 DEFAULT_SPECS = ["none", "uniform:bits=8", "powersgd:approx_rank=4", "topk:ratio=0.01"]
 

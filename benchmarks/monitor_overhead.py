@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 
 from gradzip.comm import make_reducer
+from gradzip.lab.train.config import TrainConfig
+from gradzip.lab.train.data import Corpus, batch_generator, sample_batch
+from gradzip.lab.train.model import build_model
 from gradzip.metrics import StepMetrics
 from gradzip.testing import free_port
-from gradzip.train.config import TrainConfig
-from gradzip.train.data import Corpus, batch_generator, sample_batch
-from gradzip.train.model import build_model
 
 CODECS = ["none", "fp16", "powersgd:approx_rank=4", "topk:ratio=0.01"]
 

@@ -22,9 +22,9 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_p
 
 from gradzip.comm.powersgd import PowerSGDReducer
 from gradzip.compressors import build
+from gradzip.lab.train.config import TrainConfig
+from gradzip.lab.train.model import build_model
 from gradzip.testing import free_port
-from gradzip.train.config import TrainConfig
-from gradzip.train.model import build_model
 
 
 class Bucket:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The projection in the README's "Projection to large clusters": Llama-7B on 1024 GPUs, then the
+# The projection of benchmarks/results/simulate/README.md: Llama-7B on 1024 GPUs, then the
 # same methods on the other cluster presets and with faster codecs. Model only: runs in seconds.
 set -euo pipefail
 cd "$(dirname "$0")/.."

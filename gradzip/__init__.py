@@ -9,8 +9,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CompressionState",
-    "DiLoCo",
     "Compressor",
+    "DiLoCo",
     "ErrorFeedback",
     "Payload",
     "build",

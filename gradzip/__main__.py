@@ -1,3 +1,3 @@
-from gradzip.cli import main
+from gradzip.lab.cli import main
 
 raise SystemExit(main())

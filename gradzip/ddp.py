@@ -19,19 +19,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradzip.choice import Choice, parse_compressor
 from gradzip.comm import Reducer, make_reducer
 from gradzip.comm.queue import CollectiveQueue
-from gradzip.compressors import Compressor, build
+from gradzip.comm.warmup import WarmupReducer
+from gradzip.compressors import Compressor
 from gradzip.metrics import StepMetrics, relative_difference
-
-AUTO = "auto"
 
 
 class CompressionState:
     """State of :func:`compression_hook`: the codec, its reducer, the step and the metrics.
 
     Args:
-        compressor: a spec such as ``"powersgd:approx_rank=4"``, a built codec, or ``"auto"``.
+        compressor: a spec such as ``"powersgd:approx_rank=4"`` (DGC's ``warmup_steps``,
+            ``warmup_stages`` and ``clip_norm`` accepted after a codec with a ``ratio``), a built
+            codec, ``"auto"``, or a value from :func:`gradzip.choice.parse_compressor`.
         process_group: None for the default group.
         error_feedback: override the codec's default.
         collective: ``auto`` (by bytes), ``allreduce``, ``allgather`` or ``twophase``
@@ -44,7 +46,7 @@ class CompressionState:
 
     Raises:
         ValueError: for a bad spec, collective, threshold or setting (at construction, before
-            training starts).
+            training starts), or a ``torch:`` hook (PyTorch's hooks are registered as they are).
 
     Pickles without its process group (it uses the default group after unpickling), and
     carries its reducer's residuals in :meth:`state_dict`.
@@ -52,7 +54,7 @@ class CompressionState:
 
     def __init__(
         self,
-        compressor: str | Compressor = "powersgd:approx_rank=4",
+        compressor: str | Compressor | Choice = "powersgd:approx_rank=4",
         *,
         process_group: dist.ProcessGroup | None = None,
         error_feedback: bool | None = None,
@@ -65,40 +67,43 @@ class CompressionState:
         for name, value in (("monitor_every", monitor_every), ("verify_every", verify_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an integer >= 0; got {value!r}")
-        self.is_auto = isinstance(compressor, str) and compressor.strip().lower() == AUTO
-        self.compressor = None if self.is_auto else build(compressor)
-        self.spec = AUTO if self.is_auto else self.compressor.spec
+        self.choice = parse_compressor(compressor)
+        if self.choice.kind == "torch":
+            raise ValueError(f"{self.choice.spec} is PyTorch's own hook: register it with DDP directly")
+        # the constructor's arguments, kept once: pickling rebuilds the state from them
+        self.options = {
+            "error_feedback": error_feedback, "collective": collective, "min_compress_bytes": min_compress_bytes,
+            "monitor_every": monitor_every, "verify_every": verify_every, "auto": auto,
+        }
         self.process_group = process_group
-        self.error_feedback = error_feedback
-        self.collective = collective
-        self.min_compress_bytes = min_compress_bytes
+        self.is_auto = self.choice.kind == "auto"
+        self.compressor = None if self.is_auto else self.choice.codec
+        self.spec = self.choice.spec
         self.monitor_every = monitor_every
         self.verify_every = verify_every
-        self.auto = auto
         self.step = 0
         self.metrics = StepMetrics(monitor_every)
         self.queue = CollectiveQueue()
         self.reducer: Reducer = self._make_reducer()
 
     def _make_reducer(self) -> Reducer:
+        opts = self.options
         if self.is_auto:
-            from gradzip.comm.adaptive import AdaptiveReducer
             from gradzip.control.auto import AutoConfig, make_controller
+            from gradzip.control.auto_reducer import AutoReducer
 
-            cfg = (self.auto or AutoConfig()).validate()
+            cfg = (opts["auto"] or AutoConfig()).validate()
             specs = cfg.candidate_specs()
-            return AdaptiveReducer(
+            return AutoReducer(
                 specs, make_controller(cfg, specs), group=self.process_group, queue=self.queue, metrics=self.metrics
             )
-        return make_reducer(
-            self.compressor,
-            group=self.process_group,
-            error_feedback=self.error_feedback,
-            collective=self.collective,
-            min_compress_bytes=self.min_compress_bytes,
-            queue=self.queue,
-            metrics=self.metrics,
-        )
+        common = {
+            "group": self.process_group, "error_feedback": opts["error_feedback"], "collective": opts["collective"],
+            "min_compress_bytes": opts["min_compress_bytes"], "queue": self.queue, "metrics": self.metrics,
+        }
+        if self.choice.warmup:  # DGC's sparsity warm-up and local clipping around the codec
+            return WarmupReducer(self.compressor, **self.choice.warmup, **common)
+        return make_reducer(self.compressor, **common)
 
     def state_dict(self) -> dict[str, Any]:
         """Spec, step and reducer state (residuals, factors); tensors cloned."""
@@ -116,24 +121,10 @@ class CompressionState:
         self.reducer.load_state_dict(state["reducer"])
 
     def __getstate__(self) -> dict[str, Any]:
-        return {
-            "compressor": self.spec,
-            "error_feedback": self.error_feedback,
-            "collective": self.collective,
-            "min_compress_bytes": self.min_compress_bytes,
-            "monitor_every": self.monitor_every,
-            "verify_every": self.verify_every,
-            "auto": self.auto,
-            "state": self.state_dict(),
-        }
+        return {"compressor": self.spec, "options": self.options, "state": self.state_dict()}
 
     def __setstate__(self, data: dict[str, Any]) -> None:
-        self.__init__(
-            data["compressor"], error_feedback=data["error_feedback"], collective=data["collective"],
-            min_compress_bytes=data.get("min_compress_bytes", 0),
-            monitor_every=data.get("monitor_every", 0), verify_every=data.get("verify_every", 0),
-            auto=data.get("auto"),
-        )
+        self.__init__(data["compressor"], **data["options"])
         self.load_state_dict(data["state"])
 
 

@@ -49,7 +49,7 @@ same every step, so each residual stays aligned with its parameters and is still
 when a parameter gets no gradient. Such parameters then get a gradient (zeros plus what
 error feedback releases) instead of ``None``.
 
-Non-finite gradients follow :mod:`gradzip.comm.guard` on the compressed single-round exchanges:
+Non-finite gradients follow :mod:`gradzip.comm.nonfinite` on the compressed single-round exchanges:
 a rank whose buffer holds inf or NaN sends NaN-marked payloads of zeros for every chunk (codecs
 with no floating tensor in their payload get the 2-byte marker slot), every rank then finds the
 marker among what it receives for its own chunk and returns all NaN, and the module's residual
@@ -72,13 +72,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from gradzip import wire
-from gradzip.comm import guard
+from gradzip.comm import nonfinite
 from gradzip.comm.powersgd import PowerSGDReducer
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.comm.traffic import all_to_all_bytes, reduce_scatter_bytes
 from gradzip.compressors import Compressor, Payload, build
 from gradzip.compressors.cast import Identity
+from gradzip.compressors.kernels import wire
 from gradzip.compressors.lowrank import PowerSGD
 from gradzip.feedback import ErrorFeedback
 from gradzip.metrics import StepMetrics
@@ -192,7 +192,7 @@ class CompressedReduceScatter(_ReduceScatterBase):
         self._warned_layout = False
         if not compressor.multi_round:
             # A slot for the NaN marker where the payload has no floating tensor (2 bytes, counted).
-            compressor = self.compressor = guard.with_marker_slot(compressor)
+            compressor = self.compressor = nonfinite.with_marker_slot(compressor)
         if compressor.multi_round:
             if not isinstance(compressor, PowerSGD):
                 raise ValueError(f"fsdp: multi-round codec {compressor.name!r} has no reduce-scatter exchange; use powersgd or a single-round codec")
@@ -294,15 +294,15 @@ class CompressedReduceScatter(_ReduceScatterBase):
     def _encode(self, chunk: Tensor, j: int, step: int, sendable: bool) -> Payload:
         """Compress destination chunk ``j`` with its residual; stage the residual's update. A
         rank whose buffer is not finite (``sendable`` False) sends the NaN-marked payload of
-        zeros and leaves the residual alone (:mod:`gradzip.comm.guard`)."""
+        zeros and leaves the residual alone (:mod:`gradzip.comm.nonfinite`)."""
         key = (self.name, j)
         if not sendable:
-            return guard.marked(self.compressor.compress(torch.zeros_like(chunk), step=step, key=key))
+            return nonfinite.marked(self.compressor.compress(torch.zeros_like(chunk), step=step, key=key))
         if self.feedback is None:
             return self.compressor.compress(chunk, step=step, key=key)
         compensated = self.feedback.compensate(j, chunk, step=step)
         # A finite gradient plus its residual may overflow the wire dtype: saturate, never inf.
-        wire_input = guard.saturate(compensated, chunk.dtype).to(chunk.dtype)
+        wire_input = nonfinite.saturate(compensated, chunk.dtype).to(chunk.dtype)
         payload = self.compressor.compress(wire_input, step=step, key=key)
         self.feedback.update(j, compensated, self.compressor.decompress(payload, like=wire_input), step=step)
         return payload
@@ -315,7 +315,7 @@ class CompressedReduceScatter(_ReduceScatterBase):
             self._dense(output, input, group, op, kind, factor)
             return
         chunks = input.view(world_size, chunk_numel)
-        sendable = guard.is_finite(input)
+        sendable = nonfinite.is_finite(input)
         with self.metrics.timed("compress_s", self.name):
             payloads = [self._encode(chunks[j], j, step, sendable) for j in range(world_size)]
         if self._sums_on_the_wire(payloads[0], payload_bytes, group):
@@ -366,7 +366,7 @@ class CompressedReduceScatter(_ReduceScatterBase):
             sent_bytes=sent, received_bytes=sent,
         )
         with self.metrics.timed("decompress_s", self.name):
-            if guard.received_marker(summed):
+            if nonfinite.received_marker(summed):
                 output.fill_(float("nan"))
                 return True
             # The op was applied to the payload on the wire; the decoder is linear.
@@ -388,7 +388,7 @@ class CompressedReduceScatter(_ReduceScatterBase):
         with self.metrics.timed("decompress_s", self.name):
             own = payloads[rank]
             received = [Payload(wire.from_bytes(recv[r], own.tensors), own.ctx) for r in range(world_size)]
-            if any(guard.received_marker(p.tensors) for p in received):
+            if any(nonfinite.received_marker(p.tensors) for p in received):
                 output.fill_(float("nan"))
                 return True
             # Half-precision chunks are summed in fp32 and rounded once.

@@ -21,7 +21,8 @@ from gradzip.control.auto import (
     link_rows,
     parse_candidates,
 )
-from gradzip.metrics import BucketFigures, CandidateFigures, StepMetrics, WindowFigures
+from gradzip.control.figures import BucketFigures, CandidateFigures, WindowFigures
+from gradzip.metrics import StepMetrics
 from gradzip.testing import run_ranks
 
 SPECS = ["none", "fp16", "topk:ratio=0.01", "powersgd:approx_rank=4"]
@@ -140,7 +141,7 @@ def _grad(rank: int, step: int, key: int) -> torch.Tensor:
 
 
 def _agreement(rank: int, world_size: int) -> dict:
-    from gradzip.comm.adaptive import AdaptiveReducer
+    from gradzip.control.auto_reducer import AutoReducer
     from gradzip.control.auto import make_controller
 
     out = {}
@@ -150,7 +151,7 @@ def _agreement(rank: int, world_size: int) -> dict:
                          small_numel=0, max_error=2.0, min_gain=0.01)
         specs = cfg.candidate_specs()
         metrics = StepMetrics()
-        reducer = AdaptiveReducer(specs, make_controller(cfg, specs), metrics=metrics)
+        reducer = AutoReducer(specs, make_controller(cfg, specs), metrics=metrics)
         history, decided_at = [], []
         for step in range(16):
             time.sleep(0.003 * rank * (step % 3))  # uneven compute per rank
@@ -186,13 +187,13 @@ FORCED = {2: "topk:ratio=0.1", 5: "powersgd:approx_rank=1", 8: "fp16", 10: "none
 
 
 def _forced(rank: int, world_size: int) -> dict:
-    from gradzip.comm.adaptive import AdaptiveReducer
+    from gradzip.control.auto_reducer import AutoReducer
     from gradzip.control.auto import make_controller
 
     cfg = AutoConfig(adapt_every=1000, candidates=("fp16", "topk:ratio=0.1", "powersgd:approx_rank=1"))
     specs = cfg.candidate_specs()
     metrics = StepMetrics()
-    reducer = AdaptiveReducer(specs, make_controller(cfg, specs), metrics=metrics)
+    reducer = AutoReducer(specs, make_controller(cfg, specs), metrics=metrics)
     for step, spec in FORCED.items():
         reducer.force(step, {0: spec, 1: spec})
     sum_out = {k: torch.zeros(_grad(0, 0, k).numel(), dtype=torch.float64) for k in SHAPES}

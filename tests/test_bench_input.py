@@ -7,10 +7,10 @@ import hashlib
 import pytest
 import torch
 
-from gradzip.bench_input import bench_input
-from gradzip.train.config import TrainConfig
-from gradzip.train.data import batch_generator, sample_batch, shakespeare_text
-from gradzip.train.model import build_model
+from gradzip.lab.bench_input import bench_input
+from gradzip.lab.train.config import TrainConfig
+from gradzip.lab.train.data import batch_generator, sample_batch, shakespeare_text
+from gradzip.lab.train.model import build_model
 
 
 def test_model_gradient_when_cached_else_synthetic(tmp_path, monkeypatch):

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gradzip.cluster import Cluster, clean, format_bandwidth, leftovers, parse_bandwidth, support_problem
-from gradzip.cluster.netns import list_namespaces
+from gradzip.lab.cluster import Cluster, clean, format_bandwidth, leftovers, parse_bandwidth, support_problem
+from gradzip.lab.cluster.netns import list_namespaces
 
 PROBLEM = support_problem() if sys.platform.startswith("linux") else "emulated hosts need Linux"
 needs_netns = pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
@@ -111,7 +111,7 @@ def test_nothing_left_after_exit_and_killed_worker():
 
 _OWNER = """
 import sys, time
-from gradzip.cluster import Cluster
+from gradzip.lab.cluster import Cluster
 with Cluster(2, "20mbit") as cluster:
     worker = cluster.popen(cluster.hosts[1], ["sleep", "300"])
     print(cluster.suffix, worker.pid, flush=True)

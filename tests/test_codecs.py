@@ -8,10 +8,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradzip import cli, wire
-from gradzip.bench import FIELDS, heavy_tailed_gradient, split_specs
 from gradzip.compressors import REGISTRY, build, kept_count
-from gradzip.listing import codec_rows
+from gradzip.compressors.kernels import wire
+from gradzip.lab import cli
+from gradzip.lab.bench import FIELDS, heavy_tailed_gradient, split_specs
+from gradzip.lab.listing import codec_rows
 
 # Every single-round codec with its defaults, and variants that take other code paths.
 SPECS = sorted(n for n, cls in REGISTRY.items() if not cls.multi_round) + [

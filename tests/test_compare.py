@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from fake_train import FAKE_PAYLOAD, HELLO_BYTES, fake_records
 
-from gradzip.cluster import support_problem
-from gradzip.cluster.netns import list_namespaces
-from gradzip.compare import (
+from gradzip.lab.cluster import support_problem
+from gradzip.lab.cluster.netns import list_namespaces
+from gradzip.lab.compare import (
     CompareConfig,
     compare_rows,
     rewrite_report,
@@ -24,7 +24,7 @@ from gradzip.compare import (
     split_compressors,
     time_to_target,
 )
-from gradzip.compare.runner import RunResult
+from gradzip.lab.compare.runner import RunResult
 
 FAKE_PREFIX = (sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fake_train.py"))
 
@@ -133,7 +133,7 @@ def test_orchestration_on_emulated_hosts(tmp_path):
 
 
 def test_smoke_real_main_job_on_loopback(tmp_path):
-    from gradzip.cli import main
+    from gradzip.lab.cli import main
 
     out = tmp_path / "smoke"
     code = main(["compare", "--compressors", "none,fp16", "--network", "loopback", "--world-size", "2",

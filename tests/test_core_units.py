@@ -6,8 +6,8 @@ import warnings
 import pytest
 import torch
 
-from gradzip import wire
 from gradzip.compressors import build, kept_count, list_compressors
+from gradzip.compressors.kernels import wire
 from gradzip.compressors.lowrank import PowerSGD
 from gradzip.feedback import ErrorFeedback
 

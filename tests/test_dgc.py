@@ -10,12 +10,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradzip.comm.simulate import simulate_ranks
+from gradzip.comm.reference import simulate_ranks
 from gradzip.comm.traffic import choose_collective, plan_chunks
+from gradzip.comm.warmup import WarmupReducer
 from gradzip.compressors import build
+from gradzip.compressors.spec import split_training_options
 from gradzip.control.sparsity import warmup_ratio
-from gradzip.feedback import ErrorFeedback
-from gradzip.optim.dgc import DGCMemory, WarmupReducer, split_training_options
+from gradzip.feedback import DGCMemory, ErrorFeedback
 from gradzip.testing import run_ranks
 
 
@@ -137,11 +138,11 @@ def test_split_training_options():
 
 def test_warmup_reducer_bad_values():
     with pytest.raises(ValueError, match="need a codec with a ratio"):
-        WarmupReducer("fp16", warmup_steps=10)
+        WarmupReducer(build("fp16"), warmup_steps=10)
     with pytest.raises(ValueError, match="warmup_steps"):
-        WarmupReducer("topk:ratio=0.01", warmup_steps=-1)
+        WarmupReducer(build("topk:ratio=0.01"), warmup_steps=-1)
     with pytest.raises(ValueError, match="clip_norm"):
-        WarmupReducer("topk:ratio=0.01", clip_norm=0)
+        WarmupReducer(build("topk:ratio=0.01"), clip_norm=0)
 
 
 def _ranks_warmup(rank: int, world_size: int) -> dict:
@@ -150,14 +151,14 @@ def _ranks_warmup(rank: int, world_size: int) -> dict:
     def grad_at(r: int, step: int) -> torch.Tensor:
         return torch.randn(3000, generator=torch.Generator().manual_seed(100 * step + r))
 
-    reducer = WarmupReducer(spec, warmup_steps=warm, warmup_stages=3, clip_norm=clip)
+    reducer = WarmupReducer(build(spec), warmup_steps=warm, warmup_stages=3, clip_norm=clip)
     means, nbytes, saved = [], [], None
     for step in range(9):
         if step == 4:
             saved = copy.deepcopy(reducer.state_dict())
         means.append(reducer.reduce(0, grad_at(rank, step), step=step).wait())
         nbytes.append(reducer.options["metrics"].pop()["payload_bytes"])
-    resumed = WarmupReducer(spec, warmup_steps=warm, warmup_stages=3, clip_norm=clip)
+    resumed = WarmupReducer(build(spec), warmup_steps=warm, warmup_stages=3, clip_norm=clip)
     resumed.load_state_dict(saved)
     again = [resumed.reduce(0, grad_at(rank, step), step=step).wait() for step in range(4, 9)]
     return {"means": means, "bytes": nbytes, "resumed": again}

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from tiny_run import load, same, tiny_config, without_plots, write_corpus
 
+from gradzip.lab.train.checkpoint import find_checkpoint
+from gradzip.lab.train.faults import ENV, parse_faults
+from gradzip.lab.train.loop import train_worker
 from gradzip.testing import run_ranks
-from gradzip.train.checkpoint import find_checkpoint
-from gradzip.train.faults import ENV, parse_faults
-from gradzip.train.loop import train_worker
 
 ROOT = Path(__file__).resolve().parents[1]
 BAD_STEPS = {2: "inf", 4: "nan"}  # step -> value injected (rank 1 at step 2, rank 0 at step 4)

@@ -18,13 +18,13 @@ from tiny_run import load, same, tiny_config, without_plots, write_corpus
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from gradzip.comm.guard import with_marker_slot
+from gradzip.comm.nonfinite import with_marker_slot
 from gradzip.compressors import build, list_compressors
 from gradzip.feedback import ErrorFeedback
 from gradzip.fsdp import CompressedReduceScatter, compress_reduce_scatter
+from gradzip.lab.train.loop import train_worker
 from gradzip.metrics import StepMetrics
 from gradzip.testing import run_ranks
-from gradzip.train.loop import train_worker
 
 # Shapes of the parameters within one chunk of a hand-made buffer: two that PowerSGD compresses
 # (as stacked matrices), two it sends as they are.
@@ -474,7 +474,7 @@ def test_train_fsdp_resumes_bit_identical(tmp_path, monkeypatch):
     """``gradzip train --fsdp`` (PowerSGD on a tiny GPT, 2 ranks): bytes below the raw buffer, a
     checkpoint whose model loads into the unsharded model, and a run resumed from step 2 that
     ends bit-identical to the uninterrupted one (model, optimizer, every rank's compressor state)."""
-    from gradzip.train.model import build_model
+    from gradzip.lab.train.model import build_model
 
     monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path / "cache"))
     data = write_corpus(tmp_path / "corpus.txt")

@@ -1,4 +1,4 @@
-"""Compiled codec kernels (``gradzip.compressors.fused``) against their eager runs, bit for bit.
+"""Compiled codec kernels (``gradzip.compressors.kernels.fused``) against their eager runs, bit for bit.
 
 The native loops, which take over some of these kernels on fp32 CPU tensors, are off here
 (``tests/test_native.py`` checks them), so that the compiled kernels run."""
@@ -9,8 +9,9 @@ import pytest
 import torch
 from codec_runs import bits_of, run_codec
 
-from gradzip.compressors import build, fused, native
-from gradzip.compressors.dither import hash_key, hashed_dither
+from gradzip.compressors import build
+from gradzip.compressors.kernels import fused, native
+from gradzip.compressors.kernels.dither import hash_key, hashed_dither
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Native codec loops (``gradzip.compressors.native``) against the eager torch codecs, bit for bit."""
+"""Native codec loops (``gradzip.compressors.kernels.native``) against the eager torch codecs, bit for bit."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from codec_runs import bits_of, run_codec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradzip.compressors import build, fused, native, sums
-from gradzip.compressors.dither import hash_key
+from gradzip.compressors import build
+from gradzip.compressors.kernels import fused, native, sums
+from gradzip.compressors.kernels.dither import hash_key
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="no C compiler: the native loops are unavailable")
 
@@ -120,7 +121,7 @@ def test_candidate_scan_finds_exactly_the_positions_at_or_above_the_threshold(mo
 
 @pytest.mark.parametrize("kind", ["plain", "abs", "square"])
 def test_row_sums_equal_torch_bit_for_bit(kind, monkeypatch):
-    """The native loop adds in the order of gradzip.compressors.sums, as torch does there."""
+    """The native loop adds in the order of gradzip.compressors.kernels.sums, as torch does there."""
     monkeypatch.setenv(fused.ENV, "1")
     x = _gradient_like(3 * sums.ROW, 4) + 0.25
     x[5] = 2.0**60

@@ -1,6 +1,6 @@
 """Non-finite gradients and extreme finite values through every registered codec.
 
-Contract (``gradzip.comm.guard``): finite input never becomes inf or NaN; inf or NaN on any rank
+Contract (``gradzip.comm.nonfinite``): finite input never becomes inf or NaN; inf or NaN on any rank
 makes the bucket all NaN on every rank, and the step leaves residuals, warm-start factors and
 codec state exactly as they were.
 """
@@ -13,7 +13,7 @@ from tiny_run import same
 
 import gradzip
 from gradzip.comm import make_reducer
-from gradzip.comm.simulate import simulate_ranks
+from gradzip.comm.reference import simulate_ranks
 from gradzip.compressors import build
 from gradzip.feedback import ErrorFeedback
 from gradzip.testing import run_ranks
@@ -107,12 +107,12 @@ def reducer_specs() -> list[tuple[str, dict]]:
 def _make(spec: str, options: dict):
     if spec != "auto":
         return make_reducer(spec, **options)
-    from gradzip.comm.adaptive import AdaptiveReducer
+    from gradzip.control.auto_reducer import AutoReducer
     from gradzip.control.auto import AutoConfig, make_controller
 
     cfg = AutoConfig(adapt_every=1000, candidates=options["candidates"])
     specs = cfg.candidate_specs()
-    reducer = AdaptiveReducer(specs, make_controller(cfg, specs))
+    reducer = AutoReducer(specs, make_controller(cfg, specs))
     reducer.force(0, dict(enumerate(options["force"])))
     return reducer
 

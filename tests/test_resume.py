@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from tiny_run import load, same, tiny_config, without_plots, write_corpus
 
-from gradzip.cli import main
+from gradzip.lab.cli import main
+from gradzip.lab.train.checkpoint import NoUsableCheckpoint, find_checkpoint, save_checkpoint
+from gradzip.lab.train.loop import train_worker
 from gradzip.testing import run_ranks
-from gradzip.train.checkpoint import NoUsableCheckpoint, find_checkpoint, save_checkpoint
-from gradzip.train.loop import train_worker
 
 # The default codec; a sparse codec with error feedback; a compressed optimizer (1-bit Adam,
 # exchanging its own momenta from step 2 on, with error buffers that differ across ranks); FSDP

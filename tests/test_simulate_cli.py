@@ -4,16 +4,16 @@ import json
 
 import pytest
 
-from gradzip.cli import main
-from gradzip.simulate.calibrate import (
+from gradzip.lab.cli import main
+from gradzip.lab.simulate.calibrate import (
     TCP_GOODPUT,
     calibrate,
     fit_link_efficiency,
     fit_link_efficiency_on_comm,
     parse_rate_bits,
 )
-from gradzip.simulate.cli import codec_speeds, split_specs
-from gradzip.simulate.exchange import Method
+from gradzip.lab.simulate.cli import codec_speeds, split_specs
+from gradzip.lab.simulate.exchange import Method
 
 
 def _write_compare_dir(root, *, limit=True, title="4 workers, 100mbit links"):
@@ -139,7 +139,7 @@ def test_split_specs_and_codec_speeds():
 
 @pytest.mark.parametrize("spec", ["fp16", "topk:ratio=0.01", "powersgd:approx_rank=2", "onebit-adam"])
 def test_measured_codec_speed_is_a_finite_rate(spec):
-    from gradzip.simulate.codec_speed import measure_codec_speed
+    from gradzip.lab.simulate.codec_speed import measure_codec_speed
 
     speed = measure_codec_speed(Method(spec), numel=1 << 14, repeats=2)
     assert 0 < speed.encode_bytes_per_s < float("inf") and 0 < speed.decode_bytes_per_s < float("inf")

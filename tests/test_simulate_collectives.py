@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from gradzip.simulate.collectives import (
+from gradzip.lab.simulate.collectives import (
     Fabric,
     Link,
     all_to_all_s,

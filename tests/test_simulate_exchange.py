@@ -5,9 +5,9 @@ import math
 import pytest
 import torch
 
-from gradzip import wire
 from gradzip.compressors import REGISTRY, build
-from gradzip.simulate.exchange import Method, lowrank_exchange, twophase_exchange
+from gradzip.compressors.kernels import wire
+from gradzip.lab.simulate.exchange import Method, lowrank_exchange, twophase_exchange
 from gradzip.testing import run_ranks
 
 SHAPES = [(16, 8), (8,), (6, 5), (40, 3)]
@@ -74,7 +74,7 @@ def test_model_bytes_equal_what_the_real_reducers_send():
 
 @pytest.mark.parametrize("spec", _default_single_round_codecs() + ["topk:ratio=0.3", "topk:ratio=1.0"])
 def test_payload_equals_compressed_tensor_bytes(spec):
-    from gradzip.comm.guard import with_marker_slot
+    from gradzip.comm.nonfinite import with_marker_slot
 
     codec = with_marker_slot(build(spec))  # as the reducers send it (2 bytes more without a float)
     x = torch.randn(NUMEL, generator=torch.Generator().manual_seed(0))

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from gradzip.simulate.presets import CLUSTERS, GBIT, get_cluster, model_shapes
+from gradzip.lab.simulate.presets import CLUSTERS, GBIT, get_cluster, model_shapes
 
 
 @pytest.mark.parametrize(

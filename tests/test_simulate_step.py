@@ -8,10 +8,10 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradzip.simulate.collectives import Link, single_level
-from gradzip.simulate.exchange import Method
-from gradzip.simulate.presets import ModelShapes
-from gradzip.simulate.step import (
+from gradzip.lab.simulate.collectives import Link, single_level
+from gradzip.lab.simulate.exchange import Method
+from gradzip.lab.simulate.presets import ModelShapes
+from gradzip.lab.simulate.step import (
     MIB,
     CodecSpeed,
     Workload,

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from gradzip.comm import make_reducer
-from gradzip.comm.simulate import simulate_ranks
+from gradzip.comm.reference import simulate_ranks
 from gradzip.compressors import SpecError, build
 from gradzip.feedback import ErrorFeedback
 from gradzip.fsdp import CompressedReduceScatter

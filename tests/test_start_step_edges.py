@@ -15,18 +15,19 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradzip.bench import split_specs as bench_split
-from gradzip.cli import main
 from gradzip.comm import make_reducer
-from gradzip.comm.guard import with_marker_slot
-from gradzip.comm.simulate import simulate_ranks
-from gradzip.compare.core import split_compressors
+from gradzip.comm.nonfinite import with_marker_slot
+from gradzip.comm.reference import simulate_ranks
+from gradzip.comm.warmup import WarmupReducer
 from gradzip.compressors import build
+from gradzip.compressors.spec import split_training_options
 from gradzip.feedback import ErrorFeedback
 from gradzip.fsdp import CompressedReduceScatter
+from gradzip.lab.bench import split_specs as bench_split
+from gradzip.lab.cli import main
+from gradzip.lab.compare.core import split_compressors
+from gradzip.lab.simulate.cli import split_specs as simulate_split
 from gradzip.metrics import StepMetrics
-from gradzip.optim.dgc import WarmupReducer, split_training_options
-from gradzip.simulate.cli import split_specs as simulate_split
 from gradzip.testing import run_ranks
 
 WORLD_SIZE = 3
@@ -176,7 +177,7 @@ def test_marker_slot_keeps_the_codec_spec_and_start_step(spec):
 def test_dgc_warmup_starts_where_compression_does():
     spec, options = split_training_options("dgc:ratio=0.01,warmup_steps=8,warmup_stages=4,start_step=3")
     assert build(spec).start_step == 3 and options == {"warmup_steps": 8, "warmup_stages": 4}
-    reducer = WarmupReducer(spec, **options)
+    reducer = WarmupReducer(build(spec), **options)
     # Stage s keeps 0.01 ** ((s + 1) / 5) for two steps each, from step 3 on; dense before it.
     stages = [0.01 ** ((s + 1) / 5) for s in range(4)]
     want = [stages[0]] * 3 + [stages[s // 2] for s in range(8)] + [0.01] * 2

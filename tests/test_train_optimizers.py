@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from gradzip.cli import main
+from gradzip.lab.cli import main
 
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--batch-size", "4", "--vocab-size", "512"]
 
@@ -54,8 +54,8 @@ def test_bad_optimizer_or_dgc_option_is_one_line_and_exit_code_2(spec, message, 
 
 
 def test_compare_runs_an_optimizer_entry_behind_the_uncompressed_hook(tmp_path):
-    from gradzip.compare import CompareConfig, run_compare
-    from gradzip.compare.runner import train_command
+    from gradzip.lab.compare import CompareConfig, run_compare
+    from gradzip.lab.compare.runner import train_command
 
     def argv(entry):
         return train_command(entry, out_dir=tmp_path, steps=5, seed=0, collective_timeout_s=60, no_exchange=False,

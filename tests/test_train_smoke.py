@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from gradzip.cli import main
+from gradzip.lab.cli import main
 
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--batch-size", "4", "--vocab-size", "512"]
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradzip.comm import make_reducer
-from gradzip.comm.simulate import simulate_ranks
+from gradzip.comm.reference import simulate_ranks
 from gradzip.comm.traffic import (
     allgather_bytes,
     allreduce_bytes,

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from gradzip.comm import CollectiveQueue, make_reducer
-from gradzip.comm.simulate import simulate_ranks
+from gradzip.comm.reference import simulate_ranks
 from gradzip.compressors import build, list_compressors
 from gradzip.feedback import ErrorFeedback
 from gradzip.testing import run_ranks

@@ -5,8 +5,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradzip import wire
-from gradzip.compressors.elementwise import pack_codes, sparse_flatnonzero, unpack_codes
+from gradzip.compressors.kernels import wire
+from gradzip.compressors.kernels.elementwise import pack_codes, sparse_flatnonzero, unpack_codes
 
 
 def reference_pack(codes: list[int], bits: int) -> list[int]:

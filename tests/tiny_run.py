@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from gradzip.train.config import TrainConfig
+from gradzip.lab.train.config import TrainConfig
 
 WORDS = (
     "the king queen sword crown night day love death honour speak swear gentle noble lord lady "
@@ -46,7 +46,7 @@ def same(a, b) -> bool:
 
 def without_plots() -> None:
     """Skip loss.png in this process: drawing it costs more than a tiny run (not under test here)."""
-    from gradzip.train import report
+    from gradzip.lab.train import report
 
     report.plot_losses = lambda *args, **kwargs: None
 

@@ -28,7 +28,7 @@ class Reducer(Protocol):
     ``flush=False`` lets a reducer hold a small tensor back to send it fused with later ones;
     ``flush()`` (or a later ``reduce`` with ``flush=True``) sends whatever is held.
 
-    Non-finite input (:mod:`gradzip.comm.guard`): if ``grad`` holds inf or NaN on any rank, the
+    Non-finite input (:mod:`gradzip.comm.nonfinite`): if ``grad`` holds inf or NaN on any rank, the
     result is all NaN on every rank, with no extra collective, and the state the step changed is
     put back when the next step starts or on ``settle()``; finite input gives finite output.
     """

@@ -11,7 +11,7 @@ For one bucket (a flat tensor holding several gradients) at a step past ``start_
 5. Output ``P Q^T``; residual ``M - P Q_local^T``; keep the averaged ``Q`` to warm-start the
    next step.
 
-Non-finite gradients (:mod:`gradzip.comm.guard`): a rank whose bucket holds inf or NaN sends a
+Non-finite gradients (:mod:`gradzip.comm.nonfinite`): a rank whose bucket holds inf or NaN sends a
 round 1 of NaN; every rank then sees a non-finite round-1 sum, skips round 2 (all ranks agree,
 as the sum is the same everywhere), returns all NaN, and the step's residual and warm-start
 updates are dropped. Factors are divided by world_size before they are summed and saturated at
@@ -36,11 +36,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from gradzip import wire
-from gradzip.comm import guard
+from gradzip.comm import nonfinite
 from gradzip.comm.queue import CollectiveQueue, completed
 from gradzip.comm.traffic import allreduce_bytes, dense_probe
 from gradzip.compressors.base import seeded_generator
+from gradzip.compressors.kernels import wire
 from gradzip.compressors.lowrank import PowerSGD, matrix_view_shape
 from gradzip.feedback import ErrorFeedback
 from gradzip.metrics import QualityAccumulator, StepMetrics, quality_figures
@@ -69,14 +69,14 @@ def product(a: Tensor, b: Tensor) -> Tensor:
     on the left, and these two products are most of PowerSGD's compute.
     """
     out = (b.T @ a.T).T
-    if guard.is_finite(out):
+    if nonfinite.is_finite(out):
         return out
-    return guard.saturate(a.double() @ b.double(), torch.float32).float()
+    return nonfinite.saturate(a.double() @ b.double(), torch.float32).float()
 
 
 def to_wire(t: Tensor, world_size: int, dtype: torch.dtype) -> Tensor:
     """``t / world_size`` saturated at the range of ``dtype``, so the sum over ranks cannot overflow."""
-    return guard.saturate(t.div(world_size), dtype).to(dtype)
+    return nonfinite.saturate(t.div(world_size), dtype).to(dtype)
 
 
 @dataclass
@@ -108,7 +108,7 @@ class PowerSGDReducer:
         group: dist.ProcessGroup | None = None,
         queue: CollectiveQueue | None = None,
         metrics: StepMetrics | None = None,
-        ledger: guard.StepLedger | None = None,
+        ledger: nonfinite.StepLedger | None = None,
     ) -> None:
         self.compressor = compressor
         self.group = group
@@ -118,8 +118,8 @@ class PowerSGDReducer:
         self.feedback = ErrorFeedback(dtype=torch.float32, deferred=True)
         self.q_memory: dict[Hashable, Tensor] = {}
         self.q_replaced: dict[Hashable, Tensor | None] = {}  # key -> warm start before the step
-        self.ledger = ledger or guard.StepLedger()
-        self.open_step = guard.OpenStep()
+        self.ledger = ledger or nonfinite.StepLedger()
+        self.open_step = nonfinite.OpenStep()
 
     def _layout(self, grad: Tensor, shapes: Sequence[torch.Size] | None) -> _Layout:
         shapes = [torch.Size(s) for s in shapes] if shapes is not None else [grad.shape]
@@ -186,7 +186,7 @@ class PowerSGDReducer:
                 n, m = matrix_view_shape(layout.shapes[i])
                 r = self.compressor.effective_rank(n, m)
                 piece = pieces[i].view(n, m)
-                mat, finite = guard.checked_input(piece, self.feedback.compensate((key, i), piece, step=step))
+                mat, finite = nonfinite.checked_input(piece, self.feedback.compensate((key, i), piece, step=step))
                 matrices.append(mat)
                 sendable = sendable and finite
                 q = self.q_memory.get((key, i)) if self.compressor.warm_start else None
@@ -196,7 +196,7 @@ class PowerSGDReducer:
                     q = self._initial_q((key, i), m, r, step if not self.compressor.warm_start else 0, grad.device)
                 qs.append(q)
         uncompressed = [pieces[i] for i in layout.uncompressed]
-        sendable = sendable and all(guard.is_finite(piece) for piece in uncompressed)
+        sendable = sendable and all(nonfinite.is_finite(piece) for piece in uncompressed)
         round1 = torch.cat(
             [torch.cat(uncompressed).div(world_size) if uncompressed else flat.new_empty(0)]
             + [flat.new_empty(mat.shape[0] * q.shape[1]) for mat, q in zip(matrices, qs)]
@@ -228,7 +228,7 @@ class PowerSGDReducer:
 
         # Steps 3 and 4: orthogonalize P, then Q = M^T P, one all_reduce.
         def launch_q() -> Future:
-            if guard.received_marker([round1]):
+            if nonfinite.received_marker([round1]):
                 # Some rank's bucket was not finite. The sum is the same on every rank, so all
                 # of them skip round 2 here together.
                 self.ledger.mark_nonfinite(step)
@@ -249,9 +249,9 @@ class PowerSGDReducer:
         # Step 5: decode, update residuals and Q memory.
         def finish(fut: Future) -> Tensor:
             fut.value()  # re-raises a failed collective
-            if guard.received_marker([round1, round2]):
+            if nonfinite.received_marker([round1, round2]):
                 self.ledger.mark_nonfinite(step)
-                return guard.marker_like(grad)
+                return nonfinite.marker_like(grad)
             quality = QualityAccumulator() if monitored else None
             with self.metrics.timed("decompress_s", key):
                 offset = 0
@@ -304,7 +304,7 @@ class PowerSGDReducer:
         ``q_mean`` is."""
         bound = float(q_mean.abs().max()) * math.sqrt(q_mean.shape[1]) if q_mean.numel() else 0.0
         if bound >= torch.finfo(out.dtype).max:
-            out.copy_(guard.saturate(p.double() @ q_mean.double().T, out.dtype))
+            out.copy_(nonfinite.saturate(p.double() @ q_mean.double().T, out.dtype))
         elif out.dtype == p.dtype:
             torch.mm(p, q_mean.T, out=out)
         else:
@@ -338,7 +338,7 @@ class PowerSGDReducer:
 
     def _reduce_dense(self, key: Hashable, grad: Tensor, world_size: int, *, step: int = 0) -> Future:
         tensor = grad.div(world_size)
-        if not guard.is_finite(grad):
+        if not nonfinite.is_finite(grad):
             tensor.fill_(float("nan"))  # the marker; an inf alone could pass for an overflow
         sent = allreduce_bytes(wire.nbytes([tensor]), world_size)
         self.metrics.add_bucket(
@@ -351,10 +351,10 @@ class PowerSGDReducer:
 
         def finish(fut: Future) -> Tensor:
             fut.value()  # re-raises a failed collective
-            if not guard.received_marker([tensor]):
+            if not nonfinite.received_marker([tensor]):
                 return tensor
             self.ledger.mark_nonfinite(step)
-            return guard.marker_like(tensor)
+            return nonfinite.marker_like(tensor)
 
         return self.queue.submit(lambda: self._all_reduce(key, tensor)).then(finish)
 

@@ -15,7 +15,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 from torch.futures import Future
 
 Launch = Callable[[], Future]
@@ -116,11 +115,3 @@ def completed(value) -> Future:
     fut: Future = Future()
     fut.set_result(value)
     return fut
-
-
-def all_reduce_future(tensor: torch.Tensor, group) -> Future:
-    """Start an async ``all_reduce`` (sum) of ``tensor`` in place; the future yields ``tensor``."""
-    import torch.distributed as dist
-
-    work = dist.all_reduce(tensor, group=group, async_op=True)
-    return work.get_future().then(lambda _f: tensor)

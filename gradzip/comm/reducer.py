@@ -24,7 +24,7 @@ buckets back cannot deadlock and the fused collective is issued at the same poin
 Every collective goes through the group's :class:`~gradzip.comm.queue.CollectiveQueue`, and
 each round's compression runs inside its launch, so ``reduce`` returns a future at once.
 
-Non-finite gradients follow :mod:`gradzip.comm.guard` on every route: a rank whose input holds
+Non-finite gradients follow :mod:`gradzip.comm.nonfinite` on every route: a rank whose input holds
 inf or NaN sends a NaN-marked payload in the same collective, every rank returns all NaN for
 that bucket, and the step's error-feedback and codec updates are dropped.
 
@@ -48,8 +48,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from gradzip import wire
-from gradzip.comm import guard
+from gradzip.comm import nonfinite
 from gradzip.comm.queue import CollectiveQueue, completed
 from gradzip.comm.traffic import (
     COLLECTIVES,
@@ -63,6 +62,7 @@ from gradzip.comm.traffic import (
 from gradzip.comm.twophase import TwoPhaseAllReduce
 from gradzip.comm.twophase import mean_of_payloads as decode_gathered
 from gradzip.compressors import Compressor, Payload, check_int
+from gradzip.compressors.kernels import wire
 from gradzip.feedback import ErrorFeedback, check_decay
 from gradzip.metrics import StepMetrics, quality_figures
 
@@ -100,7 +100,7 @@ class CompressedReducer:
         queue: the ordered launch queue shared by every reducer of ``group``.
         metrics: where bytes and times go.
         ledger: the steps whose gradient was not finite, shared by every reducer of one hook
-            (:class:`gradzip.comm.guard.StepLedger`); None for a ledger of this reducer's own.
+            (:class:`gradzip.comm.nonfinite.StepLedger`); None for a ledger of this reducer's own.
         feedback_decay: the worker-side residual is multiplied by this in (0, 1] before it is
             added back (:class:`gradzip.feedback.ErrorFeedback`'s ``decay``); 1 is plain error
             feedback. Needs error feedback on.
@@ -121,11 +121,11 @@ class CompressedReducer:
         min_compress_bytes: int = 0,
         queue: CollectiveQueue | None = None,
         metrics: StepMetrics | None = None,
-        ledger: guard.StepLedger | None = None,
+        ledger: nonfinite.StepLedger | None = None,
         feedback_decay: float = 1.0,
     ) -> None:
         assert not compressor.multi_round, "multi-round codecs bring their own reducer"
-        self.compressor = guard.with_marker_slot(compressor)
+        self.compressor = nonfinite.with_marker_slot(compressor)
         self.group = group
         self.collective = check_collective(collective, compressor)
         self.min_compress_bytes = check_int(min_compress_bytes, name="min_compress_bytes", low=0)
@@ -137,8 +137,8 @@ class CompressedReducer:
         self.feedback = ErrorFeedback(deferred=True, decay=feedback_decay) if use_feedback else None
         self.queue = queue or CollectiveQueue()
         self.metrics = metrics or StepMetrics()
-        self.ledger = ledger or guard.StepLedger()
-        self.open_step = guard.OpenStep()
+        self.ledger = ledger or nonfinite.StepLedger()
+        self.open_step = nonfinite.OpenStep()
         self._codec_snapshot: dict[str, Any] | None = None
         self.twophase = TwoPhaseAllReduce(
             self.compressor, group=group, queue=self.queue, metrics=self.metrics, feedback=self.feedback,
@@ -185,7 +185,7 @@ class CompressedReducer:
 
         Returns:
             a future whose value is the mean, with ``grad``'s shape and dtype; all NaN on every
-            rank if ``grad`` held inf or NaN on any rank (see :mod:`gradzip.comm.guard`). The
+            rank if ``grad`` held inf or NaN on any rank (see :mod:`gradzip.comm.nonfinite`). The
             future carries the collective's error if the collective failed.
         """
         self._begin(key, step)
@@ -226,7 +226,7 @@ class CompressedReducer:
             self._settle(self.ledger.finite(closed))
         if len(self.open_step.keys) == 1:
             state = self.compressor.state_dict()
-            self._codec_snapshot = guard.clone_state(state) if state else None
+            self._codec_snapshot = nonfinite.clone_state(state) if state else None
 
     def _settle(self, keep: bool) -> None:
         for feedback in (self.feedback, self.twophase.server_feedback):
@@ -247,17 +247,17 @@ class CompressedReducer:
 
     def _marker(self, like: Tensor, step: int) -> Tensor:
         self.ledger.mark_nonfinite(step)
-        return guard.marker_like(like)
+        return nonfinite.marker_like(like)
 
     def _compress(self, key: Hashable, grad: Tensor, step: int, box: dict[str, Any]) -> Payload:
         """Compensate, compress, update the residual; returns the payload (its bytes checked),
         NaN-marked if ``grad`` holds inf or NaN. On monitored steps leaves what the quality
         check needs in ``box``."""
         compensated = grad if self.feedback is None else self.feedback.compensate(key, grad, step=step)
-        compensated, sendable = guard.checked_input(grad, compensated)
+        compensated, sendable = nonfinite.checked_input(grad, compensated)
         if not sendable:
             # Codecs need not accept inf or NaN: encode zeros for the payload's shapes, then mark it.
-            return guard.marked(self.compressor.compress(torch.zeros_like(compensated), step=step, key=key))
+            return nonfinite.marked(self.compressor.compress(torch.zeros_like(compensated), step=step, key=key))
         payload = self.compressor.compress(compensated, step=step, key=key)
         decoded = None
         if self.feedback is not None:
@@ -341,14 +341,14 @@ class CompressedReducer:
 
         def launch() -> Future:
             torch.div(grad, world_size, out=tensor)
-            if not guard.is_finite(grad):
+            if not nonfinite.is_finite(grad):
                 tensor.fill_(float("nan"))  # the marker; an inf alone could pass for an overflow
             work = dist.all_reduce(tensor, group=self.group, async_op=True)
             return self.metrics.track(work.get_future(), (key,))
 
         def finish(fut: Future) -> Tensor:
             fut.value()  # re-raises a failed collective
-            return self._marker(tensor, step) if guard.received_marker([tensor]) else tensor
+            return self._marker(tensor, step) if nonfinite.received_marker([tensor]) else tensor
 
         return self.queue.submit(launch).then(finish)
 
@@ -374,7 +374,7 @@ class CompressedReducer:
         def decode(fut: Future) -> Tensor:
             fut.value()  # re-raises a failed collective
             with self.metrics.timed("decompress_s", key):
-                if guard.received_marker(box["tensors"]):
+                if nonfinite.received_marker(box["tensors"]):
                     return self._marker(grad, step)
                 return self.compressor.decompress(Payload(box["tensors"], box["ctx"]), like=grad)
 
@@ -405,7 +405,7 @@ class CompressedReducer:
                 template = box["payload"]
                 rows = recv.view(world_size, -1)
                 payloads = [Payload(wire.from_bytes(rows[r], template.tensors), template.ctx) for r in range(world_size)]
-                if any(guard.received_marker(p.tensors) for p in payloads):
+                if any(nonfinite.received_marker(p.tensors) for p in payloads):
                     return self._marker(grad, step)
                 return decode_gathered(self.compressor, payloads, grad)
 
@@ -432,7 +432,7 @@ class CompressedReducer:
 
         def launch() -> Future:
             torch.cat([h.grad.reshape(-1) for h in held], out=flat).div_(world_size)
-            if not guard.is_finite(flat):
+            if not nonfinite.is_finite(flat):
                 flat.fill_(float("nan"))  # the marker, for every bucket of this fused message
             work = dist.all_reduce(flat, group=self.group, async_op=True)
             return self.metrics.track(work.get_future(), tuple(h.key for h in held))
@@ -444,7 +444,7 @@ class CompressedReducer:
                 for h in held:
                     h.future.set_exception(exc)
                 return
-            if guard.received_marker([flat]):
+            if nonfinite.received_marker([flat]):
                 for h in held:
                     h.future.set_result(self._marker(h.grad, h.step))
                 return

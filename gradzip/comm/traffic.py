@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gradzip import wire
 from gradzip.compressors import Compressor
+from gradzip.compressors.kernels import wire
 
 #: what callers may ask for; ``auto`` picks by bytes
 COLLECTIVES = ("auto", "allreduce", "allgather", "twophase")

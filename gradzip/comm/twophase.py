@@ -30,7 +30,7 @@ decode context (``ctx``), except for codecs that need a shared seed: their conte
 ``(seed, step, key)`` and each chunk's mean is drawn under its own key, so every rank re-derives
 it by encoding zeros under that key (one extra encode of the bucket, for those codecs only).
 
-Non-finite gradients (:mod:`gradzip.comm.guard`): a rank whose bucket holds inf or NaN sends
+Non-finite gradients (:mod:`gradzip.comm.nonfinite`): a rank whose bucket holds inf or NaN sends
 NaN-marked payloads for every chunk in round 1, so every rank finds the marker among the payloads
 of its own chunk and sends a NaN-marked mean in round 2, and every rank returns all NaN. Worker-
 and server-side residual updates are staged by the caller and dropped for such a step.
@@ -46,11 +46,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from gradzip import wire
-from gradzip.comm import guard
+from gradzip.comm import nonfinite
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.comm.traffic import ChunkPlan, plan_chunks
 from gradzip.compressors import Compressor, Payload
+from gradzip.compressors.kernels import wire
 from gradzip.feedback import ErrorFeedback
 from gradzip.metrics import StepMetrics
 
@@ -68,18 +68,18 @@ def mean_key(key: Hashable, chunk: int) -> tuple:
 def mean_of_payloads(compressor: Compressor, payloads: list[Payload], like: Tensor) -> Tensor:
     """Decode ``payloads`` (one per rank, rank 0 first), sum them in rank order and divide by
     their count; ``like`` gives shape, dtype and device. The order is fixed so that the
-    single-process reference (:func:`gradzip.comm.simulate.simulate_ranks`) matches bit for bit.
+    single-process reference (:func:`gradzip.comm.reference.simulate_ranks`) matches bit for bit.
 
     Decoded payloads are finite, so a sum that is not overflowed near the dtype's maximum: it is
     then redone dividing each term first, and what still rounds past the maximum is saturated."""
     total = compressor.decompress(payloads[0], like=like).clone()
     for payload in payloads[1:]:
         total += compressor.decompress(payload, like=like)
-    if not guard.is_finite(total):
+    if not nonfinite.is_finite(total):
         total = compressor.decompress(payloads[0], like=like).div(len(payloads))
         for payload in payloads[1:]:
             total += compressor.decompress(payload, like=like).div(len(payloads))
-        return guard.saturate_(total)
+        return nonfinite.saturate_(total)
     return total.div_(len(payloads))
 
 
@@ -111,7 +111,7 @@ class TwoPhaseAllReduce:
         metrics: StepMetrics | None = None,
         feedback: ErrorFeedback | None = None,
         server_feedback: ErrorFeedback | None = None,
-        ledger: guard.StepLedger | None = None,
+        ledger: nonfinite.StepLedger | None = None,
     ) -> None:
         assert not compressor.multi_round, "multi-round codecs bring their own reducer"
         self.compressor = compressor
@@ -120,7 +120,7 @@ class TwoPhaseAllReduce:
         self.metrics = metrics or StepMetrics()
         self.feedback = feedback
         self.server_feedback = server_feedback
-        self.ledger = ledger or guard.StepLedger()
+        self.ledger = ledger or nonfinite.StepLedger()
 
     def reduce(self, key: Hashable, grad: Tensor, *, step: int) -> Future:
         """Queue both rounds for ``grad`` and return at once.
@@ -194,9 +194,9 @@ class TwoPhaseAllReduce:
                         # ctx (Random-K's positions) follows the key, and every rank derives it.
                         ctx = self.compressor.compress(out.new_zeros(size), step=step, key=mean_key(key, j)).ctx
                     payload = Payload(wire.from_bytes(part, template.tensors), ctx)
-                    if guard.received_marker(payload.tensors):
+                    if nonfinite.received_marker(payload.tensors):
                         self.ledger.mark_nonfinite(step)
-                        return guard.marker_like(grad)
+                        return nonfinite.marker_like(grad)
                     out[start : start + size] = self.compressor.decompress(payload, like=out[start : start + size])
             return out.view(grad.shape)
 
@@ -214,7 +214,7 @@ class TwoPhaseAllReduce:
         """Steps 1-2; fills ``own`` with the chunk payloads and returns them as one byte buffer
         (NaN-marked payloads if ``flat`` holds inf or NaN)."""
         compensated = flat if self.feedback is None else self.feedback.compensate(key, flat, step=step)
-        compensated, sendable = guard.checked_input(flat, compensated)
+        compensated, sendable = nonfinite.checked_input(flat, compensated)
         if not sendable:
             compensated = torch.zeros_like(compensated)  # codecs need not accept inf or NaN
         decoded = torch.zeros_like(compensated) if self.feedback is not None and sendable else None
@@ -225,7 +225,7 @@ class TwoPhaseAllReduce:
             chunk = compensated[start : start + size]
             payload = self.compressor.compress(chunk, step=step, key=chunk_key(key, j))
             if not sendable:
-                payload = guard.marked(payload)
+                payload = nonfinite.marked(payload)
             assert payload.nbytes == plan.payload_nbytes[j], (
                 f"{self.compressor.name}: chunk payload of {payload.nbytes} bytes, formula says {plan.payload_nbytes[j]}"
             )
@@ -250,11 +250,11 @@ class TwoPhaseAllReduce:
         with self.metrics.timed("decompress_s", key):
             rows = recv_chunks.view(world_size, -1)
             payloads = [Payload(wire.from_bytes(rows[i], template.tensors), template.ctx) for i in range(world_size)]
-            if any(guard.received_marker(p.tensors) for p in payloads):
+            if any(nonfinite.received_marker(p.tensors) for p in payloads):
                 # Some rank's bucket was not finite: pass the marker on to every rank in round 2.
                 self.ledger.mark_nonfinite(step)
                 blank = self.compressor.compress(like.zero_(), step=step, key=mean_key(key, rank))
-                return wire.to_bytes(guard.marked(blank).tensors)
+                return wire.to_bytes(nonfinite.marked(blank).tensors)
             mean = mean_of_payloads(self.compressor, payloads, like)
         with self.metrics.timed("compress_s", key):
             server = self.server_feedback

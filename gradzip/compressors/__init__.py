@@ -28,7 +28,7 @@ def list_compressors() -> list[str]:
     return sorted(REGISTRY)
 
 
-def _instantiate(name: str, params: dict[str, Any]) -> Compressor:
+def instantiate(name: str, params: dict[str, Any]) -> Compressor:
     if name not in REGISTRY:
         raise SpecError(f"unknown compressor {name!r}; known: {', '.join(list_compressors())}")
     cls = REGISTRY[name]
@@ -70,18 +70,26 @@ def build(spec: str | Compressor) -> Compressor:
     if isinstance(spec, Compressor):
         return spec
     parts = parse_spec(spec)
-    codecs = [_instantiate(name, params) for name, params in parts]
+    codecs = [instantiate(name, params) for name, params in parts]
     if len(codecs) == 1:
         return codecs[0]
-    try:
-        from gradzip.compressors.compose import Composed
-    except ImportError:
-        raise SpecError(f"spec {spec!r} joins codecs with '+', and no codec composition is installed") from None
+    from gradzip.compressors.compose import Composed  # compose imports this registry
+
     return Composed(codecs)
 
 
-# Registration happens on import of each family.
-from gradzip.compressors import cast, lowrank, quant, sign, sparse  # noqa: E402,F401
+def _import_codec_modules() -> None:
+    """Import every module of this package, so that a codec registers itself by being a file here
+    (adding a codec is one file plus its tests)."""
+    import importlib
+    import pkgutil
+
+    for module in pkgutil.iter_modules(__path__):
+        if not module.ispkg and not module.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{module.name}")
+
+
+_import_codec_modules()
 
 __all__ = [
     "Compressor",
@@ -91,6 +99,7 @@ __all__ = [
     "build",
     "check_int",
     "check_ratio",
+    "instantiate",
     "kept_count",
     "list_compressors",
     "register",

@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from gradzip import wire
+from gradzip.compressors.kernels import wire
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,13 @@ class Compressor(ABC):
                 continue
             args.append(f"{key}={_format(value)}")
         return f"{self.name}:{','.join(args)}" if args else self.name
+
+    def replace(self, **changes: Any) -> Compressor:
+        """A new codec of this kind with ``changes`` applied to its parameters (checked as
+        :func:`gradzip.compressors.build` checks them)."""
+        from gradzip.compressors import instantiate
+
+        return instantiate(self.name, {**self.params, **changes})
 
     def state_dict(self) -> dict[str, Any]:
         """Codec state beyond its parameters (none for stateless codecs)."""

@@ -8,9 +8,9 @@ from typing import ClassVar
 import torch
 from torch import Tensor
 
-from gradzip import wire
 from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload
+from gradzip.compressors.kernels import wire
 
 
 @register

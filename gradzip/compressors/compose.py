@@ -12,8 +12,8 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import Tensor
 
-from gradzip import wire
 from gradzip.compressors.base import Compressor, Payload
+from gradzip.compressors.kernels import wire
 
 
 class Composed(Compressor):

@@ -8,9 +8,9 @@ from collections.abc import Hashable
 import torch
 from torch import Tensor
 
-from gradzip import wire
 from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload, check_int
+from gradzip.compressors.kernels import wire
 
 
 def matrix_view_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int] | None:

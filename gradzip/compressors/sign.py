@@ -3,8 +3,8 @@
 Both send ``sign(x)``, one bit per element, and the scale ``||x||_1 / n`` (the mean magnitude),
 and decode ``scale * sign(x)``. The bits are packed per row of 8192 elements (of ``G`` with
 ``group=G``) into 32-bit words, planar within the row, as
-:func:`gradzip.compressors.fused.fold` lays them out (rows whose length is not a multiple of
-32, and a short last row, as :func:`gradzip.wire.pack_bits` does); with ``group=G`` one scale per group of ``G`` consecutive
+:func:`gradzip.compressors.kernels.fused.fold` lays them out (rows whose length is not a multiple of
+32, and a short last row, as :func:`gradzip.compressors.kernels.wire.pack_bits` does); with ``group=G`` one scale per group of ``G`` consecutive
 elements (the mean magnitude of the group) instead of one for the whole tensor. An exact zero (either sign of zero) is sent as +1, since one bit
 has room for two signs only: it decodes to ``+scale``. An all-zero tensor has scale 0 and decodes
 to exact zeros.
@@ -18,11 +18,11 @@ from collections.abc import Hashable
 import torch
 from torch import Tensor
 
-from gradzip import wire
-from gradzip.compressors import native, register
+from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload, check_int
-from gradzip.compressors.fused import BLOCK, decode_rows, encode_rows, reduce_rows
-from gradzip.compressors.sums import ordered_sums, total_with_tail
+from gradzip.compressors.kernels import native, wire
+from gradzip.compressors.kernels.fused import BLOCK, decode_rows, encode_rows, reduce_rows
+from gradzip.compressors.kernels.sums import ordered_sums, total_with_tail
 
 #: elements summed per step (1 MiB of fp32: stays in cache)
 SUM_CHUNK = 1 << 18
@@ -31,7 +31,7 @@ SUM_CHUNK = 1 << 18
 def mean_magnitude(flat: Tensor) -> Tensor:
     """``||x||_1 / n`` as a ``(1,)`` tensor in ``flat``'s dtype, 0 for an empty tensor.
 
-    The magnitudes are added in fp64 in the order of :mod:`gradzip.compressors.sums` (fp16,
+    The magnitudes are added in fp64 in the order of :mod:`gradzip.compressors.kernels.sums` (fp16,
     bf16 and fp32 magnitudes cannot overflow it, and the native sign encoder adds them in the
     same order, so both paths send the same scale); a total that overflows fp64 (fp64 values
     near its top) is redone in chunks with each term divided by ``n``. The mean is at most the

@@ -2,7 +2,7 @@
 
 Every sparsifier here sends a fixed number of slots ``k`` for a tensor of ``numel`` elements
 (the collectives need the same payload size on every rank): ``values`` first (shape ``(k,)``,
-the input dtype), then ``indices`` (shape ``(k,)``, :func:`gradzip.wire.index_dtype`) for the
+the input dtype), then ``indices`` (shape ``(k,)``, :func:`gradzip.compressors.kernels.wire.index_dtype`) for the
 codecs whose indices differ across ranks. Unused slots (DGC and threshold may select fewer than
 ``k``) hold the value 0 at an index that was not selected, so decoding writes each position at
 most once. :class:`~gradzip.compressors.compose.Composed` encodes the values of a sparsifier
@@ -19,10 +19,10 @@ from collections.abc import Hashable
 import torch
 from torch import Tensor
 
-from gradzip import wire
-from gradzip.compressors import fused, native, register
+from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload, check_int, check_ratio, kept_count, seeded_generator
-from gradzip.compressors.elementwise import flatnonzero, greater_equal, sparse_flatnonzero, top_positions
+from gradzip.compressors.kernels import fused, native, wire
+from gradzip.compressors.kernels.elementwise import flatnonzero, greater_equal, sparse_flatnonzero, top_positions
 
 #: elements handled per step of the candidate scan (1 MiB of fp32: stays in cache)
 SCAN_CHUNK = 1 << 18
@@ -233,7 +233,7 @@ class TopK(Sparsifier):
 
     Shapes and dtypes: any shape, fp16, bf16, fp32 or fp64 in; values ``(k,)`` in the input
     dtype and indices ``(k,)`` in the narrowest integer dtype holding ``numel - 1``
-    (:func:`gradzip.wire.index_dtype`). Payload: ``k * (itemsize(dtype) +
+    (:func:`gradzip.compressors.kernels.wire.index_dtype`). Payload: ``k * (itemsize(dtype) +
     itemsize(index_dtype(numel)))`` bytes.
 
     Raises:
@@ -283,8 +283,8 @@ class DGC(Sparsifier):
     Biased; not aggregatable; used with error feedback (the paper's local gradient
     accumulation).
     Momentum correction and momentum factor masking move SGD's momentum into the memory
-    (:class:`gradzip.optim.dgc.DGCMemory`); local gradient clipping and the sparsity warm-up
-    are the main job's ``dgc:...,warmup_steps=N,clip_norm=C`` (:mod:`gradzip.optim.dgc`).
+    (:class:`gradzip.feedback.DGCMemory`); local gradient clipping and the sparsity warm-up
+    are the main job's ``dgc:...,warmup_steps=N,clip_norm=C`` (:mod:`gradzip.comm.warmup`).
 
     Args:
         ratio: kept fraction in (0, 1]; ``k = clamp(round(ratio * numel), 1, numel)``.

@@ -35,31 +35,37 @@ def parse_value(text: str) -> Any:
 
 
 def split_spec_list(text: str, *, name: str) -> list[str]:
-    """Split a comma-separated list of specs whose parameters are comma-separated too.
+    """Split a list of specs, the one rule of every option that takes several.
 
-    A comma-separated item whose first ``+``-joined part is a bare ``key=value`` (no ``:``)
-    continues the spec before it, so ``none,topk:ratio=0.01,start_step=3+uniform:bits=8,fp16``
-    gives ``none``, ``topk:ratio=0.01,start_step=3+uniform:bits=8`` and ``fp16``. Empty items
-    are dropped.
+    Specs are separated by ``;`` or ``,``. A comma-separated item whose first ``+``-joined part is
+    a bare ``key=value`` (no ``:``) continues the spec before it, so
+    ``none,topk:ratio=0.01,start_step=3+uniform:bits=8,fp16`` gives ``none``,
+    ``topk:ratio=0.01,start_step=3+uniform:bits=8`` and ``fp16``; ``none;fp16`` gives two.
+    Empty items are dropped.
 
     Args:
         text: the list as the user wrote it.
         name: the option that holds it, for the error message.
 
     Raises:
-        SpecError: naming ``name`` when the list starts with a bare ``key=value``.
+        SpecError: naming ``name`` when the list is empty or an item starts with a bare ``key=value``.
     """
     specs: list[str] = []
-    for item in (part.strip() for part in text.split(",")):
-        if not item:
-            continue
-        head = item.split("+", 1)[0]
-        if "=" in head and ":" not in head:
-            if not specs:
-                raise SpecError(f"{name} must start with a codec name, not the parameter {item!r}; got {text!r}")
-            specs[-1] += "," + item
-        else:
-            specs.append(item)
+    for group in text.split(";"):
+        first = True
+        for item in (part.strip() for part in group.split(",")):
+            if not item:
+                continue
+            head = item.split("+", 1)[0]
+            if "=" in head and ":" not in head:
+                if first:
+                    raise SpecError(f"{name} must start each spec with a codec name, not the parameter {item!r}; got {text!r}")
+                specs[-1] += "," + item
+            else:
+                specs.append(item)
+            first = False
+    if not specs:
+        raise SpecError(f"{name} must name at least one codec, such as none,fp16; got {text!r}")
     return specs
 
 
@@ -95,3 +101,28 @@ def parse_spec(spec: str) -> list[tuple[str, dict[str, Any]]]:
             params[key] = parse_value(value)
         parts.append((name, params))
     return parts
+
+
+#: spec options handled by the reducer (DGC's warm-up and clipping) rather than by the codec
+TRAINING_OPTIONS = ("warmup_steps", "warmup_stages", "clip_norm")
+
+
+def split_training_options(spec: str) -> tuple[str, dict[str, Any]]:
+    """``(codec spec, options)``: ``dgc:ratio=0.001,warmup_steps=100`` gives
+    ``("dgc:ratio=0.001", {"warmup_steps": 100})``; options are :data:`TRAINING_OPTIONS`."""
+    parts = parse_spec(spec)
+    if len(parts) != 1:
+        return spec, {}
+    name, params = parts[0]
+    options = {k: params.pop(k) for k in TRAINING_OPTIONS if k in params}
+    if not options:
+        return spec, {}
+    return format_spec(name, params), options
+
+
+def format_spec(name: str, params: dict[str, Any]) -> str:
+    """``name:key=value,...`` that :func:`gradzip.compressors.parse_spec` reads back as ``params``
+    (floats in their shortest exact form)."""
+    if not params:
+        return name
+    return name + ":" + ",".join(f"{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in params.items())

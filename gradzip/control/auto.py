@@ -3,7 +3,7 @@
 Controllers read :class:`~gradzip.metrics.WindowFigures` (figures over a window of steps,
 all-reduced so that every rank sees the same numbers) and return a
 :class:`~gradzip.metrics.Plan`. They are deterministic functions of what they have seen, so every
-rank reaches the same decisions. :class:`~gradzip.comm.adaptive.AdaptiveReducer` carries them out.
+rank reaches the same decisions. :class:`~gradzip.control.auto_reducer.AutoReducer` carries them out.
 
 Schedules (``--auto-schedule``):
 
@@ -47,7 +47,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from gradzip.metrics import BucketFigures, CandidateFigures, Plan, WindowFigures
+from gradzip.control.figures import BucketFigures, CandidateFigures, Plan, WindowFigures
 
 SCHEDULES = ("cost", "accordion", "legacy", "edgc")
 
@@ -134,9 +134,11 @@ class AutoConfig:
 
 
 def parse_candidates(text: str) -> tuple[str, ...]:
-    """``"none;fp16;powersgd:approx_rank=4"`` -> a tuple of specs (``;`` separates, as ``,`` is
-    taken by codec parameters)."""
-    return tuple(part.strip() for part in text.split(";") if part.strip())
+    """``"none,fp16,powersgd:approx_rank=4"`` (or ``;``-separated) -> a tuple of specs, by the
+    list rule of every option (:func:`gradzip.compressors.spec.split_spec_list`)."""
+    from gradzip.compressors.spec import split_spec_list
+
+    return tuple(split_spec_list(text, name="--auto-candidates"))
 
 
 def make_controller(cfg: AutoConfig, specs: Sequence[str]):

@@ -22,7 +22,6 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable, Iterable
 from contextlib import AbstractContextManager, nullcontext
-from itertools import chain
 from typing import Any
 
 import torch
@@ -357,6 +356,3 @@ class CompressedAdamBase(torch.optim.Optimizer):
         if extra["exchange"] is not None:
             self.reducer.load_state_dict(extra["exchange"])
         self.load_extra_state(extra)
-
-    def all_params(self) -> Iterable[Tensor]:
-        return chain.from_iterable(g["params"] for g in self.param_groups)

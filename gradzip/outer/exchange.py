@@ -5,7 +5,7 @@ MiB, or one tensor per bucket at 0), each handed to the reducer with the shapes 
 and a key that names the same bucket at every outer step, ``("outer", fragment, bucket)``, so
 error-feedback residuals and warm starts carry from one outer step to the next. Every bucket of
 one exchange shares one reducer step number: a non-finite pseudo-gradient on any rank turns the
-whole fragment's result into NaN on every rank (:mod:`gradzip.comm.guard`) and the reducer puts
+whole fragment's result into NaN on every rank (:mod:`gradzip.comm.nonfinite`) and the reducer puts
 back what that step changed.
 
 A replica of several ranks holds identical pseudo-gradients on each of them, so it shares the
@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from gradzip.comm import Reducer
-from gradzip.comm.guard import is_finite
+from gradzip.comm.nonfinite import is_finite
 from gradzip.comm.queue import completed
 
 

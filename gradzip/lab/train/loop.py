@@ -1,0 +1,292 @@
+"""The main job's worker: one rank of data-parallel training with a compressed DDP hook.
+
+Read top to bottom: set up the process group, data, model, DDP with the hook and the optimizer;
+restore a checkpoint when resuming; measure compute alone; train with a validation pass every
+``eval_every`` steps, skipping on every rank a step whose gradient is not finite on some rank,
+and a checkpoint every ``checkpoint_every`` steps; save the final checkpoint; rank 0 writes the
+metrics, the summary and the plot.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradzip.choice import parse_compressor
+from gradzip.control.monitor import QualityMonitor
+from gradzip.lab.train import faults, report
+from gradzip.lab.train.checkpoint import Progress, resume, save_training_state
+from gradzip.lab.train.config import TrainConfig
+from gradzip.lab.train.data import Corpus, batch_generator, sample_batch, val_batches
+from gradzip.lab.train.hooks import warm_up_kernels
+from gradzip.lab.train.model import build_model, count_parameters
+from gradzip.lab.train.optimizers import build_optimizer, owns_communication
+from gradzip.lab.train.parallel import Parallel, make_parallel
+from gradzip.optim import grad_sync
+
+CALIBRATION_STEPS = 3
+
+
+def pick_backend(cfg: TrainConfig) -> str:
+    if cfg.backend != "auto":
+        return cfg.backend
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Linear warm-up to the peak, then cosine decay to 10% of it."""
+
+    def factor(step: int) -> float:
+        if step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        progress = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return factor
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches, device) -> float:
+    """Mean validation loss over fixed batches (every rank computes the same value)."""
+    model.eval()
+    losses = [float(model(input_ids=x.to(device), labels=y.to(device)).loss) for x, y in batches]
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def measure_compute(par: Parallel, corpus: Corpus, cfg: TrainConfig, device) -> float:
+    """Median forward + backward seconds with no gradient exchange (``no_sync``; under FSDP
+    the parameter all-gathers still run), the floor of any step time; gradients are discarded
+    and the model is unchanged."""
+    gen = batch_generator(cfg.seed + 1, dist.get_rank())
+    times = []
+    for _ in range(CALIBRATION_STEPS):
+        x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, gen)
+        start = time.perf_counter()
+        with par.no_exchange():
+            par.module(input_ids=x.to(device), labels=y.to(device)).loss.backward()
+        times.append(time.perf_counter() - start)
+        par.module.zero_grad(set_to_none=True)
+    return report.median(times)
+
+
+def settle_buckets(ddp: DDP, corpus: Corpus, cfg: TrainConfig, device) -> None:
+    """One synced forward + backward with DDP's own all_reduce, before the hook is registered.
+
+    DDP rebuilds its buckets after its first synced backward. Doing that here gives every step,
+    the first one included, the final bucket layout, so state keyed by bucket (error feedback,
+    PowerSGD factors) always meets the buckets it was made for, also in a run resumed at any step.
+    The gradients are dropped; the model is unchanged.
+    """
+    gen = batch_generator(cfg.seed + 2, dist.get_rank())
+    x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, gen)
+    ddp(input_ids=x.to(device), labels=y.to(device)).loss.backward()
+    ddp.zero_grad(set_to_none=True)
+
+
+def train_worker(cfg: TrainConfig) -> dict[str, Any] | None:
+    """Run one rank. The process group is read from the environment (``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``), as torchrun and gradzip's launcher set it, unless one is
+    already initialised (then it is used and left open).
+
+    Returns:
+        the summary on rank 0, None elsewhere.
+
+    Raises:
+        faults.PeerLost: when another rank died or stopped responding (a one-line message).
+    """
+    backend = pick_backend(cfg)
+    owns_group = not dist.is_initialized()
+    if owns_group:
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout_s))
+    try:
+        return _train(cfg, dist.get_backend())
+    except RuntimeError as exc:
+        if not faults.is_lost_peer_error(exc):
+            raise
+        lost = faults.lost_peer(exc, rank=dist.get_rank(), world_size=dist.get_world_size())
+        if lost is None:
+            raise
+        raise lost from None
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+
+
+def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    device = torch.device(f"cuda:{local_rank}") if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local_workers))
+    is_main = rank == 0
+
+    # Data and model.
+    corpus = Corpus.load(cfg.data, cfg.vocab_size)
+    corpus.check_fits(cfg.seq_len)
+    model = build_model(cfg, corpus.vocab_size).to(device)
+    par = make_parallel(model, cfg, settle=lambda ddp: settle_buckets(ddp, corpus, cfg, device))
+    # auto probes its candidates on a later step: theirs compile now as well
+    choices = [parse_compressor(s) for s in cfg.auto_config().candidate_specs()] if cfg.choice.kind == "auto" else [cfg.choice]
+    kernels_s = sum(warm_up_kernels(choice) for choice in choices) if device.type == "cpu" else 0.0
+    if is_main and kernels_s > 1.0:
+        print(f"codec kernels ready in {kernels_s:.1f} s (compiled, native loops built unless cached)", file=sys.stderr)
+    optimizer = build_optimizer(cfg, model, metrics=par.state.metrics)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    data_gen = batch_generator(cfg.seed, rank)
+    val = val_batches(corpus, cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
+    tokens_per_step = world_size * cfg.batch_size * cfg.seq_len
+    state = dict(model=model, optimizer=optimizer, scheduler=scheduler, hook_state=par.state, data_gen=data_gen)
+
+    # Starting point (step 0, or where the checkpoint left off) and the floor of the step time.
+    progress = resume(cfg, rank=rank, world_size=world_size, parallel=par, **state) if cfg.resume else Progress()
+    if progress.initial_val_loss is None:
+        progress.initial_val_loss = evaluate(model, val, device)
+    compute_s = measure_compute(par, corpus, cfg, device)
+
+    log = report.RunLog(cfg.out, start_step=progress.step) if is_main else None
+    monitor = QualityMonitor(
+        threshold=cfg.norm_warn, patience=cfg.norm_warn_checks,
+        tensorboard_dir=Path(cfg.out) / "tensorboard" if cfg.tensorboard else None,
+    ) if is_main else None
+    bar = _progress(cfg, is_main, progress.step)
+    fault_plan = faults.FaultPlan.from_env()  # test-only injection; empty unless GRADZIP_FAULTS is set
+    train_start = time.perf_counter() - progress.elapsed_s
+    for step in range(progress.step, cfg.steps):
+        fault_plan.at_step(model, rank=rank, step=step)
+        x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
+        step_start = time.perf_counter()
+        with par.no_exchange() if cfg.no_exchange else grad_sync(par.module, optimizer):
+            loss = par.module(input_ids=x.to(device), labels=y.to(device)).loss
+            loss.backward()
+        backward_end = time.perf_counter()
+        # A step whose gradient is not finite on some rank is skipped by all ranks together.
+        own_gradients = par.kind != "ddp" or (owns_communication(optimizer) and not optimizer.needs_grad_sync)
+        finite = faults.step_finite(model, own_gradients=own_gradients)
+        if finite:
+            optimizer.step()
+            scheduler.step()
+        else:
+            progress.skipped_steps += 1
+        optimizer.zero_grad(set_to_none=True)
+        step_end = time.perf_counter()
+
+        comm = par.state.metrics.pop()
+        record = {
+            "step": step,
+            "loss": float(loss.detach()),
+            "lr": scheduler.get_last_lr()[0],
+            "elapsed_s": step_end - train_start,
+            "step_s": step_end - step_start,
+            "fwd_bwd_s": backward_end - step_start,
+            "optimizer_s": step_end - backward_end,
+            "payload_bytes": comm["payload_bytes"],
+            "dense_bytes": comm["dense_bytes"],
+            "compression_ratio": comm["compression_ratio"],
+            "compress_s": comm["compress_s"],
+            "decompress_s": comm["decompress_s"],
+            "communicate_s": comm["communicate_s"],
+            "sent_bytes": comm["sent_bytes"],
+            "received_bytes": comm["received_bytes"],
+            "uncompressed_buckets": comm["uncompressed_buckets"],
+            "fused_buckets": comm["fused_buckets"],
+            "tokens": tokens_per_step * (step + 1),
+            "skipped": not finite,
+        }
+        if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
+            record["val_loss"] = evaluate(model, val, device)
+        if monitor is not None:
+            record.update(monitor.observe(step, comm, record))
+        if log is not None:
+            log.write(record)
+            _update_progress(bar, record, tokens_per_step, progress.skipped_steps)
+        progress.step, progress.elapsed_s = step + 1, step_end - train_start
+        if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0 and progress.step < cfg.steps:
+            save_training_state(
+                cfg, progress, rank=rank, world_size=world_size, parallel=par,
+                per_rank_optimizer=owns_communication(optimizer), **state,
+            )
+
+    if bar is not None:
+        bar.close()
+    if owns_communication(optimizer):
+        optimizer.synchronize()  # 0/1 Adam: ranks that took local steps meet again
+    final_val = evaluate(model, val, device)
+    save_training_state(
+        cfg, progress, rank=rank, world_size=world_size, parallel=par,
+        per_rank_optimizer=owns_communication(optimizer), **state,
+    )
+    if log is None:
+        return None
+    log.close()
+    monitor.close()
+    summary = report.summarize(
+        log.records,
+        compressor=cfg.compressor if not cfg.no_exchange else "no-exchange",
+        optimizer=cfg.optimizer,
+        hook=par.hook,
+        parallel=par.kind,
+        collective=cfg.collective,
+        min_compress_bytes=cfg.min_compress_bytes,
+        world_size=world_size,
+        backend=backend,
+        parameters=count_parameters(model),
+        corpus=corpus.name,
+        batch_size=cfg.batch_size,
+        seq_len=cfg.seq_len,
+        seed=cfg.seed,
+        initial_val_loss=progress.initial_val_loss,
+        final_val_loss=final_val,
+        initial_train_loss=log.records[0]["loss"],
+        final_train_loss=log.records[-1]["loss"],
+        compute_s=compute_s,
+    )
+    summary["tokens_per_s"] = tokens_per_step / summary["step_s_median"] if summary["step_s_median"] else 0.0
+    summary["skipped_steps"] = progress.skipped_steps
+    summary["monitor"] = monitor.summary()
+    out = Path(cfg.out)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    report.plot_losses(log.records, out / "loss.png", f"{summary['compressor']} on {world_size} workers")
+    if cfg.progress:
+        print(report.summary_table(summary))
+        print("\n".join(monitor.summary_lines()))
+        print(f"\nwrote {out}/metrics.jsonl, summary.json, loss.png, checkpoints/")
+    return summary
+
+
+def _progress(cfg: TrainConfig, is_main: bool, start_step: int = 0):
+    if not (is_main and cfg.progress):
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=cfg.steps, initial=start_step, desc=f"train {cfg.compressor}", unit="step", dynamic_ncols=True)
+
+
+def _update_progress(bar, record: dict[str, Any], tokens_per_step: int, skipped_steps: int = 0) -> None:
+    if bar is None:
+        return
+    postfix = {
+        "loss": f"{record['loss']:.3f}",
+        "tok/s": f"{tokens_per_step / record['step_s']:,.0f}",
+        "ratio": f"{record['compression_ratio']:.1f}x",
+    }
+    if "val_loss" in record:
+        postfix["val"] = f"{record['val_loss']:.3f}"
+    if skipped_steps:
+        postfix["skipped"] = f"{skipped_steps} (non-finite gradient)"
+    if "norm_warning" in record:
+        postfix["warn"] = record["norm_warning"]
+    bar.set_postfix(postfix, refresh=False)
+    bar.update(1)
