@@ -19,6 +19,17 @@ from torch import Tensor
 from gradzip.compressors.values import check_number
 
 
+def check_decay(decay: float) -> float:
+    """Validate an error-feedback decay, a number in (0, 1].
+
+    Raises:
+        ValueError: naming ``feedback_decay`` and the allowed range.
+    """
+    if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
+        raise ValueError(f"feedback_decay must be a number in (0, 1]; got {decay!r}")
+    return float(decay)
+
+
 class ErrorFeedback:
     """One residual per key (a bucket index, a parameter name).
 
@@ -31,17 +42,24 @@ class ErrorFeedback:
             :meth:`discard` can put it back: a step skipped for a non-finite gradient then
             leaves the residuals exactly as they were. Costs one extra residual per key during
             a step (the old one, not a copy).
+        decay: the residual is multiplied by this in (0, 1] before it is added back
+            (``compensated = grad + decay * residual``): SparseLoCo's decayed error-feedback
+            accumulator (Sarfi et al., arXiv 2508.15706), which takes the place of outer
+            momentum there. 1 (the default) is plain error feedback.
 
     Raises:
-        ValueError: if ``start_step`` is not an integer >= 0.
+        ValueError: if ``start_step`` is not an integer >= 0 or ``decay`` is not in (0, 1].
 
     A key whose gradient changes shape (DDP rebuilds its buckets after the first step) restarts
     at zeros of the new shape, with a warning, so memory stays one residual per key.
     """
 
-    def __init__(self, *, start_step: int = 0, dtype: torch.dtype | None = None, deferred: bool = False) -> None:
+    def __init__(
+        self, *, start_step: int = 0, dtype: torch.dtype | None = None, deferred: bool = False, decay: float = 1.0
+    ) -> None:
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise ValueError(f"start_step must be an integer >= 0; got {start_step!r}")
+        self.decay = check_decay(decay)
         self.start_step = start_step
         self.dtype = dtype
         self.deferred = deferred
@@ -73,7 +91,9 @@ class ErrorFeedback:
             return grad.to(dtype, copy=True)
         if residual.device != grad.device:  # loaded from a checkpoint onto the CPU
             residual = self.residuals[key] = residual.to(grad.device)
-        return grad.to(dtype) + residual
+        if self.decay == 1.0:
+            return grad.to(dtype) + residual
+        return torch.add(grad.to(dtype), residual, alpha=self.decay)
 
     def update(self, key: Hashable, compensated: Tensor, decoded: Tensor, *, step: int) -> None:
         """Store ``compensated - decoded`` as the residual of ``key`` (nothing before ``start_step``)."""

@@ -53,6 +53,7 @@ def make_reducer(
     min_compress_bytes: int = 0,
     queue: CollectiveQueue | None = None,
     metrics: StepMetrics | None = None,
+    feedback_decay: float = 1.0,
 ) -> Reducer:
     """Build the reducer for ``compressor`` (a spec string or a built codec).
 
@@ -69,9 +70,13 @@ def make_reducer(
             codecs; an integer >= 0).
         queue: the group's ordered launch queue; share one among all reducers of a group.
         metrics: collects bytes and times.
+        feedback_decay: the error-feedback residual is multiplied by this in (0, 1] before it
+            is added back (SparseLoCo's decayed accumulator; single-round codecs with error
+            feedback on); 1 is plain error feedback.
 
     Raises:
-        ValueError: for a bad spec, an impossible collective or a negative ``min_compress_bytes``.
+        ValueError: for a bad spec, an impossible collective, a negative
+            ``min_compress_bytes`` or a ``feedback_decay`` that does not apply.
     """
     codec = build(compressor)
     if codec.multi_round:
@@ -79,10 +84,12 @@ def make_reducer(
             raise ValueError(f"collective must be auto for {codec.name}, which brings its own rounds; got {collective!r}")
         if min_compress_bytes:
             raise ValueError(f"min_compress_bytes applies to single-round codecs, not {codec.name}; got {min_compress_bytes!r}")
+        if feedback_decay != 1.0:
+            raise ValueError(f"feedback_decay applies to single-round codecs, not {codec.name}; got {feedback_decay!r}")
         return own_reducer(codec, group=group, queue=queue, metrics=metrics)
     return CompressedReducer(
         codec, group=group, error_feedback=error_feedback, collective=collective,
-        min_compress_bytes=min_compress_bytes, queue=queue, metrics=metrics,
+        min_compress_bytes=min_compress_bytes, queue=queue, metrics=metrics, feedback_decay=feedback_decay,
     )
 
 

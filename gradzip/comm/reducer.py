@@ -49,7 +49,7 @@ from gradzip.comm.traffic import dense_probe
 from gradzip.comm.twophase import TwoPhaseAllReduce
 from gradzip.compressors import Compressor, Payload, check_int
 from gradzip.compressors.kernels import wire
-from gradzip.feedback import ErrorFeedback
+from gradzip.feedback import ErrorFeedback, check_decay
 from gradzip.metrics import StepMetrics, quality_figures
 
 __all__ = ["COLLECTIVES", "CompressedReducer", "Held"]
@@ -82,10 +82,14 @@ class CompressedReducer:
         metrics: where bytes and times go.
         ledger: the steps whose gradient was not finite, shared by every reducer of one hook
             (:class:`gradzip.comm.nonfinite.StepLedger`); None for a ledger of this reducer's own.
+        feedback_decay: the worker-side residual is multiplied by this in (0, 1] before it is
+            added back (:class:`gradzip.feedback.ErrorFeedback`'s ``decay``); 1 is plain error
+            feedback. Needs error feedback on.
 
     Raises:
         ValueError: for an unknown ``collective``, ``allreduce`` with a codec that is not
-            aggregatable, or a negative ``min_compress_bytes``.
+            aggregatable, a negative ``min_compress_bytes``, or a ``feedback_decay`` out of
+            (0, 1] or other than 1 without error feedback.
     """
 
     def __init__(
@@ -99,6 +103,7 @@ class CompressedReducer:
         queue: CollectiveQueue | None = None,
         metrics: StepMetrics | None = None,
         ledger: nonfinite.StepLedger | None = None,
+        feedback_decay: float = 1.0,
     ) -> None:
         assert not compressor.multi_round, "multi-round codecs bring their own reducer"
         self.compressor = nonfinite.with_marker_slot(compressor)
@@ -106,8 +111,11 @@ class CompressedReducer:
         self.collective = check_collective(collective, compressor)
         self.min_compress_bytes = check_int(min_compress_bytes, name="min_compress_bytes", low=0)
         use_feedback = compressor.error_feedback if error_feedback is None else error_feedback
+        feedback_decay = check_decay(feedback_decay)
+        if feedback_decay != 1.0 and not use_feedback:
+            raise ValueError(f"feedback_decay needs error feedback on; got feedback_decay={feedback_decay} without it")
         # Residual updates stay undoable until the step is known to be finite on every rank.
-        self.feedback = ErrorFeedback(deferred=True) if use_feedback else None
+        self.feedback = ErrorFeedback(deferred=True, decay=feedback_decay) if use_feedback else None
         self.queue = queue or CollectiveQueue()
         self.metrics = metrics or StepMetrics()
         self.ledger = ledger or nonfinite.StepLedger()

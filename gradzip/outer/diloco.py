@@ -1,0 +1,315 @@
+"""DiLoCo and Streaming DiLoCo: local inner steps, then an outer step on the averaged
+pseudo-gradient, exchanged through any gradzip codec.
+
+DiLoCo (Douillard et al., "DiLoCo: Distributed Low-Communication Training of Language
+Models", arXiv 2311.08105): every replica takes ``H = sync_every`` steps of its own inner
+optimizer from the global parameters; then the pseudo-gradient ``theta_global - theta_local``
+is averaged over the replicas and the global parameters take an outer Nesterov SGD step
+(:mod:`gradzip.outer.nesterov`); every replica continues from the new global parameters.
+
+Streaming DiLoCo (Douillard et al., "Streaming DiLoCo with overlapping communication",
+arXiv 2501.18512): ``fragments=F`` spreads the exchange over the cycle, one fragment at a time
+(:mod:`gradzip.outer.schedule`); ``delay=D >= 1`` launches a fragment's exchange and applies its
+outer update ``D`` inner steps later, the collectives running in the background meanwhile
+(they go through the group's ordered :class:`~gradzip.comm.queue.CollectiveQueue`, asynchronous,
+so no inner step waits on the link until an update is due). The late update is merged with the
+parameters the replica reached in the meantime as the paper does:
+``theta_local = mix * theta_local + (1 - mix) * theta_global``.
+
+SparseLoCo (Sarfi et al., "Communication Efficient LLM Pre-training with SparseLoCo",
+arXiv 2508.15706), ``method="sparseloco"``: no outer momentum; instead each replica keeps an
+error-feedback accumulator decayed by ``outer_momentum`` (``e = beta * e + delta``, send
+``C(e)``, keep ``e - C(e)``) and the global step is plain SGD on the averaged compressed
+updates, ``theta = theta - outer_lr * mean(C(e))``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradzip.comm import Reducer, make_reducer
+from gradzip.comm.queue import CollectiveQueue, completed
+from gradzip.compressors import Compressor, build
+from gradzip.metrics import StepMetrics
+from gradzip.outer.exchange import Exchange, launch, make_buckets, share_in_replica, unflatten
+from gradzip.outer.nesterov import OuterNesterov
+from gradzip.outer.schedule import Schedule, strided_fragments
+
+METHODS = ("diloco", "sparseloco")
+
+
+def _check_number(value: Any, *, name: str, low: float, high: float, low_open: bool, high_open: bool) -> float:
+    bound = f"{'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    ok = ok and (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        raise ValueError(f"{name} must be a number in {bound}; got {value!r}")
+    return float(value)
+
+
+class DiLoCo:
+    """An outer loop around ``inner_optimizer``: call :meth:`step` where you called
+    ``inner_optimizer.step()``.
+
+        inner = torch.optim.AdamW(model.parameters(), lr=4e-4, weight_decay=0.1)
+        opt = gradzip.DiLoCo(model, inner, "uniform:bits=8", sync_every=50)
+        for x, y in data:
+            loss_fn(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    Args:
+        model: the replica's model (its trainable parameters are synchronised; buffers such as
+            batch-norm statistics stay local). Under DDP inside a replica pass the DDP module.
+        inner_optimizer: any optimizer over ``model``'s parameters (AdamW in the papers).
+        compressor: codec of the pseudo-gradient exchange: a spec (``"none"``,
+            ``"uniform:bits=8"``, ``"topk:ratio=0.02"``, ``"powersgd:approx_rank=4"``...) or a
+            built codec. ``"auto"`` is refused.
+        sync_every: ``H``, inner steps per outer step of each fragment (>= 1).
+        outer_lr: outer learning rate (> 0; the DiLoCo paper: 0.7).
+        outer_momentum: in [0, 1): the Nesterov momentum of the outer step (the paper: 0.9),
+            or, with ``method="sparseloco"``, the decay of the error-feedback accumulator.
+        fragments: ``F``, parameter fragments synchronised on a staggered schedule, in
+            ``[1, min(parameter tensors, sync_every)]`` (1: all at once, DiLoCo).
+        delay: ``D``, inner steps between launching a fragment's exchange and applying its
+            outer update, in ``[0, sync_every // fragments - 1]`` (0: synchronous): one
+            exchange is in flight at a time.
+        mix: ``alpha`` in [0, 1], the weight of the replica's own parameters when an outer
+            update lands (``theta_local = alpha * theta_local + (1 - alpha) * theta_global``);
+            0 replaces them by the global parameters, as DiLoCo does.
+        method: ``"diloco"`` (outer Nesterov momentum; error feedback as ``error_feedback``
+            says) or ``"sparseloco"`` (error feedback decayed by ``outer_momentum`` in place of
+            outer momentum; single-round codecs).
+        error_feedback: keep the codec's residual across outer steps (None: the codec's
+            default; forced on by ``"sparseloco"``).
+        collective: the reducers' route (``auto``, ``allreduce``, ``allgather``, ``twophase``).
+        min_compress_bytes: buckets with fewer raw bytes travel uncompressed (>= 0).
+        bucket_cap_mb: a fragment's tensors travel in buckets of at most this many MiB (>= 0;
+            0: one tensor per bucket).
+        group: process group of the outer exchange, between replicas (None: the default
+            group); see :func:`gradzip.outer.groups.replica_groups`. Its timeout bounds how long
+            an exchange with a replica that stopped waits before :meth:`step` raises.
+        replica_group: the ranks of this replica (None: a replica is one rank). Given, the
+            replica's ranks share the exchange out: each bucket is exchanged by one of them
+            (bucket ``b`` of a fragment by the replica's rank ``b % replica_size``; fragments
+            are cut into at least that many buckets where the tensors allow) and broadcast to
+            the others when its update is applied, so the bytes between replicas are one
+            rank's, not ``replica_size`` copies.
+        metrics: where the exchange's bytes and times go.
+
+    Raises:
+        ValueError: naming the option and its allowed range, for any setting out of range.
+
+    Payload per outer step of a fragment: the codec's payload for each of its buckets (the
+    identity codec: 4 bytes per fp32 element); a full cycle of ``H`` inner steps sends every
+    parameter exactly once. Biased or not, aggregatable or not: as the codec. Memory: one copy
+    of the trained parameters (the global parameters, in the parameters' dtype and device) and
+    one momentum buffer per tensor.
+
+    A pseudo-gradient that is not finite on any rank is skipped on every rank: the global
+    parameters and outer state stay, the fragment's local parameters go back to the global
+    ones, the reducer's residuals are put back, and :attr:`skipped` counts it. The inner
+    optimizer's own state is left as it is.
+
+    What differs from the papers: fragments are strided over parameter tensors, not over
+    transformer blocks; ``mix`` defaults to 0 (replace, as DiLoCo and torchft's default do), while
+    Streaming DiLoCo mixes the late update with the local parameters (set ``mix``, its
+    ``alpha``); ``delay`` is below ``sync_every // fragments`` (as torchft requires) so at most
+    one exchange is in flight; any gradzip codec takes the place of the papers' FP4 / int8 /
+    chunked Top-K with 2-bit values. The codec compresses on the calling thread when the
+    exchange is launched; what overlaps the following inner steps is the collectives.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        inner_optimizer: torch.optim.Optimizer,
+        compressor: str | Compressor = "none",
+        *,
+        sync_every: int,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        fragments: int = 1,
+        delay: int = 0,
+        mix: float = 0.0,
+        method: str = "diloco",
+        error_feedback: bool | None = None,
+        collective: str = "auto",
+        min_compress_bytes: int = 0,
+        bucket_cap_mb: float = 25.0,
+        group: dist.ProcessGroup | None = None,
+        replica_group: dist.ProcessGroup | None = None,
+        metrics: StepMetrics | None = None,
+    ) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.schedule = Schedule(sync_every=sync_every, fragments=fragments, delay=delay, n_tensors=len(self.params))
+        self.outer_lr = _check_number(outer_lr, name="outer_lr", low=0, high=math.inf, low_open=True, high_open=True)
+        momentum = _check_number(outer_momentum, name="outer_momentum", low=0, high=1, low_open=False, high_open=True)
+        self.mix = _check_number(mix, name="mix", low=0, high=1, low_open=False, high_open=False)
+        cap_mb = _check_number(bucket_cap_mb, name="bucket_cap_mb", low=0, high=math.inf, low_open=False, high_open=True)
+        if method not in METHODS:
+            raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+        if isinstance(compressor, str) and compressor.strip().lower() == "auto":
+            raise ValueError("compressor must be a codec spec or codec; 'auto' cannot run on the outer exchange")
+        codec = build(compressor)
+        sparseloco = method == "sparseloco"
+        if sparseloco and error_feedback is False:
+            raise ValueError("error_feedback must be on (None or True) with method='sparseloco', which relies on it")
+        if sparseloco and codec.multi_round:
+            raise ValueError(f"method='sparseloco' needs a single-round codec; {codec.name} brings its own rounds")
+        self.inner_optimizer = inner_optimizer
+        self.method = method
+        self.spec = codec.spec
+        self.metrics = metrics if metrics is not None else StepMetrics()
+        self.reducer: Reducer = make_reducer(
+            codec, group=group, error_feedback=True if sparseloco else error_feedback, collective=collective,
+            min_compress_bytes=min_compress_bytes, queue=CollectiveQueue(), metrics=self.metrics,
+            feedback_decay=momentum if sparseloco else 1.0,
+        )
+        with torch.no_grad():
+            self.global_params = [p.detach().clone() for p in self.params]
+        self.outer = OuterNesterov(self.global_params, lr=self.outer_lr, momentum=0.0 if sparseloco else momentum)
+        self.fragments = strided_fragments(len(self.params), fragments)
+        cap_bytes = int(cap_mb * 2**20)
+        self.replica_group = replica_group
+        share = 1 if replica_group is None else dist.get_world_size(replica_group)
+        position = 0 if replica_group is None else dist.get_rank(replica_group)
+        self.buckets = [
+            make_buckets(p, idx, self.params, cap_bytes, share=share) for p, idx in enumerate(self.fragments)
+        ]
+        self._share = share
+        self._mine = [[b % share == position for b in range(len(bs))] for bs in self.buckets]
+        self.inner_steps = 0  # inner steps taken
+        self.exchanges = 0  # fragment exchanges launched: the reducer's step number
+        self.skipped = 0  # outer updates skipped for a non-finite pseudo-gradient
+        self.pending: list[Exchange] = []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """The inner optimizer's ``zero_grad``."""
+        self.inner_optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One inner step; then apply the outer updates due now and launch the exchanges that
+        start now (identical on every rank). Returns what the inner step returned.
+
+        Raises:
+            RuntimeError: if an outer exchange failed (a replica stopped, the link timed out).
+        """
+        loss = self.inner_optimizer.step() if closure is None else self.inner_optimizer.step(closure)
+        self.inner_steps += 1
+        for exchange in [e for e in self.pending if e.due == self.inner_steps]:
+            self.pending.remove(exchange)
+            self._apply(exchange)
+        for fragment in self.schedule.sends_after(self.inner_steps):
+            exchange = self._launch(fragment)
+            if self.schedule.delay == 0:
+                self._apply(exchange)
+            else:
+                self.pending.append(exchange)
+        return loss
+
+    @torch.no_grad()
+    def _launch(self, fragment: int) -> Exchange:
+        pseudo = {
+            i: self.global_params[i] - self.params[i]
+            for bucket, mine in zip(self.buckets[fragment], self._mine[fragment]) if mine
+            for i in bucket.indices
+        }
+        exchange = launch(
+            self.reducer, self.buckets[fragment], pseudo, fragment=fragment,
+            due=self.inner_steps + self.schedule.delay, step=self.exchanges, mine=self._mine[fragment],
+        )
+        self.exchanges += 1
+        return exchange
+
+    @torch.no_grad()
+    def _apply(self, exchange: Exchange) -> None:
+        indices = self.fragments[exchange.fragment]
+        buckets = self.buckets[exchange.fragment]
+        results = exchange.result()
+        if self.replica_group is not None:
+            results = share_in_replica(buckets, results, self.params, self.replica_group, lambda b: b % self._share)
+        means = unflatten(buckets, results, self.params)
+        if means is None:
+            self.skipped += 1
+            for i in indices:
+                self.params[i].copy_(self.global_params[i])
+            return
+        self.outer.step(indices, [means[i] for i in indices])
+        for i in indices:
+            if self.mix == 0:
+                self.params[i].copy_(self.global_params[i])
+            else:
+                self.params[i].lerp_(self.global_params[i], 1 - self.mix)
+
+    def synchronize(self) -> None:
+        """Wait for every exchange in flight and apply it now (before evaluating or at the end
+        of training, so that the model holds every update that was sent). Training may go on
+        afterwards; those updates have then landed earlier than ``delay`` said."""
+        while self.pending:
+            self._apply(self.pending.pop(0))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything to resume exactly: settings, step counters, global parameters, outer
+        momentum, the reducer's residuals, the inner optimizer's state and the exchanges in
+        flight. Those are waited for here (this call blocks until their collectives complete)
+        and saved with their results, to be applied at the same inner step after loading. The
+        model's parameters are the caller's to save (``model.state_dict()``). Residuals differ
+        per rank: save every rank's own."""
+        for exchange in self.pending:
+            exchange.resolve()
+        return {
+            "settings": self._settings(),
+            "inner_steps": self.inner_steps,
+            "exchanges": self.exchanges,
+            "skipped": self.skipped,
+            "global": [g.clone() for g in self.global_params],
+            "outer": self.outer.state_dict(),
+            "pending": [
+                {
+                    "fragment": e.fragment, "due": e.due, "step": e.step,
+                    "results": [None if f is None else f.wait().clone() for f in e.futures],
+                }
+                for e in self.pending
+            ],
+            "reducer": self.reducer.state_dict(),
+            "inner": self.inner_optimizer.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned.
+
+        Raises:
+            ValueError: if the checkpoint was made with other settings (codec, schedule, method).
+        """
+        if state["settings"] != self._settings():
+            raise ValueError(f"checkpoint made with settings {state['settings']}, not {self._settings()}")
+        self.inner_steps = state["inner_steps"]
+        self.exchanges = state["exchanges"]
+        self.skipped = state["skipped"]
+        with torch.no_grad():
+            for g, saved in zip(self.global_params, state["global"]):
+                g.copy_(saved)
+        self.outer.load_state_dict(state["outer"])
+        self.pending = [
+            Exchange(
+                e["fragment"], e["due"], e["step"],
+                [None if t is None else completed(t.to(self.params[0].device)) for t in e["results"]],
+            )
+            for e in state["pending"]
+        ]
+        self.reducer.load_state_dict(state["reducer"])
+        self.inner_optimizer.load_state_dict(state["inner"])
+
+    def _settings(self) -> dict[str, Any]:
+        s = self.schedule
+        return {
+            "compressor": self.spec, "method": self.method, "sync_every": s.sync_every,
+            "fragments": s.fragments, "delay": s.delay, "n_tensors": s.n_tensors, "replica_size": self._share,
+        }
+
