@@ -14,9 +14,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from gradzip.comm import nonfinite
+from gradzip.comm.queue import CollectiveQueue
 from gradzip.compressors import check_int
 from gradzip.compressors.kernels import wire
-from gradzip.comm.queue import CollectiveQueue
 from gradzip.metrics import StepMetrics
 from gradzip.optim import dct
 from gradzip.optim.base import check_nonnegative, group_world_size
