@@ -35,10 +35,50 @@ def test_onebit_adam_in_the_main_job(tmp_path):
         assert state["steps_taken"] == 8 and state["exchange"]["feedback"]["residuals"]
 
 
+def _run(tmp_path, name: str, spec: str, steps: int) -> tuple[list[dict], dict, object]:
+    out = tmp_path / name
+    args = TINY + ["--steps", str(steps), "--eval-every", str(steps // 2), "--optimizer", spec, "--compressor", "none",
+                   "--out", str(out), "--quiet"]
+    proc = subprocess.run([sys.executable, "-m", "gradzip", "train", *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    return records, summary, out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+
+
+def test_tsr_adam_in_the_main_job_sends_cores_and_sketches_only(tmp_path):
+    records, summary, ckpt = _run(tmp_path, "tsr", "tsr-adam:update_gap=3,update_gap_emb=2", 6)
+    dense = records[0]["dense_bytes"]
+    # n_embd 32: cores 8 x 8 of the four block matrices, 4 x 4 of both embeddings, the 480
+    # elements of norms and biases dense; sketches on top where a refresh falls
+    core = 4 * (4 * 8 * 8 + 2 * 4 * 4 + 480)
+    refreshes = [True, False, True, True, True, False]  # block matrices at 0 and 3, embeddings every 2
+    for record, refresh in zip(records, refreshes):
+        assert record["dense_bytes"] == dense
+        assert (record["payload_bytes"] > core) if refresh else (record["payload_bytes"] == core)
+        assert record["payload_bytes"] < dense
+    assert summary["final_val_loss"] < summary["initial_val_loss"]
+    state = torch.load(ckpt / "rank-1.pt", weights_only=False)["optimizer"]
+    bases = [s for s in state["state"].values() if "left" in s]
+    assert len(bases) == 6 and state["gradzip"]["steps_taken"] == 6
+
+
+def test_demo_in_the_main_job_sends_its_top_dct_components(tmp_path):
+    records, summary, ckpt = _run(tmp_path, "demo", "demo", 4)
+    assert len({r["payload_bytes"] for r in records}) == 1
+    assert all(0 < r["payload_bytes"] * 20 < r["dense_bytes"] for r in records)
+    assert summary["final_val_loss"] < summary["initial_val_loss"]
+    momenta = [torch.load(ckpt / f"rank-{rank}.pt", weights_only=False)["optimizer"]["state"][0]["delta"] for rank in (0, 1)]
+    assert not torch.equal(*momenta)  # each rank keeps its own momentum
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("nosuch", "--optimizer must be one of adamw, onebit-adam, zeroone-adam"),
+        ("nosuch", "--optimizer must be one of adamw, onebit-adam, zeroone-adam, tsr-adam, demo"),
+        ("tsr-adam:approx_rank=300", "approx_rank must be at most 256 (--n-embd)"),
+        ("tsr-adam:scale=0", "scale must be a number > 0"),
+        ("demo:compression_chunk=0", "compression_chunk must be an integer >= 1"),
         ("onebit-adam:warmup_steps=0", "warmup_steps must be an integer >= 1"),
         ("onebit-adam:freeze=3", "--optimizer onebit-adam has no parameter 'freeze'; it takes warmup_steps, bucket_cap_mb"),
         ("zeroone-adam:local_step_clipper=0", "local_step_clipper must be an integer >= 1"),

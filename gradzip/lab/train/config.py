@@ -30,9 +30,13 @@ class TrainConfig:
         metavar="SPEC", must_match=True)
     optimizer: str = option(
         "adamw",
-        "adamw, onebit-adam[:warmup_steps=N,bucket_cap_mb=M] or zeroone-adam[:var_freeze_step=N,var_update_scaler=K,"
-        "local_step_scaler=S,local_step_clipper=H,bucket_cap_mb=M]; the last two send 1-bit momenta after N "
-        "full-precision steps (unless given: 20% of --steps, at least --warmup-steps)",
+        "adamw, onebit-adam[:warmup_steps=N,bucket_cap_mb=M], zeroone-adam[:var_freeze_step=N,var_update_scaler=K,"
+        "local_step_scaler=S,local_step_clipper=H,bucket_cap_mb=M], tsr-adam[:approx_rank=R,update_gap=N,"
+        "approx_rank_emb=E,update_gap_emb=M,scale=S,oversampling=P,power_iters=Q] or demo[:compression_decay=B,"
+        "compression_topk=K,compression_chunk=C]; onebit-adam and zeroone-adam send 1-bit momenta after N "
+        "full-precision steps (unless given: 20% of --steps, at least --warmup-steps); tsr-adam sends r x r cores "
+        "of the attention/MLP matrices and embeddings (defaults R=n_embd/4, N=100, E=n_embd/8, M=2, S=0.75); demo "
+        "sends the top K DCT components per C x C chunk of its local momentum",
         metavar="SPEC", must_match=True)
     world_size: int = option(2, "local workers to spawn (ignored under torchrun, which sets it)", check=Int(1, 1024))
     steps: int = option(300, "optimizer steps", check=Int(1))

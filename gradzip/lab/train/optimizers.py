@@ -1,10 +1,20 @@
-"""The main job's optimizer: ``--optimizer adamw|onebit-adam|zeroone-adam[:key=value,...]``.
+"""The main job's optimizer:
+``--optimizer adamw|onebit-adam|zeroone-adam|tsr-adam|demo[:key=value,...]``.
 
-``adamw`` is ``torch.optim.AdamW`` behind the DDP hook of ``--compressor``. The other two own
+``adamw`` is ``torch.optim.AdamW`` behind the DDP hook of ``--compressor``. The others own
 their communication (:mod:`gradzip.optim`): the hook averages gradients only on the steps where
-they ask for it (1-bit Adam's warm-up, 0/1 Adam's variance steps); on every other step backward
-runs under ``no_sync`` and the optimizer exchanges its 1-bit payload itself, counted in the same
-metrics as the hook.
+they ask for it (1-bit Adam's warm-up, 0/1 Adam's variance steps; never for TSR-Adam and DeMo);
+on every other step backward runs under ``no_sync`` and the optimizer exchanges its payload
+itself, counted in the same metrics as the hook.
+
+``tsr-adam`` groups the GPT-2 weights as the paper's pre-training script groups LLaMA's: the
+attention and MLP matrices with ``approx_rank`` and ``update_gap``, the token and position
+embeddings with ``approx_rank_emb`` and ``update_gap_emb``, everything else (norms, biases) dense.
+Defaults follow the paper's scripts relative to the width: ``approx_rank`` n_embd / 4 (the
+paper: n_embd / 2 up to 350 M, n_embd / 4 at 1 B), ``approx_rank_emb`` n_embd / 8,
+``update_gap`` 100, ``update_gap_emb`` 2, ``scale`` 0.75. ``demo`` takes DeMo's paper defaults
+(``compression_decay`` 0.999, ``compression_topk`` 32, ``compression_chunk`` 64) with the job's
+``--lr`` and ``--weight-decay``.
 """
 
 from __future__ import annotations
@@ -15,14 +25,20 @@ import torch
 
 from gradzip.compressors import SpecError, parse_spec
 from gradzip.metrics import StepMetrics
-from gradzip.optim import CompressedAdamBase, OneBitAdam, ZeroOneAdam
+from gradzip.optim import CompressedAdamBase, DeMo, OneBitAdam, TSRAdam, ZeroOneAdam
 
 #: optimizer name -> the spec parameters it takes
 OPTIMIZERS: dict[str, tuple[str, ...]] = {
     "adamw": (),
     "onebit-adam": ("warmup_steps", "bucket_cap_mb"),
     "zeroone-adam": ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "bucket_cap_mb"),
+    "tsr-adam": ("approx_rank", "update_gap", "approx_rank_emb", "update_gap_emb", "scale", "oversampling",
+                 "power_iters"),
+    "demo": ("compression_decay", "compression_topk", "compression_chunk"),
 }
+
+#: TSR-Adam's settings in the main job unless given (see the module docstring)
+TSR_DEFAULTS = {"update_gap": 100, "update_gap_emb": 2, "scale": 0.75}
 
 #: Adam's betas in the main job (nanoGPT's choice for GPT-2)
 BETAS = (0.9, 0.95)
@@ -79,12 +95,55 @@ def build_optimizer(cfg, model: torch.nn.Module, *, metrics: StepMetrics | None 
     common = {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "betas": BETAS}
     if name == "adamw":
         return torch.optim.AdamW(model.parameters(), **common)
+    if name == "demo":
+        return DeMo(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, metrics=metrics, **params)
+    if name == "tsr-adam":
+        return TSRAdam(tsr_groups(cfg, model, params), seed=cfg.seed, metrics=metrics, **common,
+                       **{k: v for k, v in params.items() if k in ("oversampling", "power_iters")})
     shared = {"average_grads": False, "metrics": metrics, **common}
     if name == "onebit-adam":
         params.setdefault("warmup_steps", default_warmup_steps(cfg))
         return OneBitAdam(model.parameters(), **params, **shared)
     params.setdefault("var_freeze_step", default_warmup_steps(cfg))
     return ZeroOneAdam(model.parameters(), **params, **shared)
+
+
+def tsr_settings(cfg, params: dict[str, Any]) -> dict[str, Any]:
+    """TSR-Adam's group settings: ``params`` over the defaults of the module docstring.
+
+    Raises:
+        ValueError: for a rank larger than the weights it applies to allow, naming it.
+    """
+    out = {"approx_rank": max(1, cfg.n_embd // 4), "approx_rank_emb": max(1, cfg.n_embd // 8), **TSR_DEFAULTS}
+    out.update({k: v for k, v in params.items() if k in out})
+    for name, bound, what in (("approx_rank", cfg.n_embd, "--n-embd"),
+                              ("approx_rank_emb", min(cfg.n_embd, cfg.seq_len), "--n-embd and --seq-len")):
+        value = out[name]
+        if isinstance(value, int) and not isinstance(value, bool) and value > bound:
+            raise ValueError(f"--optimizer tsr-adam: {name} must be at most {bound} ({what}); got {value}")
+    return out
+
+
+def tsr_groups(cfg, model: torch.nn.Module, params: dict[str, Any]) -> list[dict[str, Any]]:
+    """TSR-Adam's parameter groups for ``model``: attention and MLP matrices, embeddings, the rest
+    dense (see the module docstring)."""
+    settings = tsr_settings(cfg, params)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    matrices, embedded, dense = [], [], []
+    for name, p in model.named_parameters():
+        if id(p) in embeddings:
+            embedded.append(p)
+        elif p.dim() == 2 and any(part in name.split(".") for part in ("attn", "mlp")):
+            matrices.append(p)
+        else:
+            dense.append(p)
+    return [
+        {"params": matrices, "approx_rank": settings["approx_rank"], "update_gap": settings["update_gap"],
+         "scale": settings["scale"]},
+        {"params": embedded, "approx_rank": settings["approx_rank_emb"], "update_gap": settings["update_gap_emb"],
+         "scale": settings["scale"]},
+        {"params": dense, "approx_rank": None},
+    ]
 
 
 def check_optimizer(cfg) -> None:
@@ -98,5 +157,5 @@ def check_optimizer(cfg) -> None:
 
 
 def owns_communication(optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``optimizer`` exchanges its own payload (its state differs per rank)."""
-    return isinstance(optimizer, CompressedAdamBase)
+    """Whether ``optimizer`` exchanges its own payload (its state may differ per rank)."""
+    return isinstance(optimizer, (CompressedAdamBase, DeMo))

@@ -1,0 +1,204 @@
+"""DeMo: the chunked DCT, a single-process reference of the algorithm against real gloo ranks
+(bit for bit), bytes per step against the formula, exact resume, non-finite steps skipped on
+every rank, and bad settings."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from gradzip.optim import DeMo, dct
+from gradzip.testing import run_ranks
+
+STEPS = 6
+RESUME_AT = 3
+HYPER = {"lr": 1e-2, "compression_decay": 0.9, "compression_topk": 3, "compression_chunk": 4, "weight_decay": 0.1}
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 5))
+
+
+def backward(model: torch.nn.Module, rank: int, step: int) -> None:
+    gen = torch.Generator().manual_seed(1009 * rank + step)
+    x, y = torch.randn(5, 8, generator=gen), torch.randn(5, 5, generator=gen)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def expected_bytes() -> int:
+    """chunks * k * (4-byte value + 1-byte index) per parameter at chunk 4, top-k 3: weight 6 x 8
+    in 3 x 4 blocks (4 chunks, k 3); bias 6 in chunks of 3 (2, k 3); weight 5 x 6 in 1 x 3 blocks
+    (5 has no divisor in 2..4: 10 chunks, k 3); bias 5 in chunks of 1 (5, k 1)."""
+    return 5 * (4 * 3 + 2 * 3 + 10 * 3 + 5 * 1)
+
+
+# ----- the transform ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("size, chunk, side", [(768, 64, 64), (100, 64, 50), (67, 64, 1), (10, 64, 10), (6, 4, 3), (1, 64, 1)])
+def test_chunk_side_is_the_largest_divisor_up_to_the_chunk(size, chunk, side):
+    assert dct.chunk_side(size, chunk) == side
+
+
+def test_dct_is_the_orthonormal_dct_ii_per_chunk_and_inverts():
+    n = 8
+    basis = torch.tensor([[math.cos(math.pi * (2 * i + 1) * k / (2 * n)) * math.sqrt((1 if k == 0 else 2) / n)
+                           for k in range(n)] for i in range(n)], dtype=torch.float64)
+    x = torch.randn(24, dtype=torch.float64)
+    torch.testing.assert_close(dct.encode(x, 8), x.view(3, 8) @ basis)
+    m = torch.randn(16, 24, dtype=torch.float64)
+    coeffs = dct.encode(m, 8)  # blocks (y, x) of 8 x 8 in row-major block order
+    torch.testing.assert_close(coeffs[1 * 3 + 2].view(8, 8), basis.T @ m[8:16, 16:24] @ basis)
+    for t in (x, m, torch.randn(4, 6, 3, dtype=torch.float64), torch.tensor(2.5, dtype=torch.float64)):
+        torch.testing.assert_close(dct.decode(dct.encode(t, 8), t.shape, 8), t)
+
+
+# ----- the single-process reference ------------------------------------------------------------
+
+
+@torch.no_grad()
+def reference_run(world_size: int, steps: int) -> list[torch.Tensor]:
+    """The algorithm written out: a momentum per rank, top-k of its chunked DCT, the kept part
+    subtracted, the mean over senders per position, the sign step."""
+    models = [tiny_model(0) for _ in range(world_size)]
+    lr, decay, topk, chunk, wd = (HYPER[k] for k in ("lr", "compression_decay", "compression_topk", "compression_chunk", "weight_decay"))
+    deltas = [[torch.zeros_like(p) for p in models[0].parameters()] for _ in range(world_size)]
+    for step in range(steps):
+        sent = []  # sent[rank][param] = (values, indices)
+        for rank, model in enumerate(models):
+            model.zero_grad()
+            with torch.enable_grad():
+                backward(model, rank, step)
+            mine = []
+            for j, p in enumerate(model.parameters()):
+                delta = deltas[rank][j].mul(decay).add_(p.grad, alpha=lr)
+                coeffs = dct.encode(delta, chunk)
+                idx = torch.topk(coeffs.abs(), min(topk, coeffs.shape[1]), dim=-1, sorted=False).indices
+                val = torch.gather(coeffs, -1, idx)
+                deltas[rank][j] = delta - dct.decode(torch.zeros_like(coeffs).scatter_(-1, idx, val), p.shape, chunk)
+                mine.append((val, idx))
+            sent.append(mine)
+        for j, p in enumerate(models[0].parameters()):
+            coeffs = dct.encode(torch.zeros_like(p), chunk)
+            sums, counts = torch.zeros_like(coeffs), torch.zeros_like(coeffs)
+            for rank in range(world_size):
+                val, idx = sent[rank][j]
+                sums.scatter_add_(-1, idx, val)
+                counts.scatter_add_(-1, idx, torch.ones_like(val))
+            update = dct.decode(sums / counts.clamp(min=1), p.shape, chunk)
+            p.mul_(1 - lr * wd).add_(update.sign(), alpha=-lr)
+        for model in models[1:]:
+            model.load_state_dict(models[0].state_dict())
+    return [p.detach().clone() for p in models[0].parameters()]
+
+
+# ----- real ranks ------------------------------------------------------------------------------
+
+
+def _train(rank, model, opt, steps, saves=None, bytes_log=None):
+    for step in steps:
+        if saves is not None and step == RESUME_AT:
+            saves.append((copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())))
+        opt.zero_grad()
+        backward(model, rank, step)
+        predicted = opt.payload_nbytes()
+        opt.step()
+        popped = opt.metrics.pop()
+        if bytes_log is not None:
+            bytes_log.append((predicted, popped["payload_bytes"], popped["sent_bytes"], popped["dense_bytes"]))
+
+
+def _ranks(rank: int, world_size: int) -> dict:
+    out: dict = {}
+    model = tiny_model(0)
+    opt = DeMo(model.parameters(), **HYPER)
+    saves, bytes_log = [], []
+    _train(rank, model, opt, range(STEPS), saves, bytes_log)
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    out["bytes"] = bytes_log
+    out["momentum"] = opt.state[model[0].weight]["delta"].clone()
+
+    resumed = tiny_model(4)
+    resumed.load_state_dict(saves[0][0])
+    opt2 = DeMo(resumed.parameters(), **HYPER)
+    opt2.load_state_dict(saves[0][1])
+    _train(rank, resumed, opt2, range(RESUME_AT, STEPS))
+    out["resumed"] = [p.detach().clone() for p in resumed.parameters()]
+
+    model = tiny_model(0)
+    opt = DeMo(model.parameters(), **HYPER)
+    skips = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        backward(model, rank, step)
+        if step == 2:
+            before = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+            if rank == 0:
+                model[2].bias.grad[1] = float("nan")
+            opt.step()
+            same_params = all(torch.equal(a, b) for a, b in zip(before[0].values(), model.state_dict().values()))
+            same_state = all(torch.equal(before[1]["state"][k]["delta"], v["delta"]) for k, v in opt.state_dict()["state"].items())
+            skips.append((opt.last_step_skipped, same_params, same_state, opt.steps_taken))
+            opt.zero_grad()
+            backward(model, rank, step)
+        opt.step()
+    out["skips"] = skips
+    out["after_skips"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def test_demo_on_two_gloo_ranks_equals_the_reference_bit_for_bit():
+    results = run_ranks(_ranks, 2)
+    reference = reference_run(2, STEPS)
+    dense = 4 * sum(p.numel() for p in tiny_model().parameters())
+    for r in results:
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], reference))
+        assert all(torch.equal(a, b) for a, b in zip(r["resumed"], reference))
+        assert all(torch.equal(a, b) for a, b in zip(r["after_skips"], reference))
+        assert r["skips"] == [(True, True, True, 2)]
+        for predicted, payload, sent, dense_bytes in r["bytes"]:
+            assert predicted == payload == expected_bytes()
+            assert sent == payload  # all_gather at 2 ranks: (W - 1) P
+            assert dense_bytes == dense
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
+    assert not torch.equal(results[0]["momentum"], results[1]["momentum"])  # the momenta stay local
+
+
+# ----- one process -----------------------------------------------------------------------------
+
+
+def test_single_rank_is_the_reference_at_world_size_one():
+    model = tiny_model(0)
+    opt = DeMo(model.parameters(), **HYPER)
+    _train(0, model, opt, range(STEPS))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference_run(1, STEPS)))
+
+
+def test_wide_chunks_use_int16_indices_and_paper_defaults():
+    opt = DeMo(torch.nn.Linear(256, 128).parameters())
+    assert (opt.compression_decay, opt.compression_topk, opt.compression_chunk) == (0.999, 32, 64)
+    assert opt.defaults["lr"] == 4e-4 and opt.defaults["weight_decay"] == 0.0
+    weight, bias = opt.param_groups[0]["params"]
+    assert opt.param_payload_nbytes(weight) == 2 * 4 * 32 * (4 + 2)  # 64 x 64 blocks: int16 positions
+    assert opt.param_payload_nbytes(bias) == 2 * 32 * (4 + 1)  # chunks of 64: uint8 positions
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"compression_chunk": 0}, "compression_chunk"),
+        ({"compression_topk": 0}, "compression_topk"),
+        ({"compression_decay": 1.0}, "compression_decay"),
+        ({"compression_decay": -0.1}, "compression_decay"),
+        ({"lr": 0.0}, "lr"),
+        ({"weight_decay": -1.0}, "weight_decay"),
+    ],
+)
+def test_bad_settings_raise_naming_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        DeMo(tiny_model().parameters(), **kwargs)

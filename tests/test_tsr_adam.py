@@ -1,0 +1,286 @@
+"""TSR-Adam: a single-process reference of the algorithm against real gloo ranks (bit for bit),
+bytes per step against the formula, exact resume across a refresh, non-finite steps skipped on
+every rank, the identity with Adam on the projected gradient, and bad settings."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from gradzip.compressors.base import seeded_generator
+from gradzip.optim import TSRAdam
+from gradzip.testing import run_ranks
+
+STEPS = 7
+RESUME_AT = 3  # the next step refreshes the bases (update_gap 3: steps 0, 3, 6)
+HYPER = {"lr": 2e-2, "weight_decay": 0.1, "approx_rank": 2, "update_gap": 3, "scale": 0.75, "oversampling": 2,
+         "power_iters": 1, "seed": 5}
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 4))
+
+
+def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1009 * rank + step)
+    return torch.randn(5, 8, generator=gen), torch.randn(5, 4, generator=gen)
+
+
+def backward(model: torch.nn.Module, rank: int, step: int) -> None:
+    x, y = batch(rank, step)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def expected_bytes(step: int) -> int:
+    """The docstring's formula for the tiny model: cores 2 x 2 of both weights, the biases dense,
+    and on refresh steps (1 + power_iters) * l * (m + n) with l = min(2 + 2, m, n) = 4."""
+    core = 4 * (2 * 2 + 2 * 2 + 6 + 4)
+    refresh = 4 * 2 * 4 * ((6 + 8) + (4 + 6)) if step % 3 == 0 else 0
+    return core + refresh
+
+
+# ----- the single-process reference ------------------------------------------------------------
+
+
+def _mean(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The mean as the ranks compute it: each divides by the world size, the sum in rank order."""
+    out = parts[0] / len(parts)
+    for part in parts[1:]:
+        out = out + part / len(parts)
+    return out
+
+
+@torch.no_grad()
+def reference_run(world_size: int, steps: int) -> list[torch.Tensor]:
+    """The algorithm of the paper written out: per-rank gradients, summed sketches, randomized SVD,
+    summed cores, AdamW's arithmetic in core space; biases by torch.optim.AdamW on the mean."""
+    models = [tiny_model(0) for _ in range(world_size)]
+    weights = [0, 2]  # the Linear layers: parameter indices 0 (weight) and 2 (weight)
+    params = list(models[0].parameters())
+    biases = [params[1], params[3]]
+    adamw = torch.optim.AdamW(biases, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"])
+    beta1, beta2 = 0.9, 0.999
+    state = {i: {"m": torch.zeros(2, 2), "v": torch.zeros(2, 2)} for i in weights}
+    for step in range(steps):
+        grads = []
+        for rank, model in enumerate(models):
+            model.zero_grad()
+            with torch.enable_grad():
+                backward(model, rank, step)
+            grads.append([p.grad.clone() for p in model.parameters()])
+        if step % HYPER["update_gap"] == 0:
+            for i in weights:
+                g = [grads[r][i] for r in range(world_size)]
+                m, n = g[0].shape
+                omega = torch.randn(n, min(4, m, n), generator=seeded_generator(HYPER["seed"], step, ("tsr-omega", i)))
+                q = torch.linalg.qr(_mean([gi @ omega for gi in g])).Q
+                qz = torch.linalg.qr(_mean([gi.T @ q for gi in g])).Q
+                q = torch.linalg.qr(_mean([gi @ qz for gi in g])).Q
+                u_small, _s, vh = torch.linalg.svd(_mean([q.T @ gi for gi in g]), full_matrices=False)
+                state[i]["U"], state[i]["V"] = q @ u_small[:, :2], vh[:2].T
+        for i in weights:
+            s, p = state[i], params[i]
+            core = _mean([s["U"].T @ grads[r][i] @ s["V"] for r in range(world_size)])
+            s["m"].lerp_(core, 1 - beta1)
+            s["v"].mul_(beta2).addcmul_(core, core, value=1 - beta2)
+            denom = (s["v"].sqrt() / math.sqrt(1 - beta2 ** (step + 1))).add_(1e-8)
+            p.mul_(1 - HYPER["lr"] * HYPER["weight_decay"])
+            p.add_(s["U"] @ (s["m"] / denom) @ s["V"].T, alpha=-(HYPER["scale"] * HYPER["lr"] / (1 - beta1 ** (step + 1))))
+        for j, b in zip((1, 3), biases):
+            b.grad = _mean([grads[r][j] for r in range(world_size)])
+        adamw.step()
+        for model in models[1:]:
+            model.load_state_dict(models[0].state_dict())
+    return [p.detach().clone() for p in models[0].parameters()]
+
+
+# ----- real ranks ------------------------------------------------------------------------------
+
+
+def _train(rank: int, model, opt, steps: range, saves: list | None = None, bytes_log: list | None = None) -> None:
+    for step in steps:
+        if saves is not None and step == RESUME_AT:
+            saves.append((copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())))
+        opt.zero_grad()
+        backward(model, rank, step)
+        predicted = opt.payload_nbytes()
+        opt.step()
+        popped = opt.metrics.pop()
+        if bytes_log is not None:
+            bytes_log.append((predicted, popped["payload_bytes"], popped["sent_bytes"], popped["dense_bytes"]))
+
+
+def _ranks(rank: int, world_size: int) -> dict:
+    out: dict = {}
+    model = tiny_model(0)
+    opt = TSRAdam(model.parameters(), **HYPER)
+    saves, bytes_log = [], []
+    _train(rank, model, opt, range(STEPS), saves, bytes_log)
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    out["bytes"] = bytes_log
+    out["mean_bytes"] = opt.mean_payload_nbytes()
+
+    resumed = tiny_model(9)
+    resumed.load_state_dict(saves[0][0])
+    opt2 = TSRAdam(resumed.parameters(), **{**HYPER, "seed": 0, "power_iters": 0})  # restored from the state_dict
+    opt2.load_state_dict(saves[0][1])
+    _train(rank, resumed, opt2, range(RESUME_AT, STEPS))
+    out["resumed"] = [p.detach().clone() for p in resumed.parameters()]
+
+    # A non-finite gradient on rank 1 at a plain step (4) and at a refresh step (6): every rank
+    # skips the step and keeps parameters and state as they were.
+    model = tiny_model(0)
+    opt = TSRAdam(model.parameters(), **HYPER)
+    skips = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        backward(model, rank, step)
+        if step in (4, 6):
+            before = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
+            if rank == 1:
+                next(iter(model.parameters())).grad[0, 0] = float("inf")
+            opt.step()
+            same = all(torch.equal(a, b) for a, b in zip(before[0].values(), model.state_dict().values()))
+            skips.append((opt.last_step_skipped, same, opt.steps_taken, _states_equal(before[1], opt.state_dict())))
+            opt.zero_grad()
+            backward(model, rank, step)
+        opt.step()
+    out["skips"] = skips
+    out["after_skips"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def _states_equal(a: dict, b: dict) -> bool:
+    for key in a["state"]:
+        for name, value in a["state"][key].items():
+            other = b["state"][key][name]
+            if isinstance(value, torch.Tensor) and not torch.equal(value, other):
+                return False
+            if not isinstance(value, torch.Tensor) and value != other:
+                return False
+    return True
+
+
+def test_tsr_adam_on_two_gloo_ranks_equals_the_reference_bit_for_bit():
+    results = run_ranks(_ranks, 2)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the ranks compute with one thread; LAPACK's rounding may depend on it
+    try:
+        reference = reference_run(2, STEPS)
+    finally:
+        torch.set_num_threads(threads)
+    for r in results:
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], reference))
+        assert all(torch.equal(a, b) for a, b in zip(r["resumed"], reference))
+        # the steps skipped for inf leave no trace: the run ends where the clean run ends
+        assert all(torch.equal(a, b) for a, b in zip(r["after_skips"], reference))
+        assert r["skips"] == [(True, True, 4, True), (True, True, 6, True)]
+        dense = 4 * sum(p.numel() for p in tiny_model().parameters())
+        for step, (predicted, payload, sent, dense_bytes) in enumerate(r["bytes"]):
+            assert predicted == payload == expected_bytes(step)
+            assert sent == payload  # ring all_reduce at 2 ranks: 2 (W - 1) / W = 1
+            assert dense_bytes == dense
+        assert r["mean_bytes"] == pytest.approx(4 * (8 + 10) + 4 * 2 * 4 * 24 / 3)
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
+
+
+# ----- one process -----------------------------------------------------------------------------
+
+
+def test_identity_bases_at_full_rank_are_adamw():
+    """U = V = I at r = m = n: the core is the gradient and the step is AdamW's."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        model = torch.nn.Linear(5, 5)
+    reference = copy.deepcopy(model)
+    opt = TSRAdam(model.parameters(), lr=1e-2, approx_rank=5, update_gap=1000)
+    opt.set_bases(model.weight, torch.eye(5), torch.eye(5))
+    adamw = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(6):
+        for m, o in ((model, opt), (reference, adamw)):
+            o.zero_grad()
+            x = torch.randn(4, 5, generator=torch.Generator().manual_seed(step))
+            m(x).square().sum().backward()
+            o.step()
+    torch.testing.assert_close(model.weight, reference.weight, rtol=1e-6, atol=1e-7)
+    assert torch.equal(model.bias, reference.bias)  # the bias is dense: AdamW bit for bit
+
+
+def test_fixed_bases_step_adam_on_the_projected_gradient():
+    """With fixed orthonormal bases U (m x r), V (n x r) and no weight decay, W_t = W_0 + U X_t V^T
+    where X runs torch.optim.Adam (from 0) on the projected gradients U^T G V."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(4)
+        model = torch.nn.Linear(7, 6, bias=False)
+        left = torch.linalg.qr(torch.randn(6, 3)).Q
+        right = torch.linalg.qr(torch.randn(7, 3)).Q
+    w0 = model.weight.detach().clone()
+    opt = TSRAdam(model.parameters(), lr=1e-2, weight_decay=0.0, approx_rank=3, update_gap=1000)
+    opt.set_bases(model.weight, left, right)
+    core = torch.zeros(3, 3, requires_grad=True)
+    adam = torch.optim.Adam([core], lr=1e-2)
+    for step in range(8):
+        opt.zero_grad()
+        x = torch.randn(4, 7, generator=torch.Generator().manual_seed(step))
+        model(x).sin().sum().backward()
+        core.grad = left.T @ model.weight.grad @ right
+        opt.step()
+        adam.step()
+        torch.testing.assert_close(model.weight.detach() - w0, left @ core.detach() @ right.T, rtol=1e-5, atol=1e-7)
+
+
+def test_state_dict_resumes_bit_exactly_across_a_refresh_single_rank():
+    def run(model, opt, steps):
+        for step in steps:
+            opt.zero_grad()
+            x = torch.randn(3, 8, generator=torch.Generator().manual_seed(step))
+            model(x).square().mean().backward()
+            opt.step()
+
+    model = tiny_model(1)
+    opt = TSRAdam(model.parameters(), **HYPER)
+    run(model, opt, range(2))
+    saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    run(model, opt, range(2, 8))
+    resumed = tiny_model(2)
+    resumed.load_state_dict(saved[0])
+    opt2 = TSRAdam(resumed.parameters(), **HYPER)
+    opt2.load_state_dict(saved[1])
+    assert opt2.state[next(iter(resumed.parameters()))]["refreshed_at"] == 0
+    run(resumed, opt2, range(2, 8))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"approx_rank": 7}, "approx_rank"),  # larger than the 6 rows of the first weight
+        ({"approx_rank": 0}, "approx_rank"),
+        ({"update_gap": 0}, "update_gap"),
+        ({"scale": 0.0}, "scale"),
+        ({"oversampling": -1}, "oversampling"),
+        ({"power_iters": -1}, "power_iters"),
+        ({"lr": 0.0}, "lr"),
+        ({"betas": (0.9, 1.0)}, "betas"),
+    ],
+)
+def test_bad_settings_raise_naming_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        TSRAdam(tiny_model().parameters(), **{"approx_rank": 2, **kwargs})
+
+
+def test_rank_error_names_the_shape_and_dense_groups_take_any_shape():
+    with pytest.raises(ValueError, match=r"shape \(6, 8\)"):
+        TSRAdam(tiny_model().parameters(), approx_rank=7)
+    model = tiny_model()
+    opt = TSRAdam([{"params": [model[0].weight], "approx_rank": None}, {"params": [model[2].weight], "approx_rank": 4}])
+    assert not opt.is_low_rank(model[0].weight, opt.param_groups[0])
+    with pytest.raises(ValueError, match="takes dense steps"):
+        opt.set_bases(model[0].weight, torch.eye(6), torch.eye(8))
+    with pytest.raises(ValueError, match="left and right must be"):
+        opt.set_bases(model[2].weight, torch.eye(4), torch.eye(6))
