@@ -4,7 +4,7 @@ schedule by counting, and settings out of range."""
 
 import pytest
 import torch
-from diloco_runs import flat, inner_optimizer, loss_of, reference, send_offsets, tiny_model, train_diloco
+from helpers.diloco_runs import flat, inner_optimizer, loss_of, reference, send_offsets, tiny_model, train_diloco
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradzip

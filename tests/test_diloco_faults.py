@@ -4,7 +4,7 @@ pseudo-gradient, the first overlapped exchange, and settings out of range."""
 import pytest
 import torch
 import torch.distributed as dist
-from diloco_runs import flat, inner_optimizer, loss_of, tiny_model
+from helpers.diloco_runs import flat, inner_optimizer, loss_of, tiny_model
 
 import gradzip
 from gradzip.testing import run_ranks

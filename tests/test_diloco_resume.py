@@ -6,7 +6,7 @@ import io
 
 import pytest
 import torch
-from diloco_runs import flat, inner_optimizer, loss_of, tiny_model
+from helpers.diloco_runs import flat, inner_optimizer, loss_of, tiny_model
 
 import gradzip
 from gradzip.testing import run_ranks

@@ -23,12 +23,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.profiler import ProfilerActivity, profile
 
+from gradzip.comm.routes import REGISTRY as ROUTES
 from gradzip.comm.traffic import chunk_size_counts, chunk_sizes
 from gradzip.compressors import SpecError, build, parse_spec
 from gradzip.compressors.spec import parse_value
 from gradzip.compressors.values import MAX_INT, check_int, check_number
 from gradzip.lab.cli import main
-from gradzip.lab.simulate.exchange import chunked_payload_nbytes, twophase_exchange
+from gradzip.lab.simulate.exchange import twophase_exchange
 from gradzip.lab.train import launch
 from gradzip.lab.train.checkpoint import find_checkpoint, save_checkpoint
 
@@ -290,8 +291,10 @@ def test_two_phase_chunks_are_counted_arithmetically():
             assert chunk_size_counts(numel, p) == dict(Counter(chunk_sizes(numel, p)))
     codec = build("efsignsgd")
     # 2**53 GPUs: a tuple per GPU could not be built at all; the counts take two entries.
-    total, own = chunked_payload_nbytes(codec.payload_nbytes, 10**9, torch.float32, 2**53)
-    assert own == 1 and total == 10**9 * codec.payload_nbytes(1)
+    cost = ROUTES["twophase"].cost(codec.payload_nbytes, 10**9, torch.float32, 2**53)
+    total = cost.payload_bytes
+    # 10**9 one-element chunks: each worker encodes the bucket and its own one-element chunk again
+    assert total == 10**9 * codec.payload_nbytes(1) and cost.encode_bytes == (10**9 + 1) * 4
     assert twophase_exchange(codec.payload_nbytes, 10**9, torch.float32, 2**53).payload_bytes == total
 
 

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from aggregatable_runs import bucket_grad, check_nonfinite, ddp_steps, reduce_steps
+from helpers.aggregatable_runs import bucket_grad, check_nonfinite, ddp_steps, reduce_steps
 
 from gradzip.compressors import build
 from gradzip.compressors.base import seeded_generator

@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from aggregatable_runs import bucket_grad, check_nonfinite, ddp_steps, reduce_steps
+from helpers.aggregatable_runs import bucket_grad, check_nonfinite, ddp_steps, reduce_steps
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
