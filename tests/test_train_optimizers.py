@@ -46,6 +46,7 @@ def _run(tmp_path, name: str, spec: str, steps: int) -> tuple[list[dict], dict, 
     return records, summary, out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
 
 
+@pytest.mark.e2e
 def test_tsr_adam_in_the_main_job_sends_cores_and_sketches_only(tmp_path):
     records, summary, ckpt = _run(tmp_path, "tsr", "tsr-adam:update_gap=3,update_gap_emb=2", 6)
     dense = records[0]["dense_bytes"]
@@ -63,6 +64,7 @@ def test_tsr_adam_in_the_main_job_sends_cores_and_sketches_only(tmp_path):
     assert len(bases) == 6 and state["gradzip"]["steps_taken"] == 6
 
 
+@pytest.mark.e2e
 def test_demo_in_the_main_job_sends_its_top_dct_components(tmp_path):
     records, summary, ckpt = _run(tmp_path, "demo", "demo", 4)
     assert len({r["payload_bytes"] for r in records}) == 1
