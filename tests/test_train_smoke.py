@@ -65,7 +65,7 @@ def test_train_under_torchrun(tmp_path):
         (["--compressor", "nosuch"], "unknown compressor 'nosuch'; known:"),
         (["--compressor", "topk:ratio=0"], "ratio must be in (0, 1]"),
         (["--compressor", "powersgd:approx_rank=-1"], "approx_rank must be an integer >= 1"),
-        (["--world-size", "0"], "--world-size must be an integer [1, 1024]"),
+        (["--world-size", "0"], "--world-size must be an integer in [1, 1024]"),
         (["--data", "/nonexistent/file.txt"], "--data: no such file"),
         (["--steps", "0"], "--steps must be an integer >= 1"),
         (["--compressor", "torch:nosuch"], "unknown PyTorch hook"),
