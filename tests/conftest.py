@@ -4,13 +4,14 @@ Codec kernels run eagerly here, since compiling each one costs seconds (``GRADZI
 inherited by spawned ranks); ``tests/test_fused.py`` turns compilation on and checks every
 compiled kernel bit for bit against its eager run.
 
-Every test gets exactly one tier marker: ``unit`` (one process), ``dist`` (spawns gloo ranks) or
-``e2e`` (runs the CLI, or a stand-in, in child processes). A test's tier is the one it is marked
+Every test gets exactly one tier marker: ``unit`` (one process, fast), ``slow`` (one process,
+seconds per test), ``dist`` (spawns gloo ranks) or ``e2e`` (runs the CLI, or a stand-in, in child
+processes). A test's tier is the one it is marked
 with (on itself, its class or its module's ``pytestmark``). In a module where no test is marked,
 every test takes the module's default: ``e2e`` if the module starts Python child processes
 (``subprocess``, ``sys.executable``), ``dist`` if it spawns ranks (``run_ranks``), else ``unit``.
-In a module where some test is marked, an unmarked test is ``unit``. A ``unit`` test that starts
-a process fails with a message naming the marker it needs, so the fast tier stays fast.
+In a module where some test is marked, an unmarked test is ``unit``. A ``unit`` or ``slow`` test
+that starts a process fails with a message naming the marker it needs.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ os.environ.setdefault("GRADZIP_COMPILE", "0")
 
 TIERS = {
     "unit": "one process, no spawned ranks or CLI runs (the fast tier)",
+    "slow": "one process, seconds per test: torch.compile of the codec kernels, the main job's model, long loops",
     "dist": "spawns gloo ranks on this machine (gradzip.testing.run_ranks)",
     "e2e": "runs the gradzip CLI, or a stand-in for it, end to end in child processes",
 }
@@ -71,9 +73,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _unit_tests_start_no_process(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
-    """In a ``unit`` test, starting a Python process (spawned ranks, the CLI, a script) fails;
-    a C compiler run (the native loops) and torch.compile's own workers do not."""
-    if request.node.stash.get(_TIER, "unit") != "unit":
+    """In a one-process test (``unit``, ``slow``), starting a Python process (spawned ranks, the
+    CLI, a script) fails; a C compiler run (the native loops) and torch.compile's own workers do not."""
+    if request.node.stash.get(_TIER, "unit") not in ("unit", "slow"):
         return
     where = request.node.nodeid
 

@@ -13,6 +13,7 @@ from gradzip.lab.train.data import batch_generator, sample_batch, shakespeare_te
 from gradzip.lab.train.model import build_model
 
 
+@pytest.mark.slow
 def test_model_gradient_when_cached_else_synthetic(tmp_path, monkeypatch):
     monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path))
     x, what = bench_input(1000)

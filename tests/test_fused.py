@@ -33,6 +33,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("spec", "numel", "kernels"), CASES)
 def test_compiled_equals_eager(spec, numel, kernels, monkeypatch):
     gen = torch.Generator().manual_seed(numel)
@@ -51,6 +52,7 @@ def test_compiled_equals_eager(spec, numel, kernels, monkeypatch):
     assert sum(t.numel() * t.element_size() for t in payload) == build(spec).payload_nbytes(numel)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["qsgd:bits=4,bucket=64", "uniform:bits=4,group=32"])
 def test_compiled_equals_eager_outside_the_fp32_frame(spec, monkeypatch):
     """Scales near the top of fp32 send the codecs to fp64 arithmetic (QSGD after its fused
@@ -82,6 +84,7 @@ def test_terngrad_without_an_element_at_the_bound(monkeypatch):
     assert torch.equal(bits_of(out), bits_of(eager_out))
 
 
+@pytest.mark.slow
 def test_warm_up_compiles_before_the_first_bucket(monkeypatch):
     """After :func:`fused.warm_up` a bucket of another size compiles nothing more."""
     monkeypatch.setenv(fused.ENV, "1")

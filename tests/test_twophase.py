@@ -124,6 +124,7 @@ EF_SPECS = ["topk:ratio=0.05"] + [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", EF_SPECS)
 def test_error_feedback_identity_and_convergence(spec):
     """sum of applied + mean worker residual + server residuals == sum of true means, exactly
