@@ -88,7 +88,8 @@ class TrainConfig:
     verify_every: int = option(0, "dense all_reduce beside the compressed one every N steps, difference reported; "
                                "0 off", check=Int(0), metavar="N", group=MONITORING)
     tensorboard: bool = option(False, "also write TensorBoard event files to OUT/tensorboard", group=MONITORING)
-    norm_warn: float = option(0.9, "warn when a bucket's norm ratio stays under R", check=Num(0, 1), metavar="R",
+    norm_warn: float = option(0.9, "warn when a bucket's norm ratio stays under R (codecs without error feedback; with it, a residual above "
+        "20x the gradient or a relative error of 1 or more warns instead)", check=Num(0, 1), metavar="R",
                               group=MONITORING)
     norm_warn_checks: int = option(3, "... for K consecutive checks", check=Int(1), metavar="K", group=MONITORING)
     adapt_every: int = option(
