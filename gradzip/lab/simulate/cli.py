@@ -80,8 +80,8 @@ def check_options(args: argparse.Namespace) -> None:
     if args.bandwidth is not None:
         parse_rate_bits(args.bandwidth)
     link_efficiency(args.link_efficiency)
-    if not args.calibrate:
-        writable_folder(args.out, "--out")
+    if args.codec_gbps is not None and args.codec_gbps.strip() != "measure":
+        codec_speeds([], args.codec_gbps)  # the rates' form; which codecs they name is read later
     given = [f"--{name.replace('_', '-')}" for name in CALIBRATION_ONLY if getattr(args, name) is not None]
     if given and not args.calibrate:
         raise ValueError(
@@ -307,13 +307,12 @@ def run(args: argparse.Namespace) -> int:
         return run_calibration(args)
     scenario = scenario_from_args(args)
     methods = [Method(spec) for spec in split_specs(args.compressors)]
+    out = writable_folder(args.out, "--out")  # after the specs, so that a bad one leaves no folder
     sweep = sorted(set(_positive_ints(args.sweep, "--sweep", MAX_GPUS)) | {args.gpus})
     speeds = codec_speeds(methods, args.codec_gbps)
     rows = project(scenario, methods, args.gpus, speeds)
     setup = describe(scenario, args.gpus, rows)
     table = format_table(rows)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     data = {
         "setup": setup.splitlines(),
         "rows": [r.as_dict() for r in rows],
