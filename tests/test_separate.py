@@ -130,4 +130,4 @@ def test_ddp_hook_two_ranks_bit_identical():
 
 
 def test_nonfinite_input_marks_every_rank_and_leaves_no_state():
-    check_nonfinite("separate:approx_rank=2")
+    check_nonfinite(["separate:approx_rank=2"])
