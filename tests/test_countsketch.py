@@ -104,7 +104,7 @@ def test_ranks_bit_identical_equal_reference_bytes_and_resume(world_size):
 
 
 def test_nonfinite_input_marks_every_rank_and_leaves_no_state():
-    check_nonfinite("countsketch:ratio=0.2,width=3")
+    check_nonfinite(["countsketch:ratio=0.2,width=3"])
 
 
 def test_ddp_hook_two_ranks_bit_identical():

@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from helpers.aggregatable_runs import bucket_grad, check_nonfinite, ddp_steps, reduce_steps
+from helpers.aggregatable_runs import bucket_grad, check_nonfinite, ddp_steps, reduce_steps_each
 
 from gradzip.compressors import build
 from gradzip.compressors.base import seeded_generator
@@ -97,10 +97,14 @@ def reference(world_size, codec, shapes, steps):
     return outs
 
 
-@pytest.mark.parametrize("spec", [SPEC, SPEC8])
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_ranks_bit_identical_equal_reference_bytes_and_resume(world_size, spec):
-    results = run_ranks(reduce_steps, world_size, spec, SHAPES, STEPS, RESUME_AT)
+def test_ranks_bit_identical_equal_reference_bytes_and_resume(world_size):
+    runs = run_ranks(reduce_steps_each, world_size, [SPEC, SPEC8], SHAPES, STEPS, RESUME_AT)
+    for spec in (SPEC, SPEC8):
+        _check_against_reference(world_size, spec, [run[spec] for run in runs])
+
+
+def _check_against_reference(world_size, spec, results):
     codec = build(spec)
     expected = reference(world_size, codec, SHAPES, STEPS)
     payload = sum(codec.matrix_payload_nbytes(s) for s in SHAPES)
@@ -111,25 +115,25 @@ def test_ranks_bit_identical_equal_reference_bytes_and_resume(world_size, spec):
             # The wire's fp16 sums and fp32 products differ from the float64 reference by
             # rounding, about 1e-3 relative; an int8 code at a rounding boundary can differ by one.
             err = float((res["outs"][step] - expected[step]).norm() / expected[step].norm())
-            assert err < 1e-2, (step, err)
+            assert err < 1e-2, (spec, step, err)
         for got, want in zip(res["resumed"], res["outs"][RESUME_AT:]):
             assert torch.equal(got, want), "a resumed run differs"
 
 
-@pytest.mark.parametrize(("spec", "bound"), [(SPEC, 5e-3), (SPEC8, 5e-2)])
-def test_low_bit_factors_decode_close_to_full_factors(spec, bound):
-    low = run_ranks(reduce_steps, 2, spec, SHAPES, 1, 0)[0]["outs"][0]
-    full = run_ranks(reduce_steps, 2, "powersgd:approx_rank=2", SHAPES, 1, 0)[0]["outs"][0]
-    assert float((low - full).norm() / full.norm()) < bound
+def test_low_bit_factors_decode_close_to_full_factors():
+    full_spec = "powersgd:approx_rank=2"
+    outs = run_ranks(reduce_steps_each, 2, [SPEC, SPEC8, full_spec], SHAPES, 1, 0)[0]
+    full = outs[full_spec]["outs"][0]
+    for spec, bound in [(SPEC, 5e-3), (SPEC8, 5e-2)]:
+        assert float((outs[spec]["outs"][0] - full).norm() / full.norm()) < bound, spec
 
 
-@pytest.mark.parametrize("spec", [SPEC, SPEC8])
-def test_nonfinite_input_marks_every_rank_and_leaves_no_state(spec):
-    check_nonfinite(spec)
+def test_nonfinite_input_marks_every_rank_and_leaves_no_state():
+    check_nonfinite([SPEC, SPEC8])
 
 
-@pytest.mark.parametrize("spec", [SPEC, SPEC8])
-def test_ddp_hook_two_ranks_bit_identical(spec):
-    params = run_ranks(ddp_steps, 2, spec)
-    assert torch.isfinite(params[0]).all()
-    assert torch.equal(params[0], params[1])
+def test_ddp_hook_two_ranks_bit_identical():
+    params = run_ranks(ddp_steps, 2, [SPEC, SPEC8])
+    for spec in (SPEC, SPEC8):
+        assert torch.isfinite(params[0][spec]).all(), spec
+        assert torch.equal(params[0][spec], params[1][spec]), spec

@@ -1,7 +1,8 @@
 """Reducers: the mean over a process group of compressed tensors.
 
-:func:`make_reducer` picks the reducer from the codec's declared properties: multi-round
-codecs (PowerSGD) bring their own; single-round codecs use :class:`CompressedReducer`, which
+:func:`make_reducer` picks the reducer from the codec's declared properties: codecs that
+bring their own (``multi_round``: PowerSGD, SEPARATE, the count sketch) get it from
+:func:`own_reducer`; single-round codecs use :class:`CompressedReducer`, which
 picks a route per bucket by bytes (:mod:`gradzip.comm.routes`): all_reduce, all_gather,
 the two-phase compressed all_reduce (:mod:`gradzip.comm.twophase`) or dense.
 """

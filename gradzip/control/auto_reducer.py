@@ -130,6 +130,8 @@ class AutoReducer:
 
     def _make(self, codec: Compressor):
         if codec.multi_round:
+            if codec.name != "powersgd":  # auto probes and moves residuals; only PowerSGD's reducer can
+                raise ValueError(f"auto candidates take powersgd and single-round codecs, not {codec.name}")
             return PowerSGDReducer(codec, group=self.group, queue=self.queue, metrics=self.metrics, ledger=self.ledger)
         return CompressedReducer(
             codec, group=self.group, error_feedback=codec.name != "none",

@@ -38,6 +38,11 @@ def reduce_steps(rank: int, world_size: int, spec: str, shapes: list, steps: int
     return {"outs": outs, "bytes": nbytes, "resumed": resumed}
 
 
+def reduce_steps_each(rank: int, world_size: int, specs: list, shapes: list, steps: int, resume_at: int) -> dict:
+    """:func:`reduce_steps` for each spec in one set of ranks: ``{spec: result}``."""
+    return {spec: reduce_steps(rank, world_size, spec, shapes, steps, resume_at) for spec in specs}
+
+
 def _mlp() -> torch.nn.Module:
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -46,7 +51,9 @@ def _mlp() -> torch.nn.Module:
 
 def ddp_steps(rank: int, world_size: int, spec: str, steps: int = 4) -> torch.Tensor:
     """``steps`` SGD steps of a small MLP under DDP with gradzip's hook (two buckets); returns
-    the flat parameters."""
+    the flat parameters. ``spec`` may be a list: then ``{spec: parameters}``."""
+    if isinstance(spec, list):
+        return {s: ddp_steps(rank, world_size, s, steps) for s in spec}
     model = _mlp()
     ddp = DDP(model, bucket_cap_mb=0.002)
     ddp.register_comm_hook(gradzip.CompressionState(spec), gradzip.compression_hook)
@@ -59,14 +66,18 @@ def ddp_steps(rank: int, world_size: int, spec: str, steps: int = 4) -> torch.Te
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def check_nonfinite(spec: str, world_size: int = 3) -> None:
-    """tests/test_nonfinite.py's reducer contract for ``spec`` alone: an inf or NaN bucket on one
+def check_nonfinite(specs: list[str], world_size: int = 3) -> None:
+    """tests/test_nonfinite.py's reducer contract for ``specs`` alone: an inf or NaN bucket on one
     rank gives all NaN on every rank, leaves no state behind, and extreme finite input stays
     finite and identical across ranks."""
     from test_nonfinite import _nonfinite_worker
 
-    reports = run_ranks(_nonfinite_worker, world_size, [(spec, {})], timeout_s=300)
-    name = f"{spec}/{{}}"
+    reports = run_ranks(_nonfinite_worker, world_size, [(spec, {}) for spec in specs], timeout_s=300)
+    for spec in specs:
+        _check_nonfinite_report(reports, f"{spec}/{{}}")
+
+
+def _check_nonfinite_report(reports: list, name: str) -> None:
     for rank, report in enumerate(reports):
         entry = report[name]
         assert entry["bad_bucket_all_nan"], f"rank {rank} did not get the NaN marker"
