@@ -48,7 +48,7 @@ def _run(tmp_path, name: str, spec: str, steps: int) -> tuple[list[dict], dict, 
 
 @pytest.mark.e2e
 def test_tsr_adam_in_the_main_job_sends_cores_and_sketches_only(tmp_path):
-    records, summary, ckpt = _run(tmp_path, "tsr", "tsr-adam:update_gap=3,update_gap_emb=2", 6)
+    records, summary, ckpt = _run(tmp_path, "tsr", "tsr-adam:update_gap=3,update_gap_emb=2,approx_rank_emb=4", 6)
     dense = records[0]["dense_bytes"]
     # n_embd 32: cores 8 x 8 of the four block matrices, 4 x 4 of both embeddings, the 480
     # elements of norms and biases dense; sketches on top where a refresh falls

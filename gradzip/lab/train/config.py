@@ -35,7 +35,8 @@ class TrainConfig:
         "approx_rank_emb=E,update_gap_emb=M,scale=S,oversampling=P,power_iters=Q] or demo[:compression_decay=B,"
         "compression_topk=K,compression_chunk=C]; onebit-adam and zeroone-adam send 1-bit momenta after N "
         "full-precision steps (unless given: 20% of --steps, at least --warmup-steps); tsr-adam sends r x r cores "
-        "of the attention/MLP matrices and embeddings (defaults R=n_embd/4, N=100, E=n_embd/8, M=2, S=0.75); demo "
+        "of the attention/MLP matrices and embeddings (defaults R=n_embd/4, N=10% of --steps up to 100, "
+        "E=n_embd/2, M=10, S=7.5); demo "
         "sends the top K DCT components per C x C chunk of its local momentum",
         metavar="SPEC", must_match=True)
     world_size: int = option(2, "local workers to spawn (ignored under torchrun, which sets it)", check=Int(1, 1024))

@@ -10,9 +10,14 @@ itself, counted in the same metrics as the hook.
 ``tsr-adam`` groups the GPT-2 weights as the paper's pre-training script groups LLaMA's: the
 attention and MLP matrices with ``approx_rank`` and ``update_gap``, the token and position
 embeddings with ``approx_rank_emb`` and ``update_gap_emb``, everything else (norms, biases) dense.
-Defaults follow the paper's scripts relative to the width: ``approx_rank`` n_embd / 4 (the
-paper: n_embd / 2 up to 350 M, n_embd / 4 at 1 B), ``approx_rank_emb`` n_embd / 8,
-``update_gap`` 100, ``update_gap_emb`` 2, ``scale`` 0.75. ``demo`` takes DeMo's paper defaults
+Defaults, measured on the 300-step demo job
+(``benchmarks/results/optimizers_subspace``): ``approx_rank`` n_embd / 4 (the paper's scripts:
+n_embd / 2 up to 350 M, n_embd / 4 at 1 B); ``approx_rank_emb`` n_embd / 2 (at most ``--seq-len``, the position table's rows) and
+``update_gap_emb`` 10 (the paper's n_embd / 8 every 2 steps sends as many bytes here, where the
+token embedding is also the output layer, and trained worse); ``update_gap`` 10% of ``--steps``,
+at most the paper's 100 (bases from the first gradient serving a third of a short run stalled
+it); ``scale`` 7.5, the paper's 0.75 at its lr of 10x AdamW's, since the job has one ``--lr``
+and the dense parameters keep AdamW's. ``demo`` takes DeMo's paper defaults
 (``compression_decay`` 0.999, ``compression_topk`` 32, ``compression_chunk`` 64) with the job's
 ``--lr`` and ``--weight-decay``.
 """
@@ -38,7 +43,7 @@ OPTIMIZERS: dict[str, tuple[str, ...]] = {
 }
 
 #: TSR-Adam's settings in the main job unless given (see the module docstring)
-TSR_DEFAULTS = {"update_gap": 100, "update_gap_emb": 2, "scale": 0.75}
+TSR_DEFAULTS = {"update_gap_emb": 10, "scale": 7.5}
 
 #: Adam's betas in the main job (nanoGPT's choice for GPT-2)
 BETAS = (0.9, 0.95)
@@ -114,7 +119,8 @@ def tsr_settings(cfg, params: dict[str, Any]) -> dict[str, Any]:
     Raises:
         ValueError: for a rank larger than the weights it applies to allow, naming it.
     """
-    out = {"approx_rank": max(1, cfg.n_embd // 4), "approx_rank_emb": max(1, cfg.n_embd // 8), **TSR_DEFAULTS}
+    out = {"approx_rank": max(1, cfg.n_embd // 4), "approx_rank_emb": max(1, min(cfg.n_embd // 2, cfg.seq_len)),
+           "update_gap": min(100, max(1, cfg.steps // 10)), **TSR_DEFAULTS}
     out.update({k: v for k, v in params.items() if k in out})
     for name, bound, what in (("approx_rank", cfg.n_embd, "--n-embd"),
                               ("approx_rank_emb", min(cfg.n_embd, cfg.seq_len), "--n-embd and --seq-len")):
