@@ -23,6 +23,7 @@ examples:
   gradzip compare --compressors none,fp16,powersgd:approx_rank=4,topk:ratio=0.01 \\
       --world-size 4 --bandwidth 100mbit --steps 100 --out runs/compare-100mbit
   gradzip compare --compressors fp16,torch:fp16,torch:powersgd --network loopback --steps 20
+  gradzip compare --compressors powersgd:approx_rank=4,diloco:sync_every=20+uniform:bits=8 --bandwidth 20mbit
 """
 
 #: ``gradzip train`` options passed through unchanged (None keeps train's default)
@@ -36,7 +37,9 @@ def add_parser(sub) -> None:
     )  # fmt: skip
     p.add_argument("--compressors", default="none,fp16,powersgd:approx_rank=4,topk:ratio=0.01", metavar="SPECS",
                    help="comma-separated specs; torch:fp16, torch:powersgd etc. run PyTorch's hooks; onebit-adam and "
-                   "zeroone-adam[:options] run that optimizer behind the uncompressed hook (default: %(default)s)")
+                   "zeroone-adam[:options] run that optimizer behind the uncompressed hook; diloco:sync_every=H[,...][+CODEC] "
+                   "runs DiLoCo with CODEC between the workers (gradzip train --outer, --outer-compressor) "
+                   "(default: %(default)s)")
     p.add_argument("--world-size", type=int, default=4, help="workers, one per host (default 4)")
     p.add_argument("--bandwidth", default="100mbit", help="each host's link rate, e.g. 20mbit, 1gbit (default 100mbit)")
     p.add_argument("--steps", type=int, default=100, help="training steps of every run (default 100)")

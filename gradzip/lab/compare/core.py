@@ -115,10 +115,15 @@ def split_compressors(text: str) -> list[str]:
 def _check_specs(cfg: CompareConfig) -> None:
     """Fail on a bad spec or training option now, not in the fifth run."""
     from gradzip.lab.train.optimizers import check_optimizer, names_optimizer
+    from gradzip.lab.train.outer import names_outer, split_entry
 
     for spec in cfg.compressors:
         if names_optimizer(spec):
             check_optimizer(TrainConfig(optimizer=spec, steps=cfg.steps))
+        elif names_outer(spec):
+            outer, codec = split_entry(spec)
+            TrainConfig(outer=outer, outer_compressor=codec, compressor="none", steps=cfg.steps,
+                        world_size=cfg.world_size).validate()
         else:  # the spec with train's default options, as each run will use it
             TrainConfig(compressor=spec, steps=cfg.steps, world_size=cfg.world_size).validate()
     TrainConfig(

@@ -244,11 +244,19 @@ def train_command(
 ) -> list[str]:  # fmt: skip
     """The argv of one rank of ``gradzip train`` (``prefix`` runs it); ``options`` maps option
     names (``batch_size``) to values, None meaning the train default. ``compressor`` may name an
-    optimizer instead (``onebit-adam``, see :func:`gradzip.lab.train.optimizers.names_optimizer`)."""
+    optimizer instead (``onebit-adam``, see :func:`gradzip.lab.train.optimizers.names_optimizer`) or
+    DiLoCo (``diloco:sync_every=20+uniform:bits=8``, see :func:`gradzip.lab.train.outer.split_entry`)."""
     from gradzip.lab.train.optimizers import names_optimizer
+    from gradzip.lab.train.outer import names_outer, split_entry
 
-    # an optimizer that owns its exchange (onebit-adam) runs behind the uncompressed hook
-    exchange = ["--optimizer", compressor, "--compressor", "none"] if names_optimizer(compressor) else ["--compressor", compressor]
+    if names_optimizer(compressor):
+        # an optimizer that owns its exchange (onebit-adam) runs behind the uncompressed hook
+        exchange = ["--optimizer", compressor, "--compressor", "none"]
+    elif names_outer(compressor):  # one rank per replica: the outer exchange is the only one
+        outer, codec = split_entry(compressor)
+        exchange = ["--outer", outer, "--outer-compressor", codec, "--compressor", "none"]
+    else:
+        exchange = ["--compressor", compressor]
     argv = [*prefix, *exchange, "--steps", str(steps), "--seed", str(seed), "--out", str(out_dir),
             "--timeout-s", f"{collective_timeout_s:g}", "--quiet"]  # fmt: skip
     if no_exchange:

@@ -46,6 +46,24 @@ def parse_outer(spec: str) -> dict[str, Any]:
     return params
 
 
+def names_outer(spec: str) -> bool:
+    """Whether a ``gradzip compare`` entry names DiLoCo (``diloco:sync_every=20+uniform:bits=8``)
+    rather than a codec or an optimizer; see :func:`split_entry`."""
+    try:
+        parts = parse_spec(spec)
+    except SpecError:
+        return False
+    return bool(parts) and parts[0][0] == "diloco"
+
+
+def split_entry(spec: str) -> tuple[str, str]:
+    """``(--outer, --outer-compressor)`` of a ``gradzip compare`` entry: the DiLoCo spec, then
+    after the first ``+`` the outer codec (``none`` when absent):
+    ``diloco:sync_every=20+uniform:bits=8`` gives ``("diloco:sync_every=20", "uniform:bits=8")``."""
+    outer, _, codec = spec.partition("+")
+    return outer.strip(), codec.strip() or "none"
+
+
 def n_tensors(cfg) -> int:
     """Trainable parameter tensors of ``cfg``'s model (built on the meta device: no memory)."""
     from gradzip.lab.train.model import build_model
