@@ -3,15 +3,20 @@ checks before any run, and compute utilisation from mean step times."""
 
 from __future__ import annotations
 
+import os
+import sys
 from pathlib import Path
 
 import pytest
+from helpers.fake_train import FAKE_PAYLOAD, HELLO_BYTES
 
-from gradzip.lab.compare import CompareConfig, compare_rows, split_compressors
+from gradzip.lab.cluster import support_problem
+from gradzip.lab.compare import CompareConfig, compare_rows, run_compare, split_compressors
 from gradzip.lab.compare.core import _check_specs
 from gradzip.lab.compare.report import table
 from gradzip.lab.compare.runner import RunResult, train_command
 
+FAKE_PREFIX = (sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "fake_train.py"))
 ENTRY = "diloco:sync_every=20,fragments=2+uniform:bits=8"
 
 
@@ -65,3 +70,30 @@ def test_compute_utilisation_uses_mean_step_times():
     # without the limit row there is no compute-alone step time to compare with
     rows, _ = compare_rows([none, diloco])
     assert all(r["compute_utilisation"] is None for r in rows)
+
+
+def test_diloco_entry_takes_one_replica_per_host():
+    argv = train_command("diloco:sync_every=5", out_dir=Path("o"), steps=40, seed=0, collective_timeout_s=60,
+                         no_exchange=False, options={}, prefix=("train",), replica_size=2)
+    assert argv[7:9] == ["--replica-size", "2"]
+    argv = train_command("fp16", out_dir=Path("o"), steps=40, seed=0, collective_timeout_s=60,
+                         no_exchange=False, options={}, prefix=("train",), replica_size=2)
+    assert "--replica-size" not in argv  # DDP entries span every rank
+    with pytest.raises(ValueError, match="--ranks-per-host must divide --world-size=4; got 3"):
+        CompareConfig(compressors=["fp16"], world_size=4, ranks_per_host=3).validate()
+
+
+@pytest.mark.e2e
+@pytest.mark.skipif(support_problem() is not None, reason=str(support_problem()))
+def test_ranks_on_one_host_talk_past_its_link(tmp_path):
+    # the stand-in trainer: rank 1 sends a greeting and a payload per step to rank 0
+    cfg = CompareConfig(compressors=["fp16"], world_size=2, ranks_per_host=2, steps=4, out=str(tmp_path / "cmp"),
+                        train_prefix=FAKE_PREFIX, train_options={"eval_every": 2}, network="emulated",
+                        bandwidth="1gbit")
+    rows = run_compare(cfg, log=lambda line: None)
+    assert all(r["status"] == "ok" for r in rows), rows
+    for row in rows:
+        # one host; what rank 1 sent rank 0 never crossed its interface
+        assert len(row["wire_bytes_per_host"]) == 1
+        assert row["wire_bytes_per_host"][0] < HELLO_BYTES + 4 * FAKE_PAYLOAD["fp16"], row
+    assert "1 emulated hosts with 2 workers each" in (Path(cfg.out) / "report.md").read_text()

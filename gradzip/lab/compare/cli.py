@@ -41,6 +41,9 @@ def add_parser(sub) -> None:
                    "runs DiLoCo with CODEC between the workers (gradzip train --outer, --outer-compressor) "
                    "(default: %(default)s)")
     p.add_argument("--world-size", type=int, default=4, help="workers, one per host (default 4)")
+    p.add_argument("--ranks-per-host", type=int, default=1, metavar="K",
+                   help="ranks on each emulated host, dividing --world-size; traffic inside a host is not limited, "
+                   "and DiLoCo entries run one replica per host (default 1)")
     p.add_argument("--bandwidth", default="100mbit", help="each host's link rate, e.g. 20mbit, 1gbit (default 100mbit)")
     p.add_argument("--steps", type=int, default=100, help="training steps of every run (default 100)")
     p.add_argument("--seed", type=int, default=0, help="seed of model and data order, shared by all runs (default 0)")
@@ -71,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = CompareConfig(
         compressors=split_compressors(args.compressors),
         world_size=args.world_size,
+        ranks_per_host=args.ranks_per_host,
         bandwidth=args.bandwidth,
         steps=args.steps,
         seed=args.seed,

@@ -68,8 +68,13 @@ def write_report(out: Path, rows: Sequence[dict[str, Any]], setup: dict[str, Any
     lines = [f"# gradzip compare: time to loss, {setup['world_size']} workers, {setup['link']}", ""]
     lines += ["## Setup", ""]
     if emulated:
+        per_host = setup.get("ranks_per_host", 1)
+        hosts = setup["world_size"] // per_host
+        placed = "" if per_host == 1 else (
+            f" with {per_host} workers each (their traffic inside a host is not limited; wire bytes are per host; "
+            "DiLoCo entries run one replica per host)")
         lines.append(
-            f"- Network: {setup['world_size']} emulated hosts (Linux network namespaces on one bridge), each link "
+            f"- Network: {hosts} emulated hosts{placed} (Linux network namespaces on one bridge), each link "
             f"limited to {setup['bandwidth']} in each direction by a `tbf` qdisc; real TCP between real processes. "
             "No latency is emulated (`netem` is not available in this kernel)."
         )
