@@ -16,6 +16,7 @@ codec's. The exchange inside a replica is recorded apart, as ``replica_payload_b
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -89,9 +90,14 @@ def check_outer(cfg) -> None:
             raise ValueError("--replica-size groups ranks into replicas for --outer; give --outer diloco:sync_every=H too")
         return
     params = parse_outer(cfg.outer)
-    world_size = cfg.world_size
+    from gradzip.lab.train.launch import under_torchrun
+
+    if under_torchrun():  # torchrun's world size, not --world-size (which it ignores)
+        world_size, source = int(os.environ["WORLD_SIZE"]), "the world size (WORLD_SIZE)"
+    else:
+        world_size, source = cfg.world_size, "--world-size"
     if world_size % cfg.replica_size:
-        raise ValueError(f"--replica-size must divide --world-size={world_size}; got {cfg.replica_size}")
+        raise ValueError(f"--replica-size must divide {source}={world_size}; got {cfg.replica_size}")
     if cfg.fsdp:
         raise ValueError("--outer replicates the model per replica; it does not run with --fsdp")
     if cfg.optimizer.split(":")[0].strip().lower() != "adamw":
