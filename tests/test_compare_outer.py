@@ -97,3 +97,23 @@ def test_ranks_on_one_host_talk_past_its_link(tmp_path):
         assert len(row["wire_bytes_per_host"]) == 1
         assert row["wire_bytes_per_host"][0] < HELLO_BYTES + 4 * FAKE_PAYLOAD["fp16"], row
     assert "1 emulated hosts with 2 workers each" in (Path(cfg.out) / "report.md").read_text()
+
+
+@pytest.mark.e2e
+def test_real_diloco_entry_beside_ddp_on_loopback(tmp_path):
+    import json
+
+    from gradzip.lab.cli import main
+
+    out = tmp_path / "smoke"
+    code = main(["compare", "--compressors", "none,diloco:sync_every=2", "--network", "loopback", "--world-size", "2",
+                 "--steps", "4", "--eval-every", "4", "--eval-batches", "1", "--n-layer", "1", "--n-embd", "32",
+                 "--n-head", "2", "--seq-len", "32", "--batch-size", "2", "--out", str(out)])  # fmt: skip
+    assert code == 0
+    rows = {r["compressor"]: r for r in json.loads((out / "results.json").read_text())}
+    assert list(rows) == ["limit", "none", "diloco:sync_every=2"] and all(r["status"] == "ok" for r in rows.values())
+    # the identity codec every 2 steps: half of DDP's dense payload over the run
+    assert rows["none"]["payload_bytes"] == 2 * rows["diloco:sync_every=2"]["payload_bytes"] > 0
+    assert rows["diloco:sync_every=2"]["compression_ratio"] == 2
+    assert all(0 < rows[k]["compute_utilisation"] for k in rows)
+    assert "compute util" in (out / "report.md").read_text()
