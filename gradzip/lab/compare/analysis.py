@@ -6,6 +6,9 @@ Definitions (per run; bytes are per rank over the whole run):
 - ``speedup``: ``step_s`` of ``none`` / ``step_s`` of the run. The ``limit`` row's speedup is the
   largest possible: its step is the compute alone (same workers, no gradient exchange).
 - ``fraction_of_limit``: ``speedup`` / speedup of ``limit`` (1.0 = as fast as not communicating).
+- ``compute_utilisation``: mean step time of ``limit`` (compute alone) / the run's mean step time.
+  Means, not medians: an outer loop (DiLoCo) exchanges on one step in ``H``, which a median
+  hides.
 - ``time_to_target_s``: training wall time (``elapsed_s``) at the first validation pass whose loss
   is at or below the target; None when never reached. The target is ``--target-loss``, or the
   final validation loss of ``none`` plus 1 %.
@@ -66,6 +69,7 @@ def base_row(result: RunResult) -> dict[str, Any]:
         "wall_s": summary.get("wall_s"),
         "process_wall_s": result.process_wall_s,
         "step_s": _median([r["step_s"] for r in records]),
+        "mean_step_s": statistics.fmean([r["step_s"] for r in records]) if records else None,
         "compute_s": summary.get("compute_s"),
         "compress_s": _median([r.get("compress_s", 0.0) + r.get("decompress_s", 0.0) for r in records]),
         "communicate_s": _median([r.get("communicate_s", 0.0) for r in records]),
@@ -83,6 +87,7 @@ def base_row(result: RunResult) -> dict[str, Any]:
         "wire_bytes_per_host": wire,
         "speedup": None,
         "fraction_of_limit": None,
+        "compute_utilisation": None,
         "time_to_target_speedup": None,
     }
 
@@ -118,6 +123,9 @@ def compare_rows(results: Sequence[RunResult], *, target_loss: float | None = No
         if limit_ok and row["wire_bytes"] is not None and limit["wire_bytes"] is not None:
             row["wire_bytes_exchange"] = max(0.0, row["wire_bytes"] - limit["wire_bytes"])
 
+    for row in rows:
+        if limit_ok and row["status"] == "ok":
+            row["compute_utilisation"] = _ratio(limit["mean_step_s"], row["mean_step_s"])
     limit_speedup = _ratio(base["step_s"], limit["step_s"]) if base_ok and limit_ok else None
     for row in rows:
         if row["status"] != "ok" or not base_ok:

@@ -23,6 +23,7 @@ examples:
   gradzip compare --compressors none,fp16,powersgd:approx_rank=4,topk:ratio=0.01 \\
       --world-size 4 --bandwidth 100mbit --steps 100 --out runs/compare-100mbit
   gradzip compare --compressors fp16,torch:fp16,torch:powersgd --network loopback --steps 20
+  gradzip compare --compressors powersgd:approx_rank=4,diloco:sync_every=20+uniform:bits=8 --bandwidth 20mbit
 """
 
 #: ``gradzip train`` options passed through unchanged (None keeps train's default)
@@ -36,8 +37,13 @@ def add_parser(sub) -> None:
     )  # fmt: skip
     p.add_argument("--compressors", default="none,fp16,powersgd:approx_rank=4,topk:ratio=0.01", metavar="SPECS",
                    help="comma-separated specs; torch:fp16, torch:powersgd etc. run PyTorch's hooks; onebit-adam and "
-                   "zeroone-adam[:options] run that optimizer behind the uncompressed hook (default: %(default)s)")
+                   "zeroone-adam[:options] run that optimizer behind the uncompressed hook; diloco:sync_every=H[,...][+CODEC] "
+                   "runs DiLoCo with CODEC between the workers (gradzip train --outer, --outer-compressor) "
+                   "(default: %(default)s)")
     p.add_argument("--world-size", type=int, default=4, help="workers, one per host (default 4)")
+    p.add_argument("--ranks-per-host", type=int, default=1, metavar="K",
+                   help="ranks on each emulated host, dividing --world-size; traffic inside a host is not limited, "
+                   "and DiLoCo entries run one replica per host (default 1)")
     p.add_argument("--bandwidth", default="100mbit", help="each host's link rate, e.g. 20mbit, 1gbit (default 100mbit)")
     p.add_argument("--steps", type=int, default=100, help="training steps of every run (default 100)")
     p.add_argument("--seed", type=int, default=0, help="seed of model and data order, shared by all runs (default 0)")
@@ -68,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = CompareConfig(
         compressors=split_compressors(args.compressors),
         world_size=args.world_size,
+        ranks_per_host=args.ranks_per_host,
         bandwidth=args.bandwidth,
         steps=args.steps,
         seed=args.seed,

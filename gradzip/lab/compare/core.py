@@ -56,6 +56,10 @@ class CompareConfig:
     collective_timeout_s: float = 300.0
     """Timeout of every collective inside a run (``gradzip train --timeout-s``)."""
 
+    ranks_per_host: int = 1
+    """Ranks on each emulated host, dividing ``world_size``: their traffic inside the host is not
+    limited; DiLoCo entries take one replica per host (``--replica-size``)."""
+
     limit: bool = True
     """Also run the ``limit`` row: the same workers with no gradient exchange."""
 
@@ -76,6 +80,9 @@ class CompareConfig:
             raise ValueError("--compressors must name at least one compressor")
         if isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or not 1 <= self.world_size <= 64:
             raise ValueError(f"--world-size must be an integer in [1, 64]; got {self.world_size!r}")
+        check_int(self.ranks_per_host, name="--ranks-per-host", low=1, high=self.world_size)
+        if self.world_size % self.ranks_per_host:
+            raise ValueError(f"--ranks-per-host must divide --world-size={self.world_size}; got {self.ranks_per_host}")
         if not isinstance(self.steps, int) or self.steps < 1:
             raise ValueError(f"--steps must be an integer >= 1; got {self.steps!r}")
         if self.network not in NETWORKS:
@@ -115,10 +122,15 @@ def split_compressors(text: str) -> list[str]:
 def _check_specs(cfg: CompareConfig) -> None:
     """Fail on a bad spec or training option now, not in the fifth run."""
     from gradzip.lab.train.optimizers import check_optimizer, names_optimizer
+    from gradzip.lab.train.outer import names_outer, split_entry
 
     for spec in cfg.compressors:
         if names_optimizer(spec):
             check_optimizer(TrainConfig(optimizer=spec, steps=cfg.steps))
+        elif names_outer(spec):
+            outer, codec = split_entry(spec)
+            TrainConfig(outer=outer, outer_compressor=codec, compressor="none", steps=cfg.steps,
+                        world_size=cfg.world_size, replica_size=cfg.ranks_per_host).validate()
         else:  # the spec with train's default options, as each run will use it
             TrainConfig(compressor=spec, steps=cfg.steps, world_size=cfg.world_size).validate()
     TrainConfig(
@@ -183,8 +195,9 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
 
     entries = cfg.entries()
     results: list[RunResult] = []
-    with Cluster(cfg.world_size, bandwidth) if emulated else nullcontext() as cluster:
-        network = Emulated(cluster) if emulated else Loopback()
+    hosts = cfg.world_size // cfg.ranks_per_host
+    with Cluster(hosts, bandwidth) if emulated else nullcontext() as cluster:
+        network = Emulated(cluster, cfg.ranks_per_host) if emulated else Loopback()
         for index, label in enumerate(entries):
             run_dir = out / "runs" / _slug(label)
             if run_dir.exists():
@@ -192,7 +205,7 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
             argv = train_command(
                 BASELINE if label == LIMIT else label, out_dir=run_dir, steps=cfg.steps, seed=cfg.seed,
                 collective_timeout_s=cfg.collective_timeout_s, no_exchange=label == LIMIT, options=cfg.train_options,
-                prefix=cfg.train_prefix,
+                prefix=cfg.train_prefix, replica_size=cfg.ranks_per_host,
             )
             result = launch_run(label, argv, world_size=cfg.world_size, out_dir=run_dir, network=network,
                                 run_index=index, timeout_s=cfg.timeout_s)  # fmt: skip
@@ -209,6 +222,7 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
         "bandwidth": bandwidth,
         "link": f"{bandwidth} links" if emulated else "loopback",
         "world_size": cfg.world_size,
+        "ranks_per_host": cfg.ranks_per_host,
         "steps": cfg.steps,
         "seed": cfg.seed,
         "eval_every": cfg.train_options.get("eval_every") or TrainConfig().eval_every,

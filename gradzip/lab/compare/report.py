@@ -28,7 +28,7 @@ def _mb(value: float | None) -> str:
 
 def table(rows: Sequence[dict[str, Any]], *, wire: bool) -> str:
     """The Markdown table of ``report.md`` (and of the README)."""
-    head = ["compressor", "status", "wall s", "step s", "speedup", "of limit", "time to target s", "vs none", "final val loss",
+    head = ["compressor", "status", "wall s", "step s", "speedup", "of limit", "time to target s", "compute util", "vs none", "final val loss",
             "compute / codec / comm s", "payload MB/rank", "sent MB/rank"]  # fmt: skip
     if wire:
         head += ["wire MB/rank", "wire for exchange MB/rank"]
@@ -43,6 +43,7 @@ def table(rows: Sequence[dict[str, Any]], *, wire: bool) -> str:
             _num(r["speedup"], ".2f") + ("x" if r["speedup"] is not None else ""),
             _num(r["fraction_of_limit"], ".0%"),
             "n/a" if r["compressor"] == LIMIT else _seconds(ttt, "not reached"),
+            _num(r.get("compute_utilisation"), ".0%"),
             _num(r["time_to_target_speedup"], ".2f") + ("x" if r["time_to_target_speedup"] is not None else ""),
             _num(r["final_val_loss"], ".4f") + (" (replicas apart)" if r["compressor"] == LIMIT else ""),
             " / ".join(_num(r[k], ".3f") for k in ("compute_s", "compress_s", "communicate_s")),
@@ -67,8 +68,13 @@ def write_report(out: Path, rows: Sequence[dict[str, Any]], setup: dict[str, Any
     lines = [f"# gradzip compare: time to loss, {setup['world_size']} workers, {setup['link']}", ""]
     lines += ["## Setup", ""]
     if emulated:
+        per_host = setup.get("ranks_per_host", 1)
+        hosts = setup["world_size"] // per_host
+        placed = "" if per_host == 1 else (
+            f" with {per_host} workers each (their traffic inside a host is not limited; wire bytes are per host; "
+            "DiLoCo entries run one replica per host)")
         lines.append(
-            f"- Network: {setup['world_size']} emulated hosts (Linux network namespaces on one bridge), each link "
+            f"- Network: {hosts} emulated hosts{placed} (Linux network namespaces on one bridge), each link "
             f"limited to {setup['bandwidth']} in each direction by a `tbf` qdisc; real TCP between real processes. "
             "No latency is emulated (`netem` is not available in this kernel)."
         )
@@ -103,7 +109,9 @@ def write_report(out: Path, rows: Sequence[dict[str, Any]], setup: dict[str, Any
         "`of limit`: speedup / the `limit` row's speedup, where `limit` trains with no gradient exchange at all "
         "(compute alone, the largest speedup any compression could give on this link).",
         "- `time to target s`: training wall time at the first validation pass (every "
-        f"{setup['eval_every']} steps) at or below the target; `vs none`: time of `none` / this run's.",
+        f"{setup['eval_every']} steps) at or below the target; `vs none`: time of `none` / this run's. "
+        "`compute util`: mean step time of `limit` (compute alone) / this run's mean step time (means, since "
+        "a DiLoCo entry exchanges on one step in H, which a median hides).",
         "- `compute / codec / comm s`: compute alone (forward + backward, measured before training), compress + "
         "decompress, and time with a collective in flight (overlaps the backward pass), medians per step.",
         "- `payload MB/rank`: bytes the hook handed to collectives over the run; `sent MB/rank`: what those "

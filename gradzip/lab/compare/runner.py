@@ -83,17 +83,20 @@ class Loopback:
 
 
 class Emulated:
-    """Rank ``r`` on host ``r`` of ``cluster``."""
+    """Rank ``r`` on host ``r // ranks_per_host`` of ``cluster``. Ranks on one host share its
+    namespace: their traffic to each other stays inside it (the kernel's loopback path, no
+    ``tbf``), as on a real host's fast links; only traffic between hosts crosses the limited link."""
 
     kind = "emulated"
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: Cluster, ranks_per_host: int = 1) -> None:
         self.cluster = cluster
+        self.ranks_per_host = ranks_per_host
         self.master_addr = cluster.hosts[0].address
         self.ifname = cluster.hosts[0].ifname
 
     def popen(self, rank: int, argv: Sequence[str], *, env: dict[str, str], **kwargs) -> subprocess.Popen:
-        return self.cluster.popen(self.cluster.hosts[rank], argv, env=env, **kwargs)
+        return self.cluster.popen(self.cluster.hosts[rank // self.ranks_per_host], argv, env=env, **kwargs)
 
     def port(self, run_index: int) -> int:
         # The hosts are fresh namespaces: any port is free; a new one per run avoids TIME_WAIT.
@@ -240,15 +243,26 @@ TRAIN_PREFIX = (sys.executable, "-m", "gradzip", "train")
 
 def train_command(
     compressor: str, *, out_dir: Path, steps: int, seed: int, collective_timeout_s: float, no_exchange: bool,
-    options: dict[str, Any], prefix: Sequence[str] = TRAIN_PREFIX,
+    options: dict[str, Any], prefix: Sequence[str] = TRAIN_PREFIX, replica_size: int = 1,
 ) -> list[str]:  # fmt: skip
     """The argv of one rank of ``gradzip train`` (``prefix`` runs it); ``options`` maps option
     names (``batch_size``) to values, None meaning the train default. ``compressor`` may name an
-    optimizer instead (``onebit-adam``, see :func:`gradzip.lab.train.optimizers.names_optimizer`)."""
+    optimizer instead (``onebit-adam``, see :func:`gradzip.lab.train.optimizers.names_optimizer`) or
+    DiLoCo (``diloco:sync_every=20+uniform:bits=8``, see :func:`gradzip.lab.train.outer.split_entry`),
+    run with ``replica_size`` ranks per replica."""
     from gradzip.lab.train.optimizers import names_optimizer
+    from gradzip.lab.train.outer import names_outer, split_entry
 
-    # an optimizer that owns its exchange (onebit-adam) runs behind the uncompressed hook
-    exchange = ["--optimizer", compressor, "--compressor", "none"] if names_optimizer(compressor) else ["--compressor", compressor]
+    if names_optimizer(compressor):
+        # an optimizer that owns its exchange (onebit-adam) runs behind the uncompressed hook
+        exchange = ["--optimizer", compressor, "--compressor", "none"]
+    elif names_outer(compressor):  # one rank per replica: the outer exchange is the only one
+        outer, codec = split_entry(compressor)
+        exchange = ["--outer", outer, "--outer-compressor", codec, "--compressor", "none"]
+        if replica_size > 1:  # a replica per host: dense all_reduce inside it, DiLoCo between hosts
+            exchange += ["--replica-size", str(replica_size)]
+    else:
+        exchange = ["--compressor", compressor]
     argv = [*prefix, *exchange, "--steps", str(steps), "--seed", str(seed), "--out", str(out_dir),
             "--timeout-s", f"{collective_timeout_s:g}", "--quiet"]  # fmt: skip
     if no_exchange:

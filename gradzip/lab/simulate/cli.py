@@ -344,7 +344,8 @@ def add_parser(sub) -> None:
     p.add_argument("--model", default="llama-7b", choices=sorted(MODELS), help="model preset (default llama-7b)")
     p.add_argument("--gpus", type=int, default=1024, help="GPUs in the table, 1 to 2**53 (default 1024)")
     p.add_argument("--cluster", default="h100-100gbe", choices=list(CLUSTERS), help="cluster preset (default h100-100gbe)")
-    p.add_argument("--compressors", default=DEFAULT_COMPRESSORS, help=f"comma-separated specs (default {DEFAULT_COMPRESSORS})")
+    p.add_argument("--compressors", default=DEFAULT_COMPRESSORS, help="comma-separated specs: codecs, onebit-adam[:warmup=W,fused=B], or DiLoCo as "
+                   f"diloco:sync_every=H[,fragments=F,delay=D][+CODEC] (default {DEFAULT_COMPRESSORS})")
     p.add_argument("--strategy", default="ddp", choices=STRATEGIES, help="data parallelism (default ddp)")
     p.add_argument("--tokens-per-gpu", type=int, default=4096, help="tokens per GPU per step (default 4096)")
     p.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation of forward+backward (default 0.4)")

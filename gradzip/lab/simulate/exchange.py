@@ -15,6 +15,11 @@ as the reducers do:
 - multi-round low-rank codecs (PowerSGD): one ``all_reduce`` per round of their factors.
 - a payload larger than the dense tensor falls back to a dense ``all_reduce``, as the reducer does.
 
+``diloco:sync_every=H[,fragments=F,delay=D][+CODEC]`` is DiLoCo (:class:`gradzip.DiLoCo`): no
+exchange in backward; every ``H`` steps the fp32 pseudo-gradient of every parameter travels
+through ``CODEC`` (default ``none``), one fragment per ``H / F`` steps (see
+:mod:`gradzip.lab.simulate.step`).
+
 ``onebit-adam`` is a name of this module, not a codec: 1-bit Adam's momentum exchange after a
 warm-up fraction of dense steps, as :class:`gradzip.optim.OneBitAdam` runs it (the two-phase
 exchange of the ``efsignsgd`` payload, one per parameter tensor), or with ``fused=true`` as one
@@ -37,6 +42,7 @@ from gradzip.compressors.kernels import wire
 from gradzip.compressors.spec import parse_spec
 from gradzip.compressors.values import check_number
 from gradzip.lab.simulate.collectives import Fabric
+from gradzip.outer.schedule import Schedule
 
 #: ``collective`` values for codecs that are not aggregatable: ``auto`` or a route that takes them
 COLLECTIVE_CHOICES = (
@@ -44,6 +50,7 @@ COLLECTIVE_CHOICES = (
     *(n for n, r in ROUTE_REGISTRY.items() if r.family == MEAN and r.requestable and not r.needs_aggregatable),
 )
 ONEBIT_ADAM = "onebit-adam"
+DILOCO = "diloco"
 #: 1-bit Adam's default warm-up: the paper's BERT-Large pre-training froze the variance after
 #: 23k of 152k steps, about 15% (Tang et al. 2021, arXiv 2102.02888, section 7.1).
 ONEBIT_WARMUP_FRACTION = 0.15
@@ -120,19 +127,48 @@ def dense_exchange(numel: int, dtype: torch.dtype) -> Exchange:
     return route_exchange(ROUTE_REGISTRY["dense"], None, numel, dtype, 1)
 
 
+def outer_schedule(params: dict) -> Schedule:
+    """DiLoCo's schedule from ``diloco:`` parameters (``sync_every`` required; ``fragments`` and
+    ``delay`` as :class:`gradzip.DiLoCo` takes them; fragments bounded by ``sync_every`` here,
+    the model's tensor count being far larger).
+
+    Raises:
+        ValueError: for a missing ``sync_every``, another key, or a value out of range.
+    """
+    params = dict(params)
+    unknown = sorted(set(params) - {"sync_every", "fragments", "delay"})
+    if unknown or "sync_every" not in params:
+        raise ValueError(f"{DILOCO} takes sync_every (required), fragments and delay; got {sorted(params)}")
+    h = params["sync_every"]
+    return Schedule(sync_every=h, fragments=params.get("fragments", 1), delay=params.get("delay", 0),
+                    n_tensors=h if isinstance(h, int) and not isinstance(h, bool) and h >= 1 else 1)
+
+
 class Method:
     """A codec spec as the model sees it: one entry of ``--compressors``.
 
     Args:
-        spec: a codec spec (``powersgd:approx_rank=4``) or ``onebit-adam[:warmup=0.15,fused=false]``.
+        spec: a codec spec (``powersgd:approx_rank=4``), ``onebit-adam[:warmup=0.15,fused=false]``
+            or ``diloco:sync_every=H[,fragments=F,delay=D][+CODEC]``.
 
     Raises:
-        ValueError: for an unknown codec or parameter, or a warm-up outside [0, 1].
+        ValueError: for an unknown codec or parameter, a warm-up outside [0, 1], or a DiLoCo
+            schedule out of range (as :class:`gradzip.outer.schedule.Schedule` says).
     """
 
     def __init__(self, spec: str) -> None:
         self.spec = spec.strip()
         parts = parse_spec(self.spec)
+        #: DiLoCo's schedule, None for a method that exchanges gradients every step
+        self.outer: Schedule | None = None
+        codec_spec = self.spec
+        if parts[0][0] == DILOCO and DILOCO not in REGISTRY:
+            outer_text, _, codec_spec = self.spec.partition("+")
+            codec_spec = codec_spec.strip() or "none"
+            self.outer = outer_schedule(parse_spec(outer_text)[0][1])
+            parts = parse_spec(codec_spec)
+            if parts[0][0] in (ONEBIT_ADAM, DILOCO):
+                raise ValueError(f"the codec after {DILOCO}:...+ must be a gradzip codec; got {codec_spec!r}")
         self.onebit_adam = len(parts) == 1 and parts[0][0] == ONEBIT_ADAM and ONEBIT_ADAM not in REGISTRY
         self.codec: Compressor | None = None
         self.sign_codec: Compressor | None = None
@@ -154,7 +190,7 @@ class Method:
             self.fused = fused
             self.sign_codec = next((build(n) for n in _SIGN_CODECS if n in REGISTRY), None)
         else:
-            self.codec = build(self.spec)
+            self.codec = build(codec_spec)
             if not self.codec.multi_round:
                 # As the reducers send it: a payload with no floating tensor carries a 2-byte
                 # slot for the non-finite marker (gradzip.comm.nonfinite).
@@ -171,7 +207,7 @@ class Method:
     @property
     def is_identity(self) -> bool:
         """Whether this is the uncompressed baseline (``none``)."""
-        return self.codec is not None and self.codec.name == "none"
+        return self.outer is None and self.codec is not None and self.codec.name == "none"
 
     def __repr__(self) -> str:
         return f"Method({self.spec!r})"
@@ -203,7 +239,7 @@ class Method:
         codec = self.codec
         assert codec is not None
         dense_bytes = numel * wire.dtype_nbytes(dtype)
-        if self.is_identity:
+        if codec.name == "none":  # the baseline, or DiLoCo's uncompressed outer exchange
             return [dense_exchange(numel, dtype)]
         if codec.multi_round:
             return [lowrank_exchange(codec, shapes, dtype)]

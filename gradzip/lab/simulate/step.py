@@ -24,6 +24,15 @@ optimizer runs the two-phase 1-bit exchange of the momenta (one per parameter te
 :class:`gradzip.optim.OneBitAdam` does, or one fused buffer), not overlapped with compute. The
 reported step time is the mean over a run.
 
+DiLoCo (``diloco:sync_every=H[,fragments=F,delay=D]+CODEC``): every step is forward, backward and
+the inner AdamW with no exchange; every ``H`` steps each of the ``F`` fragments (parameter tensors
+strided, as :mod:`gradzip.outer.schedule` cuts them) sends its fp32 pseudo-gradient through the
+codec, in buckets of ``bucket_cap_mb``, then takes the outer step (counted as one more optimizer
+pass over the fragment). Encoding, decoding and the outer step run on the compute stream; the
+collectives of a fragment overlap the next ``D`` steps' compute, so only what outlasts them is
+exposed. The reported step time is the mean over a cycle; bytes are per step (per ``H`` steps
+over ``H``).
+
 Assumptions the model makes (stated in the README with the projection): compute is
 ``6 N + 12 L d T`` FLOPs per token at a fixed model FLOPs utilisation, forward is a third of it;
 collectives do not slow the compute they overlap with; codec work runs on the compute stream at
@@ -234,14 +243,18 @@ def simulate_step(
             faster per bucket).
 
     Raises:
-        ValueError: for an unknown strategy, or ``onebit-adam`` with FSDP.
+        ValueError: for an unknown strategy, or ``onebit-adam`` or DiLoCo with FSDP.
     """
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}; got {strategy!r}")
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be an integer >= 1; got {world_size!r}")
+    if strategy == "fsdp" and method.outer is not None:
+        raise ValueError(f"{method.spec}: DiLoCo replicates the model; it is modelled with strategy ddp only")
     if strategy == "fsdp":
         return _fsdp_step(method, workload, fabric, world_size, codec_speed, algorithm)
+    if method.outer is not None:
+        return _diloco_step(method, workload, fabric, world_size, codec_speed, algorithm, collective)
     if method.onebit_adam:
         return _onebit_adam_step(method, workload, fabric, world_size, codec_speed, algorithm)
     return _ddp_step(method, workload, fabric, world_size, codec_speed, algorithm, collective)
@@ -362,6 +375,63 @@ def _onebit_adam_step(method, workload, fabric, p, speed, algorithm) -> StepResu
             "compressed_sent_bytes": sent,
             "compressed_comm_s": comm,
         },
+    )
+
+
+def fragment_buckets(params: Sequence[tuple[str, tuple[int, ...]]], cap_bytes: float) -> list[list[tuple[int, ...]]]:
+    """Shapes of consecutive fp32 tensors in buckets of at most ``cap_bytes`` (a larger tensor
+    alone), as :func:`gradzip.outer.exchange.make_buckets` lays out one fragment."""
+    buckets: list[list[tuple[int, ...]]] = []
+    current: list[tuple[int, ...]] = []
+    size = 0
+    for _, shape in params:
+        nbytes = math.prod(shape) * 4
+        if current and size + nbytes > cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(shape)
+        size += nbytes
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _diloco_step(method, workload, fabric, p, speed, algorithm, collective) -> StepResult:
+    schedule = method.outer
+    h, f, d = schedule.sync_every, schedule.fragments, schedule.delay
+    model = workload.model
+    fwd_bwd, opt = workload.fwd_bwd_s(), workload.optimizer_step_s()
+    inner_step = fwd_bwd + opt
+    exposed = codec_s = comm_s = payload = sent = 0.0
+    for fragment in range(f):
+        params = model.params[fragment::f]
+        exchanges = [
+            _pick(method.ddp_candidates(shapes, torch.float32, p, collective), fabric, p, speed, algorithm)
+            for shapes in fragment_buckets(params, workload.bucket_cap_mb * MIB)
+        ]
+        work = sum(sum(speed.seconds(ex)) for ex in exchanges)
+        comm = sum(ex.comm_s(fabric, p, algorithm) for ex in exchanges)
+        outer = opt * sum(math.prod(s) for _, s in params) / model.numel
+        exposed += work + outer + max(0.0, comm - d * inner_step)
+        codec_s += work
+        comm_s += comm
+        payload += sum(ex.payload_bytes for ex in exchanges)
+        sent += sum(ex.sent_bytes(p) for ex in exchanges)
+    return StepResult(
+        method=method.spec,
+        strategy="ddp",
+        world_size=p,
+        step_s=inner_step + exposed / h,
+        compute_s=fwd_bwd,
+        optimizer_s=opt,
+        codec_s=codec_s / h,
+        comm_s=comm_s / h,
+        exposed_comm_s=(exposed - codec_s - opt) / h,
+        payload_bytes=payload / h,
+        sent_bytes=sent / h,
+        collectives=f"DiLoCo H={h}" + (f", {f} fragments" if f > 1 else "") + (f", delay {d}" if d else ""),
+        detail={"sync_every": h, "fragments": f, "delay": d, "outer_payload_bytes": payload,
+                "outer_comm_s": comm_s},
     )
 
 

@@ -17,6 +17,9 @@ model, the optimizer (moments and step count), the scheduler, every rank's compr
 counter, so the continued run is bit-identical to one that was never interrupted. Under
 ``--fsdp`` ``shared.pt`` holds the full (unsharded) model and optimizer state, gathered to rank 0
 (the optimizer's keyed by parameter name), and every rank takes its shards back on resume.
+Under ``--outer`` every ``rank-R.pt`` also holds that rank's model and its whole
+:class:`gradzip.DiLoCo` state (global parameters, outer momentum, residuals, exchanges in flight,
+the inner AdamW), since replicas differ between outer steps.
 """
 
 from __future__ import annotations
@@ -279,14 +282,15 @@ def _load(path: Path) -> dict[str, Any]:
 
 def save_training_state(
     cfg, progress: Progress, *, rank: int, world_size: int, model, optimizer, scheduler, hook_state, data_gen,
-    parallel=None, per_rank_optimizer: bool = False,
+    parallel=None, per_rank_optimizer: bool = False, per_rank_model: bool = False,
 ) -> Path:
     """Checkpoint everything a bit-identical continuation needs (see the module docstring).
 
     ``parallel`` (a :class:`gradzip.lab.train.parallel.Parallel`) supplies the full model and
     optimizer state (a collective under FSDP, so every rank calls this). With
     ``per_rank_optimizer`` each rank also saves its own optimizer state: optimizers that own their
-    communication keep error buffers that differ across ranks.
+    communication keep error buffers that differ across ranks. With ``per_rank_model`` each rank
+    also saves its own model: under ``--outer`` the replicas' parameters differ between outer steps.
     """
     config = cfg.to_dict()
     if parallel is not None:
@@ -308,7 +312,9 @@ def save_training_state(
             "rank": rank,
             "hook": hook_state.state_dict(),
             "data_generator": data_gen.get_state(),
-            "optimizer": optimizer.state_dict() if per_rank_optimizer else None,
+            "optimizer": optimizer_state if per_rank_optimizer and rank == 0 else (
+                optimizer.state_dict() if per_rank_optimizer else None),
+            "model": (model_state if rank == 0 else model.state_dict()) if per_rank_model else None,
         },
         rank=rank,
         world_size=world_size,
@@ -335,10 +341,11 @@ def restore_training_state(
     mine = _load(folder / f"rank-{rank}.pt")
     try:
         optimizer_state = mine["optimizer"] if mine.get("optimizer") is not None else shared["optimizer"]
+        model_state = mine["model"] if mine.get("model") is not None else shared["model"]
         if parallel is not None:
-            parallel.load_checkpoint_state(optimizer, shared["model"], optimizer_state)
+            parallel.load_checkpoint_state(optimizer, model_state, optimizer_state)
         else:
-            model.load_state_dict(shared["model"])
+            model.load_state_dict(model_state)
             optimizer.load_state_dict(optimizer_state)
         scheduler.load_state_dict(shared["scheduler"])
         hook_state.load_state_dict(mine["hook"])

@@ -39,6 +39,16 @@ class TrainConfig:
         "E=n_embd/2, M=10, S=7.5); demo "
         "sends the top K DCT components per C x C chunk of its local momentum",
         metavar="SPEC", must_match=True)
+    outer: str | None = option(
+        None, "DiLoCo across replicas: diloco:sync_every=H[,outer_lr=L,outer_momentum=M,fragments=F,delay=D,mix=A,"
+        "method=diloco|sparseloco]: H inner AdamW steps per replica, then an outer Nesterov step on the averaged "
+        "pseudo-gradient (defaults L=0.7, M=0.9, F=1, D=0, A=0; see gradzip.DiLoCo)", metavar="SPEC",
+        must_match=True)
+    outer_compressor: str = option("none", "--outer: codec of the pseudo-gradient exchange between replicas "
+                                   "(any gradzip codec spec; not auto)", metavar="SPEC", must_match=True)
+    replica_size: int = option(1, "--outer: ranks per replica, dividing --world-size; inside a replica gradients "
+                               "are averaged every step (DDP on the replica's ranks, with --compressor's hook)",
+                               check=Int(1, 1024), must_match=True)
     world_size: int = option(2, "local workers to spawn (ignored under torchrun, which sets it)", check=Int(1, 1024))
     steps: int = option(300, "optimizer steps", check=Int(1))
     batch_size: int = option(8, "sequences per worker per step", check=Int(1), must_match=True, compare=True)
@@ -130,8 +140,11 @@ class TrainConfig:
             )
         from gradzip.lab.train.hooks import check_hook
         from gradzip.lab.train.optimizers import check_optimizer
+        from gradzip.lab.train.outer import check_outer
 
-        check_hook(self)
+        if self.outer is None or self.replica_size > 1:  # one rank per replica builds no hook
+            check_hook(self)
+        check_outer(self)
 
         check_optimizer(self)
         if os.path.exists(self.out) and not os.path.isdir(self.out):

@@ -25,18 +25,19 @@ class TorchHookState:
     bf16); PyTorch's PowerSGD does not expose what it sends, so its payload is left unknown.
     """
 
-    def __init__(self, choice: TorchHookChoice) -> None:
+    def __init__(self, choice: TorchHookChoice, group: dist.ProcessGroup | None = None) -> None:
         self.kind = choice.name
+        self.group = group
         self.metrics = StepMetrics()
         self.step = 0
         if self.kind == "powersgd":
             rank, start = check_torch_powersgd(choice.params)
             self.inner = torch_powersgd.PowerSGDState(
-                process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=start
+                process_group=group, matrix_approximation_rank=rank, start_powerSGD_iter=start
             )
             self.hook = torch_powersgd.powerSGD_hook
         else:
-            self.inner = None
+            self.inner = group  # the default hooks take their process group as state
             self.hook = {
                 "allreduce": default_hooks.allreduce_hook,
                 "fp16": default_hooks.fp16_compress_hook,
@@ -61,7 +62,7 @@ def torch_hook(state: TorchHookState, bucket: dist.GradBucket) -> torch.futures.
     buffer = bucket.buffer()
     dense = buffer.numel() * buffer.element_size()
     payload = {"allreduce": dense, "fp16": buffer.numel() * 2, "bf16": buffer.numel() * 2}.get(state.kind, 0)
-    sent = allreduce_bytes(payload, dist.get_world_size())
+    sent = allreduce_bytes(payload, dist.get_world_size(state.group))
     state.metrics.add_bucket(
         bucket.index(), payload_bytes=payload, dense_bytes=dense, collective="allreduce",
         sent_bytes=sent, received_bytes=sent,
@@ -109,23 +110,24 @@ def check_hook(cfg) -> None:
         check_collective(cfg.collective, choice.codec)
 
 
-def make_hook(cfg):
-    """``(state, hook)`` for ``cfg.choice``: PyTorch's hook for ``torch:NAME``, else gradzip's
-    :func:`~gradzip.ddp.compression_hook` with ``cfg``'s options. PyTorch's hooks report bytes only.
+def make_hook(cfg, group: dist.ProcessGroup | None = None):
+    """``(state, hook)`` for ``cfg.choice`` on ``group`` (None: the default group): PyTorch's hook
+    for ``torch:NAME``, else gradzip's :func:`~gradzip.ddp.compression_hook` with ``cfg``'s
+    options. PyTorch's hooks report bytes only.
 
     Raises:
         ValueError: as :func:`check_hook`.
     """
     choice = cfg.choice
     if choice.kind == "torch":
-        return TorchHookState(choice), torch_hook
+        return TorchHookState(choice, group), torch_hook
     options: dict[str, Any] = {
         "collective": cfg.collective, "min_compress_bytes": cfg.min_compress_bytes,
         "monitor_every": cfg.monitor_every, "verify_every": cfg.verify_every,
     }
     if choice.kind == "auto":
         options["auto"] = cfg.auto_config()
-    return CompressionState(choice, **options), compression_hook
+    return CompressionState(choice, process_group=group, **options), compression_hook
 
 
 def warm_up_kernels(choice: Choice) -> float:

@@ -1,6 +1,7 @@
 """The main job's worker: one rank of data-parallel training with a compressed DDP hook.
 
-Read top to bottom: set up the process group, data, model, DDP with the hook and the optimizer;
+Read top to bottom: set up the process group, data, model, DDP with the hook and the optimizer
+(under ``--outer``: DDP inside each replica, and DiLoCo around the inner AdamW between replicas);
 restore a checkpoint when resuming; measure compute alone; train with a validation pass every
 ``eval_every`` steps, skipping on every rank a step whose gradient is not finite on some rank,
 and a checkpoint every ``checkpoint_every`` steps; save the final checkpoint; rank 0 writes the
@@ -31,6 +32,7 @@ from gradzip.lab.train.data import Corpus, batch_generator, sample_batch, val_ba
 from gradzip.lab.train.hooks import warm_up_kernels
 from gradzip.lab.train.model import build_model, count_parameters
 from gradzip.lab.train.optimizers import build_optimizer, owns_communication
+from gradzip.lab.train.outer import build_outer, dense_bytes, describe
 from gradzip.lab.train.parallel import Parallel, make_parallel
 from gradzip.optim import grad_sync
 
@@ -139,14 +141,30 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     corpus = Corpus.load(cfg.data, cfg.vocab_size)
     corpus.check_fits(cfg.seq_len)
     model = build_model(cfg, corpus.vocab_size).to(device)
-    par = make_parallel(model, cfg, settle=lambda ddp: settle_buckets(ddp, corpus, cfg, device))
+    replica_group = outer_group = None
+    if cfg.outer is not None:
+        from gradzip.outer import replica_groups
+
+        replica_group, outer_group = replica_groups(world_size, cfg.replica_size)
+    par = make_parallel(model, cfg, settle=lambda ddp: settle_buckets(ddp, corpus, cfg, device), group=replica_group)
     # auto probes its candidates on a later step: theirs compile now as well
     choices = [parse_compressor(s) for s in cfg.auto_config().candidate_specs()] if cfg.choice.kind == "auto" else [cfg.choice]
+    if cfg.outer is not None:
+        choices = ([] if cfg.replica_size == 1 else choices) + [parse_compressor(cfg.outer_compressor)]
     kernels_s = sum(warm_up_kernels(choice) for choice in choices) if device.type == "cpu" else 0.0
     if is_main and kernels_s > 1.0:
         print(f"codec kernels ready in {kernels_s:.1f} s (compiled, native loops built unless cached)", file=sys.stderr)
-    optimizer = build_optimizer(cfg, model, metrics=par.state.metrics)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    inner = build_optimizer(cfg, model, metrics=par.state.metrics)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lr_lambda(cfg))
+    optimizer, outer_metrics = inner, None
+    if cfg.outer is not None:
+        from gradzip.metrics import StepMetrics
+
+        outer_metrics = StepMetrics(monitor_every=cfg.monitor_every)
+        optimizer = build_outer(cfg, model, inner, outer_group=outer_group,
+                                replica_group=replica_group if cfg.replica_size > 1 else None, metrics=outer_metrics)
+    per_rank = dict(per_rank_optimizer=owns_communication(optimizer) or outer_metrics is not None,
+                    per_rank_model=outer_metrics is not None)
     data_gen = batch_generator(cfg.seed, rank)
     val = val_batches(corpus, cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
     tokens_per_step = world_size * cfg.batch_size * cfg.seq_len
@@ -177,7 +195,9 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
             loss.backward()
         backward_end = time.perf_counter()
         # A step whose gradient is not finite on some rank is skipped by all ranks together.
-        own_gradients = par.kind != "ddp" or (owns_communication(optimizer) and not optimizer.needs_grad_sync)
+        own_gradients = par.kind != "ddp" or outer_metrics is not None or (
+            owns_communication(optimizer) and not optimizer.needs_grad_sync)
+        exchanges = getattr(optimizer, "exchanges", 0)
         finite = faults.step_finite(model, own_gradients=own_gradients)
         if finite:
             optimizer.step()
@@ -188,6 +208,10 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
         step_end = time.perf_counter()
 
         comm = par.state.metrics.pop()
+        replica_comm = None
+        if outer_metrics is not None:
+            replica_comm, comm = comm, outer_counts(outer_metrics.pop(), model, replica_group,
+                                                     exchanged=optimizer.exchanges != exchanges)
         record = {
             "step": step,
             "loss": float(loss.detach()),
@@ -209,6 +233,8 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
             "tokens": tokens_per_step * (step + 1),
             "skipped": not finite,
         }
+        if replica_comm is not None:
+            record["replica_payload_bytes"] = replica_comm["payload_bytes"]
         if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
             record["val_loss"] = evaluate(model, val, device)
         if monitor is not None:
@@ -220,17 +246,17 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
         if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0 and progress.step < cfg.steps:
             save_training_state(
                 cfg, progress, rank=rank, world_size=world_size, parallel=par,
-                per_rank_optimizer=owns_communication(optimizer), **state,
+                **per_rank, **state,
             )
 
     if bar is not None:
         bar.close()
-    if owns_communication(optimizer):
-        optimizer.synchronize()  # 0/1 Adam: ranks that took local steps meet again
+    if owns_communication(optimizer) or outer_metrics is not None:
+        optimizer.synchronize()  # 0/1 Adam: ranks that took local steps meet again; DiLoCo: land what is in flight
     final_val = evaluate(model, val, device)
     save_training_state(
         cfg, progress, rank=rank, world_size=world_size, parallel=par,
-        per_rank_optimizer=owns_communication(optimizer), **state,
+        **per_rank, **state,
     )
     if log is None:
         return None
@@ -238,7 +264,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     monitor.close()
     summary = report.summarize(
         log.records,
-        compressor=cfg.compressor if not cfg.no_exchange else "no-exchange",
+        compressor=run_name(cfg),
         optimizer=cfg.optimizer,
         hook=par.hook,
         parallel=par.kind,
@@ -260,6 +286,11 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     summary["tokens_per_s"] = tokens_per_step / summary["step_s_median"] if summary["step_s_median"] else 0.0
     summary["skipped_steps"] = progress.skipped_steps
     summary["monitor"] = monitor.summary()
+    if cfg.outer is not None:
+        summary.update(outer=cfg.outer, outer_compressor=cfg.outer_compressor, replica_size=cfg.replica_size,
+                       inner_compressor=cfg.compressor if cfg.replica_size > 1 else None,
+                       replica_payload_bytes_per_step=sum(r.get("replica_payload_bytes", 0) for r in log.records)
+                       / len(log.records))
     out = Path(cfg.out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     report.plot_losses(log.records, out / "loss.png", f"{summary['compressor']} on {world_size} workers")
@@ -270,12 +301,33 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     return summary
 
 
+def run_name(cfg: TrainConfig) -> str:
+    """What the run exchanges, for the summary and the progress bar."""
+    if cfg.outer is not None:
+        return describe(cfg)
+    return "no-exchange" if cfg.no_exchange else cfg.compressor
+
+
+def outer_counts(comm: dict[str, Any], model: torch.nn.Module, replica_group, *, exchanged: bool) -> dict[str, Any]:
+    """The step's figures of the outer exchange, between replicas: ``dense_bytes`` is the dense
+    gradient DDP between the replicas would send every step, so ratios are against it. A
+    replica of several ranks shares its exchange out (each rank sends some buckets); on steps
+    where it exchanged, its ranks add up their bytes (a small all_reduce inside the replica)."""
+    comm = dict(comm, dense_bytes=dense_bytes(model))
+    if replica_group is not None and dist.get_world_size(replica_group) > 1 and exchanged:
+        counts = torch.tensor([comm["payload_bytes"], comm["sent_bytes"], comm["received_bytes"]], dtype=torch.float64)
+        dist.all_reduce(counts, group=replica_group)
+        comm["payload_bytes"], comm["sent_bytes"], comm["received_bytes"] = (int(v) for v in counts.tolist())
+    comm["compression_ratio"] = comm["dense_bytes"] / comm["payload_bytes"] if comm["payload_bytes"] else 0.0
+    return comm
+
+
 def _progress(cfg: TrainConfig, is_main: bool, start_step: int = 0):
     if not (is_main and cfg.progress):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=cfg.steps, initial=start_step, desc=f"train {cfg.compressor}", unit="step", dynamic_ncols=True)
+    return tqdm(total=cfg.steps, initial=start_step, desc=f"train {run_name(cfg)}", unit="step", dynamic_ncols=True)
 
 
 def _update_progress(bar, record: dict[str, Any], tokens_per_step: int, skipped_steps: int = 0) -> None:

@@ -1,11 +1,13 @@
 """How the main job spreads the model over its ranks: replicated with DDP and a compression
-hook (the default), or sharded with FSDP2 and a compressed reduce-scatter (``--fsdp``)."""
+hook (the default), sharded with FSDP2 and a compressed reduce-scatter (``--fsdp``), or, under
+``--outer`` with one rank per replica, not at all (each rank trains its own copy; the outer loop
+exchanges)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -14,6 +16,21 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradzip.lab.train.config import TrainConfig
 from gradzip.lab.train.hooks import is_torch_hook, make_hook
+from gradzip.metrics import StepMetrics
+
+
+@dataclass
+class LocalState:
+    """The exchange state of a rank that exchanges no gradients (a replica of one rank under
+    ``--outer``): empty metrics and nothing to save."""
+
+    metrics: StepMetrics = field(default_factory=StepMetrics)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
 
 
 @dataclass
@@ -24,8 +41,8 @@ class Parallel:
         module: what the loop calls for forward and backward.
         state: the compression state; has ``metrics`` (a :class:`~gradzip.metrics.StepMetrics`)
             and ``state_dict()`` (per rank, for checkpoints).
-        kind: ``ddp`` or ``fsdp``.
-        hook: ``gradzip`` or ``torch`` (PyTorch's own DDP hooks, as anchors).
+        kind: ``ddp``, ``fsdp`` or ``local`` (no gradient exchange: one rank per replica).
+        hook: ``gradzip``, ``torch`` (PyTorch's own DDP hooks, as anchors) or ``none``.
         no_exchange: a context manager factory; inside, gradients are not exchanged.
     """
 
@@ -35,14 +52,19 @@ class Parallel:
     hook: str
     no_exchange: Callable[[], AbstractContextManager]
 
+    @property
+    def unwrapped(self) -> nn.Module:
+        """The model itself, without its DDP wrapper."""
+        return self.module.module if self.kind == "ddp" else self.module
+
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
         """Full (unsharded) model and optimizer state dicts, for rank 0 to save.
 
         Under FSDP this is a collective (every rank must call it); the tensors arrive on rank 0
         only, on the CPU, and the optimizer state is keyed by parameter name.
         """
-        if self.kind == "ddp":
-            return self.module.module.state_dict(), optimizer.state_dict()
+        if self.kind != "fsdp":
+            return self.unwrapped.state_dict(), optimizer.state_dict()
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,
@@ -59,8 +81,8 @@ class Parallel:
     def load_checkpoint_state(self, optimizer: torch.optim.Optimizer, model_state: dict, optimizer_state: dict) -> None:
         """Load what :meth:`checkpoint_state` saved. Under FSDP every rank calls it with the full
         state and keeps its own shards."""
-        if self.kind == "ddp":
-            self.module.module.load_state_dict(model_state)
+        if self.kind != "fsdp":
+            self.unwrapped.load_state_dict(model_state)
             optimizer.load_state_dict(optimizer_state)
             return
         from torch.distributed.checkpoint.state_dict import (
@@ -85,8 +107,11 @@ def shard_gpt(model: nn.Module) -> nn.Module:
     return model
 
 
-def make_parallel(model: nn.Module, cfg: TrainConfig, settle: Callable[[DDP], None] | None = None) -> Parallel:
-    """Wrap ``model`` (on its device, process group initialised) for ``cfg``.
+def make_parallel(
+    model: nn.Module, cfg: TrainConfig, settle: Callable[[DDP], None] | None = None, group: Any = None
+) -> Parallel:
+    """Wrap ``model`` (on its device, process group initialised) for ``cfg``; DDP runs on
+    ``group`` (None: the default group; the replica's group under ``--outer``).
 
     ``settle`` runs on the DDP model before the hook is registered (one synced step lets DDP
     rebuild its buckets, so bucket-keyed compressor state meets its final layout).
@@ -95,11 +120,13 @@ def make_parallel(model: nn.Module, cfg: TrainConfig, settle: Callable[[DDP], No
         ValueError: for a bad compressor spec (``cfg.validate()`` refuses PyTorch's DDP hooks
             with ``--fsdp``).
     """
+    if cfg.outer is not None and cfg.replica_size == 1:
+        return Parallel(model, LocalState(), "local", "none", nullcontext)
     if not cfg.fsdp:
-        ddp = DDP(model, bucket_cap_mb=cfg.bucket_cap_mb)
+        ddp = DDP(model, bucket_cap_mb=cfg.bucket_cap_mb, process_group=group)
         if settle is not None:
             settle(ddp)
-        state, hook = make_hook(cfg)
+        state, hook = make_hook(cfg, group)
         ddp.register_comm_hook(state, hook)
         return Parallel(ddp, state, "ddp", "torch" if is_torch_hook(state) else "gradzip", ddp.no_sync)
     from gradzip.fsdp import compress_reduce_scatter

@@ -73,6 +73,7 @@ def summarize(records: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
             "dense_bytes_per_step": dense / steps if steps else 0,
             "compression_ratio": dense / payload if payload else None,
             "step_s_median": step_s,
+            "step_s_mean": statistics.fmean([r["step_s"] for r in records]) if records else 0.0,
             "fwd_bwd_s_median": median([r["fwd_bwd_s"] for r in records]),
             "optimizer_s_median": median([r["optimizer_s"] for r in records]),
             "compress_s_median": median([r["compress_s"] + r["decompress_s"] for r in records]),
@@ -113,7 +114,12 @@ def summary_table(s: dict[str, Any]) -> str:
         ("uncompressed per step", _fmt_bytes(s["dense_bytes_per_step"])),
         ("sent per worker per step", _fmt_bytes(s.get("sent_bytes_per_step"))),
         ("compression ratio", f"{ratio:.1f}x" if ratio else "-"),
+    ]
+    if (s.get("replica_size") or 1) > 1:  # --outer: the exchange inside a replica, beside the one between
+        rows.append((f"inside replicas of {s['replica_size']} per step", _fmt_bytes(s["replica_payload_bytes_per_step"])))
+    rows += [
         ("step time (median)", f"{s['step_s_median'] * 1000:.0f} ms"),
+        ("step time (mean)", f"{s['step_s_mean'] * 1000:.0f} ms" if "step_s_mean" in s else "-"),
         ("  compute alone", f"{s['compute_s'] * 1000:.0f} ms" if s.get("compute_s") is not None else "-"),
         ("  compress + decompress", f"{s['compress_s_median'] * 1000:.0f} ms"),
         ("  communicate (in flight)", f"{s['communicate_s_median'] * 1000:.0f} ms"),
