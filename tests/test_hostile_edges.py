@@ -241,7 +241,7 @@ def test_train_out_that_cannot_be_written_is_refused_before_workers(no_workers, 
 
 
 def test_train_options_nothing_reads_are_warned_about_after_all_checks(no_workers, monkeypatch):
-    from tiny_run import write_corpus
+    from helpers.tiny_run import write_corpus
 
     data = write_corpus(no_workers / "corpus.txt", n_lines=300)
     monkeypatch.setenv("GRADZIP_CACHE", str(no_workers / "cache"))
