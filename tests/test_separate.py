@@ -135,11 +135,10 @@ def test_nonfinite_input_marks_every_rank_and_leaves_no_state():
 
 @pytest.mark.parametrize("name", ["separate", "countsketch"])
 def test_auto_refuses_reducer_owning_codecs_it_cannot_probe(name):
-    from gradzip.comm.adaptive import AdaptiveReducer
-
     from gradzip.control.auto import AutoConfig, make_controller
+    from gradzip.control.auto_reducer import AutoReducer
 
     cfg = AutoConfig(candidates=(name, "topk:ratio=0.1"))
     specs = cfg.candidate_specs()
     with pytest.raises(ValueError, match=name):
-        AdaptiveReducer(specs, make_controller(cfg, specs))
+        AutoReducer(specs, make_controller(cfg, specs))
