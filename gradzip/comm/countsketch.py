@@ -26,12 +26,10 @@ from torch import Tensor
 from torch.futures import Future
 
 from gradzip.comm import nonfinite
-from gradzip.comm.queue import CollectiveQueue, completed
+from gradzip.comm.queue import completed
+from gradzip.comm.settling import SettlingReducer
 from gradzip.comm.traffic import allreduce_bytes
-from gradzip.compressors.countsketch import CountSketch
 from gradzip.compressors.kernels import wire
-from gradzip.feedback import ErrorFeedback
-from gradzip.metrics import StepMetrics
 
 #: backends whose all_reduce takes ReduceOp.BOR on uint8
 _BOR_BACKENDS = ("gloo", "mpi")
@@ -42,7 +40,7 @@ def packed_bitmaps(group: dist.ProcessGroup | None) -> bool:
     return str(dist.get_backend(group)) in _BOR_BACKENDS
 
 
-class CountSketchReducer:
+class CountSketchReducer(SettlingReducer):
     """Averages buckets over ``group`` through a shared bitmap and a summed count sketch.
 
     Args:
@@ -53,23 +51,6 @@ class CountSketchReducer:
         ledger: the steps whose gradient was not finite, shared by every reducer of one hook;
             None for a ledger of this reducer's own.
     """
-
-    def __init__(
-        self,
-        compressor: CountSketch,
-        *,
-        group: dist.ProcessGroup | None = None,
-        queue: CollectiveQueue | None = None,
-        metrics: StepMetrics | None = None,
-        ledger: nonfinite.StepLedger | None = None,
-    ) -> None:
-        self.compressor = compressor
-        self.group = group
-        self.queue = queue or CollectiveQueue()
-        self.metrics = metrics or StepMetrics()
-        self.feedback = ErrorFeedback(dtype=torch.float32, deferred=True)
-        self.ledger = ledger or nonfinite.StepLedger()
-        self.open_step = nonfinite.OpenStep()
 
     def reduce(
         self,
@@ -94,9 +75,7 @@ class CountSketchReducer:
             a future whose value is the decoded mean, ``grad``'s shape and dtype; all NaN on every
             rank if the bucket held inf or NaN on any rank.
         """
-        closed = self.open_step.begin(key, step)
-        if closed is not None:
-            self._settle(self.ledger.finite(closed))
+        self._begin(key, step)
         world_size = dist.get_world_size(self.group)
         if grad.numel() == 0:
             return completed(grad.clone())
@@ -173,28 +152,3 @@ class CountSketchReducer:
             return nonfinite.marker_like(tensor)
 
         return self.queue.submit(launch).then(finish)
-
-    def _settle(self, keep: bool) -> None:
-        if keep:
-            self.feedback.commit()
-        else:
-            self.feedback.discard()
-
-    def settle(self) -> None:
-        """End the current step now: keep the residuals it changed, or put them back if any bucket
-        of the step was non-finite on some rank."""
-        closed = self.open_step.finish()
-        self._settle(closed is None or self.ledger.finite(closed))
-
-    def flush(self) -> None:
-        """Nothing is held back; see :meth:`reduce`."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """The residuals (they differ across ranks), after settling the step in progress."""
-        self.settle()
-        return {"feedback": self.feedback.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (anything undoable is forgotten)."""
-        self.open_step.finish()
-        self.feedback.load_state_dict(state["feedback"])

@@ -27,13 +27,12 @@ from torch import Tensor
 from torch.futures import Future
 
 from gradzip.comm import nonfinite
-from gradzip.comm.queue import CollectiveQueue, completed
+from gradzip.comm.queue import completed
+from gradzip.comm.settling import SettlingReducer
 from gradzip.comm.traffic import allreduce_bytes
 from gradzip.compressors.kernels import wire
 from gradzip.compressors.lowrank import matrix_view_shape
-from gradzip.compressors.separate import Separate, moving_average_error
-from gradzip.feedback import ErrorFeedback
-from gradzip.metrics import StepMetrics
+from gradzip.compressors.separate import moving_average_error
 
 
 def split_bucket(grad: Tensor, shapes: Sequence[torch.Size] | None) -> list[tuple[int, torch.Size]]:
@@ -52,7 +51,7 @@ def split_bucket(grad: Tensor, shapes: Sequence[torch.Size] | None) -> list[tupl
     return out
 
 
-class SeparateReducer:
+class SeparateReducer(SettlingReducer):
     """Averages buckets over ``group`` with SEPARATE and moving-average error feedback.
 
     Args:
@@ -63,24 +62,6 @@ class SeparateReducer:
         ledger: the steps whose gradient was not finite, shared by every reducer of one hook;
             None for a ledger of this reducer's own.
     """
-
-    def __init__(
-        self,
-        compressor: Separate,
-        *,
-        group: dist.ProcessGroup | None = None,
-        queue: CollectiveQueue | None = None,
-        metrics: StepMetrics | None = None,
-        ledger: nonfinite.StepLedger | None = None,
-    ) -> None:
-        self.compressor = compressor
-        self.group = group
-        self.queue = queue or CollectiveQueue()
-        self.metrics = metrics or StepMetrics()
-        # Error-memory updates stay undoable until the step is known to be finite everywhere.
-        self.feedback = ErrorFeedback(dtype=torch.float32, deferred=True)
-        self.ledger = ledger or nonfinite.StepLedger()
-        self.open_step = nonfinite.OpenStep()
 
     def reduce(
         self,
@@ -110,9 +91,7 @@ class SeparateReducer:
         Raises:
             ValueError: if ``shapes`` do not add up to ``grad.numel()``.
         """
-        closed = self.open_step.begin(key, step)
-        if closed is not None:
-            self._settle(self.ledger.finite(closed))
+        self._begin(key, step)
         world_size = dist.get_world_size(self.group)
         if grad.numel() == 0:
             return completed(grad.clone())
@@ -188,30 +167,3 @@ class SeparateReducer:
             return out.view(grad.shape)
 
         return self.queue.submit(launch).then(finish)
-
-    def _settle(self, keep: bool) -> None:
-        if keep:
-            self.feedback.commit()
-        else:
-            self.feedback.discard()
-
-    def settle(self) -> None:
-        """End the current step now: keep the error memories it changed, or put them back if any
-        bucket of the step was non-finite on some rank (``reduce`` does this when the next step
-        starts, and :meth:`state_dict` before it reads the state)."""
-        closed = self.open_step.finish()
-        self._settle(closed is None or self.ledger.finite(closed))
-
-    def flush(self) -> None:
-        """Nothing is held back; see :meth:`reduce`."""
-
-    def state_dict(self) -> dict[str, Any]:
-        """The error memories (they differ across ranks), after settling the step in progress.
-        The projections need no state: they are redrawn from ``(seed, step, key)``."""
-        self.settle()
-        return {"feedback": self.feedback.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (anything undoable is forgotten)."""
-        self.open_step.finish()
-        self.feedback.load_state_dict(state["feedback"])

@@ -1,0 +1,79 @@
+"""The part every single-tensor, error-feedback reducer of its own shares: one deferred residual
+memory per bucket whose updates stay undoable until the step is known to be finite on every rank
+(:mod:`gradzip.comm.nonfinite`), settled when the next step starts or before the state is read."""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradzip.comm import nonfinite
+from gradzip.comm.queue import CollectiveQueue
+from gradzip.feedback import ErrorFeedback
+from gradzip.metrics import StepMetrics
+
+
+class SettlingReducer:
+    """Base of reducers that keep an fp32 error memory and settle it per step.
+
+    Args:
+        compressor: the codec's parameters.
+        group: the process group (None: the default group).
+        queue: the ordered launch queue shared by every reducer of ``group``.
+        metrics: where bytes and times go.
+        ledger: the steps whose gradient was not finite, shared by every reducer of one hook;
+            None for a ledger of this reducer's own.
+    """
+
+    def __init__(
+        self,
+        compressor: Any,
+        *,
+        group: dist.ProcessGroup | None = None,
+        queue: CollectiveQueue | None = None,
+        metrics: StepMetrics | None = None,
+        ledger: nonfinite.StepLedger | None = None,
+    ) -> None:
+        self.compressor = compressor
+        self.group = group
+        self.queue = queue or CollectiveQueue()
+        self.metrics = metrics or StepMetrics()
+        # Error-memory updates stay undoable until the step is known to be finite everywhere.
+        self.feedback = ErrorFeedback(dtype=torch.float32, deferred=True)
+        self.ledger = ledger or nonfinite.StepLedger()
+        self.open_step = nonfinite.OpenStep()
+
+    def _begin(self, key: Hashable, step: int) -> None:
+        """Open ``step`` for ``key``, settling the step it closes."""
+        closed = self.open_step.begin(key, step)
+        if closed is not None:
+            self._settle(self.ledger.finite(closed))
+
+    def _settle(self, keep: bool) -> None:
+        if keep:
+            self.feedback.commit()
+        else:
+            self.feedback.discard()
+
+    def settle(self) -> None:
+        """End the current step now: keep the error memories it changed, or put them back if any
+        bucket of the step was non-finite on some rank (``reduce`` does this when the next step
+        starts, and :meth:`state_dict` before it reads the state)."""
+        closed = self.open_step.finish()
+        self._settle(closed is None or self.ledger.finite(closed))
+
+    def flush(self) -> None:
+        """Nothing is held back."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The error memories (they differ across ranks), after settling the step in progress."""
+        self.settle()
+        return {"feedback": self.feedback.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (anything undoable is forgotten)."""
+        self.open_step.finish()
+        self.feedback.load_state_dict(state["feedback"])
