@@ -76,6 +76,20 @@ def test_rows_from_known_runs():
     assert time_to_target(fake_records("none", 4), 5.0) == pytest.approx(0.8)
 
 
+def test_target_margin_moves_the_default_target():
+    results = [RunResult(label, Path("."), records=fake_records(label, 8)) for label in ("none", "fp16")]
+    for r in results:
+        r.summary = {"final_val_loss": r.records[-1]["val_loss"], "wall_s": r.records[-1]["elapsed_s"]}
+    rows, target = compare_rows(results, target_margin=0.5)
+    # none ends at 2.0, so a 50 % margin puts the target at 3.0, first reached at val 3.0 (step 5)
+    assert target["target_loss"] == pytest.approx(3.0)
+    assert "plus 50%" in target["target_source"]
+    by = {r["compressor"]: r for r in rows}
+    assert by["none"]["time_to_target_s"] == pytest.approx(6 * 0.4)
+    with pytest.raises(ValueError, match="--target-margin"):
+        CompareConfig(compressors=["fp16"], target_margin=1.5).validate()
+
+
 def _fake_config(tmp_path: Path, compressors: list[str], **kw) -> CompareConfig:
     return CompareConfig(
         compressors=compressors, world_size=2, steps=4, out=str(tmp_path / "cmp"), train_prefix=FAKE_PREFIX,

@@ -92,12 +92,15 @@ def base_row(result: RunResult) -> dict[str, Any]:
     }
 
 
-def compare_rows(results: Sequence[RunResult], *, target_loss: float | None = None) -> tuple[list[dict], dict]:
+def compare_rows(results: Sequence[RunResult], *, target_loss: float | None = None,
+                 target_margin: float = TARGET_MARGIN) -> tuple[list[dict], dict]:
     """One row per run, with the comparisons filled in.
 
     Args:
         results: the runs; the one labelled ``none`` is the baseline, ``limit`` the limit row.
-        target_loss: the validation loss to reach; None takes the baseline's final one + 1 %.
+        target_loss: the validation loss to reach; None takes the baseline's final one times
+            ``1 + target_margin``.
+        target_margin: the baseline's margin as a fraction (0.01: 1 %).
 
     Returns:
         (rows in the order of ``results``, ``{"target_loss", "target_source"}``).
@@ -112,8 +115,8 @@ def compare_rows(results: Sequence[RunResult], *, target_loss: float | None = No
     if target_loss is not None:
         source = "--target-loss"
     elif base_ok and base["final_val_loss"] is not None:
-        target_loss = base["final_val_loss"] * (1 + TARGET_MARGIN)
-        source = f"final validation loss of '{BASELINE}' ({base['final_val_loss']:.4f}) plus {TARGET_MARGIN:.0%}"
+        target_loss = base["final_val_loss"] * (1 + target_margin)
+        source = f"final validation loss of '{BASELINE}' ({base['final_val_loss']:.4f}) plus {target_margin:.0%}"
     else:
         source = f"none: '{BASELINE}' did not finish and no --target-loss was given"
 

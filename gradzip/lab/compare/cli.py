@@ -49,7 +49,10 @@ def add_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of model and data order, shared by all runs (default 0)")
     p.add_argument("--out", default="runs/compare", metavar="DIR", help="output folder (default runs/compare)")
     p.add_argument("--target-loss", type=float, default=None,
-                   help="validation loss to reach (default: final validation loss of 'none' plus 1%%)")
+                   help="validation loss to reach (default: final validation loss of 'none' plus --target-margin)")
+    p.add_argument("--target-margin", type=float, default=None, metavar="F",
+                   help="the default target's margin over 'none''s final validation loss, a fraction in [0, 1] "
+                   "(default 0.01: 1%%; with --report-only, the comparison's own)")
     p.add_argument("--network", choices=NETWORKS, default="auto",
                    help="emulated hosts, loopback, or auto: emulated where root allows (default auto)")
     p.add_argument("--timeout-s", type=float, default=3600.0,
@@ -69,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from gradzip.lab.compare.core import rewrite_report, run_compare, split_compressors
 
     if args.report_only:
-        rows = rewrite_report(args.out, target_loss=args.target_loss)
+        rows = rewrite_report(args.out, target_loss=args.target_loss, target_margin=args.target_margin)
         return 0 if all(r["status"] == "ok" for r in rows) else 1
     cfg = CompareConfig(
         compressors=split_compressors(args.compressors),
@@ -81,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         out=args.out,
         network=args.network,
         target_loss=args.target_loss,
+        **({} if args.target_margin is None else {"target_margin": args.target_margin}),
         timeout_s=args.timeout_s,
         collective_timeout_s=args.collective_timeout_s,
         limit=not args.no_limit,

@@ -13,7 +13,7 @@ from typing import Any
 from gradzip.compressors.values import check_int, check_number
 from gradzip.lab.cluster import Cluster, format_bandwidth, parse_bandwidth, support_problem
 from gradzip.lab.compare import report
-from gradzip.lab.compare.analysis import BASELINE, LIMIT, compare_rows
+from gradzip.lab.compare.analysis import BASELINE, LIMIT, TARGET_MARGIN, compare_rows
 from gradzip.lab.compare.runner import TRAIN_PREFIX, Emulated, Loopback, RunResult, launch_run, load_run, train_command
 from gradzip.lab.train.config import TrainConfig
 
@@ -48,7 +48,10 @@ class CompareConfig:
     possible, else loopback, saying why)."""
 
     target_loss: float | None = None
-    """Validation loss to reach; None: the baseline's final validation loss plus 1 %."""
+    """Validation loss to reach; None: the baseline's final validation loss plus ``target_margin``."""
+
+    target_margin: float = TARGET_MARGIN
+    """The default target's margin over the baseline's final validation loss, a fraction in [0, 1]."""
 
     timeout_s: float = 3600.0
     """Wall-clock limit of one run; a run past it is stopped and reported as ``timeout``."""
@@ -93,6 +96,7 @@ class CompareConfig:
             check_number(getattr(self, name), name=f"--{name.replace('_', '-')}", low=0, low_open=True)
         if self.target_loss is not None:
             check_number(self.target_loss, name="--target-loss", low=0, low_open=True)
+        check_number(self.target_margin, name="--target-margin", low=0, high=1)
         if LIMIT in self.compressors:
             raise ValueError(f"'{LIMIT}' is the no-exchange row, added by default; it is not a compressor")
         return self
@@ -229,6 +233,7 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
         "train_options": ", ".join(f"{k}={v}" for k, v in cfg.train_options.items() if v is not None),
         "cpu_count": os.cpu_count(),
         "command": cfg.command or f"gradzip compare --compressors {','.join(cfg.compressors)}",
+        "target_margin": cfg.target_margin,
     }
     (out / SETUP_FILE).write_text(json.dumps(setup, indent=2) + "\n")
     return write_outputs(out, results, setup, target_loss=cfg.target_loss, log=log)
@@ -237,7 +242,8 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
 def write_outputs(out: Path, results: list[RunResult], setup: dict[str, Any], *, target_loss: float | None,
                   log=print) -> list[dict[str, Any]]:  # fmt: skip
     """Rows, results.json, report.md and the plots from finished runs; returns the rows."""
-    rows, target = compare_rows(results, target_loss=target_loss)
+    rows, target = compare_rows(results, target_loss=target_loss,
+                                target_margin=setup.get("target_margin", TARGET_MARGIN))
     report.write_results(out, rows)
     report.write_report(out, rows, setup, target)
     report.write_plots(out, results, rows, setup, target["target_loss"])
@@ -245,9 +251,11 @@ def write_outputs(out: Path, results: list[RunResult], setup: dict[str, Any], *,
     return rows
 
 
-def rewrite_report(out: str | Path, *, target_loss: float | None = None, log=print) -> list[dict[str, Any]]:
+def rewrite_report(out: str | Path, *, target_loss: float | None = None, target_margin: float | None = None,
+                   log=print) -> list[dict[str, Any]]:
     """Write the outputs again from the runs an earlier comparison left in ``out`` (a new
-    ``target_loss``, or a newer report format), without running anything.
+    ``target_loss`` or ``target_margin`` (None: the comparison's own), or a newer report format),
+    without running anything.
 
     Raises:
         FileNotFoundError: if ``out`` holds no finished comparison.
@@ -257,5 +265,8 @@ def rewrite_report(out: str | Path, *, target_loss: float | None = None, log=pri
     if not setup_path.exists():
         raise FileNotFoundError(f"{setup_path} not found: --report-only needs the folder of an earlier comparison")
     setup = json.loads(setup_path.read_text())
+    if target_margin is not None:
+        check_number(target_margin, name="--target-margin", low=0, high=1)
+        setup["target_margin"] = target_margin
     results = [load_run(out / "runs" / _slug(label)) for label in setup["entries"]]
     return write_outputs(out, results, setup, target_loss=target_loss, log=log)
