@@ -226,3 +226,17 @@ def test_choices_and_chooser_come_from_the_registry():
                     and REGISTRY[n].payload_nbytes(codec, numel, torch.float32, world_size) <= numel * 4
                 }
                 assert totals[got] == min(totals.values()), (spec, numel, world_size)
+
+
+def test_multi_round_codecs_name_a_reducer_that_make_reducer_builds():
+    from gradzip.comm import make_reducer
+    from gradzip.compressors import REGISTRY as CODECS
+
+    own = {name for name, cls in CODECS.items() if cls.multi_round}
+    assert own == {name for name, cls in CODECS.items() if cls.own_reducer is not None}
+    assert {"powersgd", "separate", "countsketch"} <= own
+    for name in sorted(own):
+        module, cls_name = CODECS[name].own_reducer.split(":")
+        reducer = make_reducer(build(name))
+        assert type(reducer).__module__ == module and type(reducer).__name__ == cls_name
+    assert type(make_reducer(build("topk"))) is CompressedReducer

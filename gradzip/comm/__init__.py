@@ -1,14 +1,15 @@
 """Reducers: the mean over a process group of compressed tensors.
 
 :func:`make_reducer` picks the reducer from the codec's declared properties: codecs that
-bring their own (``multi_round``: PowerSGD, SEPARATE, the count sketch) get it from
-:func:`own_reducer`; single-round codecs use :class:`CompressedReducer`, which
+bring their own (``multi_round``: PowerSGD, SEPARATE, the count sketch) get the one they
+name in ``own_reducer``; single-round codecs use :class:`CompressedReducer`, which
 picks a route per bucket by bytes (:mod:`gradzip.comm.routes`): all_reduce, all_gather,
 the two-phase compressed all_reduce (:mod:`gradzip.comm.twophase`) or dense.
 """
 
 from __future__ import annotations
 
+import importlib
 from typing import Protocol
 
 import torch.distributed as dist
@@ -95,19 +96,11 @@ def make_reducer(
 
 
 def own_reducer(codec: Compressor, **kwargs) -> Reducer:
-    """The reducer a codec that brings its own rounds (``multi_round``) runs in, by its name;
-    ``kwargs`` go to the reducer (``group``, ``queue``, ``metrics``, ``ledger``)."""
-    if codec.name == "separate":
-        from gradzip.comm.separate import SeparateReducer
-
-        return SeparateReducer(codec, **kwargs)
-    if codec.name == "countsketch":
-        from gradzip.comm.countsketch import CountSketchReducer
-
-        return CountSketchReducer(codec, **kwargs)
-    from gradzip.comm.powersgd import PowerSGDReducer
-
-    return PowerSGDReducer(codec, **kwargs)
+    """The reducer a codec that brings its own rounds (``multi_round``) declares in
+    ``own_reducer``; ``kwargs`` go to the reducer (``group``, ``queue``, ``metrics``, ``ledger``)."""
+    assert codec.own_reducer is not None, f"{codec.name} runs in the default reducer"
+    module, _, name = codec.own_reducer.partition(":")
+    return getattr(importlib.import_module(module), name)(codec, **kwargs)
 
 
 __all__ = ["COLLECTIVES", "CollectiveQueue", "CompressedReducer", "Reducer", "TwoPhaseAllReduce", "make_reducer", "own_reducer"]

@@ -54,8 +54,16 @@ class Compressor(ABC):
     needs_shared_seed: ClassVar[bool] = False
     #: whether the default reducer keeps an error-feedback residual for this codec
     error_feedback: ClassVar[bool] = False
-    #: multi-round methods (PowerSGD) provide their own reducer and no single-shot compress
+    #: multi-round methods (PowerSGD, SEPARATE, the count sketch) run in a reducer of their own
+    #: and have no single-shot compress: ``"module:Class"`` of that reducer, imported when a
+    #: reducer is made (the reducers sit above the codecs, so the codec names it, not imports it)
+    own_reducer: ClassVar[str | None] = None
+    #: set from ``own_reducer`` for every subclass
     multi_round: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.multi_round = cls.own_reducer is not None
     #: steps exchanged dense (an uncompressed all_reduce, error feedback untouched) before the
     #: codec takes over; every codec accepts ``start_step=N`` in its spec (see :func:`build`)
     start_step: int = 0

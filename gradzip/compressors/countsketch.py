@@ -153,7 +153,7 @@ class CountSketch(Compressor):
     unbiased = False
     needs_shared_seed = True
     error_feedback = True
-    multi_round = True  # brings its own reducer: the bitmap is OR-ed, the sketch summed
+    own_reducer = "gradzip.comm.countsketch:CountSketchReducer"  # the bitmap is OR-ed, the sketch summed
 
     def __init__(
         self, *, ratio: float = 0.01, rows: int = 3, width: float = 2.0, seed: int = 0, start_step: int = 0

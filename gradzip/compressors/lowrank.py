@@ -103,7 +103,7 @@ class PowerSGD(Compressor):
     name = "powersgd"
     aggregatable = True
     error_feedback = True
-    multi_round = True
+    own_reducer = "gradzip.comm.powersgd:PowerSGDReducer"
 
     def __init__(
         self, *, approx_rank: int = 4, start_step: int = 0, warm_start: bool = True, seed: int = 0, factor_bits: int = 32

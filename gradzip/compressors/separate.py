@@ -156,7 +156,7 @@ class Separate(Compressor):
     unbiased = True
     needs_shared_seed = True
     error_feedback = True
-    multi_round = True  # brings its own reducer: it needs the bucket's per-gradient shapes
+    own_reducer = "gradzip.comm.separate:SeparateReducer"  # it needs the bucket's per-gradient shapes
 
     def __init__(self, *, approx_rank: int = 4, ef_beta: float = 0.99, seed: int = 0, start_step: int = 0) -> None:
         super().__init__(approx_rank=approx_rank, ef_beta=ef_beta, seed=seed, start_step=start_step)
