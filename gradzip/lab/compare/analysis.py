@@ -9,9 +9,10 @@ Definitions (per run; bytes are per rank over the whole run):
 - ``compute_utilisation``: mean step time of ``limit`` (compute alone) / the run's mean step time.
   Means, not medians: an outer loop (DiLoCo) exchanges on one step in ``H``, which a median
   hides.
-- ``time_to_target_s``: training wall time (``elapsed_s``) at the first validation pass whose loss
-  is at or below the target; None when never reached. The target is ``--target-loss``, or the
-  final validation loss of ``none`` plus 1 %.
+- ``time_to_target_s``: training wall time (``elapsed_s``: validation passes and checkpoints left
+  out) at the first validation pass whose loss is at or below the target; None when never
+  reached. The target is ``--target-loss``, or the final validation loss of ``none`` plus
+  ``--target-margin`` (1 % by default).
 - ``time_to_target_speedup``: ``time_to_target_s`` of ``none`` / that of the run.
 - ``payload_bytes``: bytes the hook handed to collectives, summed over steps (rank 0's count);
   None where the hook cannot say (PyTorch's PowerSGD).

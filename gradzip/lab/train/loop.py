@@ -186,6 +186,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     bar = _progress(cfg, is_main, progress.step)
     fault_plan = faults.FaultPlan.from_env()  # test-only injection; empty unless GRADZIP_FAULTS is set
     train_start = time.perf_counter() - progress.elapsed_s
+    paused_s = 0.0  # validation passes and checkpoints: measuring, not training, so kept out of elapsed_s
     for step in range(progress.step, cfg.steps):
         fault_plan.at_step(model, rank=rank, step=step)
         x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
@@ -216,7 +217,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
             "step": step,
             "loss": float(loss.detach()),
             "lr": scheduler.get_last_lr()[0],
-            "elapsed_s": step_end - train_start,
+            "elapsed_s": step_end - train_start - paused_s,
             "step_s": step_end - step_start,
             "fwd_bwd_s": backward_end - step_start,
             "optimizer_s": step_end - backward_end,
@@ -236,18 +237,22 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
         if replica_comm is not None:
             record["replica_payload_bytes"] = replica_comm["payload_bytes"]
         if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
+            eval_start = time.perf_counter()
             record["val_loss"] = evaluate(model, val, device)
+            paused_s += time.perf_counter() - eval_start
         if monitor is not None:
             record.update(monitor.observe(step, comm, record))
         if log is not None:
             log.write(record)
             _update_progress(bar, record, tokens_per_step, progress.skipped_steps)
-        progress.step, progress.elapsed_s = step + 1, step_end - train_start
+        progress.step, progress.elapsed_s = step + 1, record["elapsed_s"]
         if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0 and progress.step < cfg.steps:
+            save_start = time.perf_counter()
             save_training_state(
                 cfg, progress, rank=rank, world_size=world_size, parallel=par,
                 **per_rank, **state,
             )
+            paused_s += time.perf_counter() - save_start
 
     if bar is not None:
         bar.close()

@@ -125,7 +125,7 @@ def summary_table(s: dict[str, Any]) -> str:
         ("  communicate (in flight)", f"{s['communicate_s_median'] * 1000:.0f} ms"),
         ("  communicate (exposed)", f"{s['exposed_communicate_s'] * 1000:.0f} ms" if "exposed_communicate_s" in s else "-"),
         ("  optimizer", f"{s['optimizer_s_median'] * 1000:.0f} ms"),
-        ("wall time", f"{s['wall_s']:.1f} s"),
+        ("training time", f"{s['wall_s']:.1f} s (validation and checkpoints left out)"),
     ]
     width = max(len(k) for k, _ in rows)
     lines = ["", "gradzip train: summary", "-" * (width + 30)]
