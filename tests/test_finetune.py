@@ -9,8 +9,6 @@ import hashlib
 import importlib.util
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -106,22 +104,23 @@ def test_finetune_on_a_model_folder(tmp_path, monkeypatch):
     assert fsdp["parallel"] == "fsdp" and fsdp["payload_bytes_per_step"] < fsdp["dense_bytes_per_step"]
 
 
-@pytest.mark.e2e
-def test_finetune_command(tmp_path):
-    data = write_corpus(tmp_path / "corpus.txt")
+def test_finetune_command_is_train_with_its_defaults(tmp_path):
+    """``gradzip finetune`` parses into the main job's config with finetune's defaults; the
+    GPT-2 shape options are flagged as unused with --model (the job itself: the test above)."""
+    from gradzip.lab.cli import build_parser
+    from gradzip.lab.train.cli import config_from_args
+    from gradzip.lab.train.config import TrainConfig
+    from gradzip.lab.train.launch import preflight
+
+    data = write_corpus(tmp_path / "corpus.txt", n_lines=50)
     folder = write_tiny_llama(tmp_path / "model", data)
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "gradzip", "finetune", "--model", folder, "--data", data, "--steps", "2",
-           "--seq-len", "32", "--batch-size", "2", "--eval-batches", "1", "--threads", "1", "--n-layer", "3",
-           "--compressor", "topk:ratio=0.1", "--out", str(out), "--quiet"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "--n-layer has no effect with --model" in proc.stderr
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["model"] == folder and summary["steps"] == 2
-    assert summary["parameters"] == sum(p.numel() for p in _tiny_llama(folder).parameters())
-    config = torch.load(out / "checkpoints" / "step-000002" / "shared.pt", weights_only=False)["config"]
-    assert config["model"] == folder and config["lr"] == 1e-4  # finetune's default, not train's
+    args = build_parser().parse_args(["finetune", "--model", folder, "--n-layer", "3", "--seq-len", "32",
+                                      "--out", str(tmp_path / "run")])
+    cfg = config_from_args(args).validate()
+    assert args.func is build_parser().parse_args(["train"]).func  # the same job
+    assert (cfg.model, cfg.lr, cfg.warmup_steps, cfg.steps) == (folder, 1e-4, 10, 100)
+    assert (TrainConfig.lr, TrainConfig.model) == (1e-3, None)
+    assert preflight(cfg) == ["--n-layer has no effect with --model (its own config sets it)"]
 
 
 def _tiny_llama(folder: str) -> torch.nn.Module:
