@@ -106,6 +106,7 @@ def model_folder(model: str, say: Callable[[str], None] | None = None) -> Path:
 
 def _convert_gguf(gguf: Path, folder: Path) -> None:
     """Dequantize ``gguf`` into a model folder at ``folder``, written whole or not at all."""
+    from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _quiet_transformers()
@@ -113,10 +114,14 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        # the weights are plain float32 now: the folder must not ask for the GGUF loader again
-        model.config.quantization_config = None
-        del model.config.quantization_config
-        model.save_pretrained(tmp)
+        # The weights are plain float32 now, but transformers marks the model as GGUF-quantized and
+        # refuses save_pretrained: the tensors (tied ones once) and the config go out directly,
+        # without the quantization entry, so loading the folder asks for no GGUF loader.
+        save_model(model, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         try:
             os.rename(tmp, folder)
