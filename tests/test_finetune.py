@@ -149,14 +149,24 @@ def test_bad_model_is_one_line(args, message, capsys, tmp_path):
     assert message in err and err.count("\n") == 1
 
 
-def test_compare_with_a_model_takes_finetune_defaults():
+def test_compare_with_a_model_takes_finetune_defaults(tmp_path):
+    """``gradzip compare --model`` runs every entry as the fine-tuning job: each rank's command
+    parses back into the main job's config with the model and finetune's learning rate."""
     from gradzip.lab.cli import build_parser
     from gradzip.lab.compare.cli import train_options
+    from gradzip.lab.compare.runner import train_command
+    from gradzip.lab.train.cli import config_from_args
 
     parse = build_parser().parse_args
     assert train_options(parse(["compare", "--model", "m", "--lr", "3e-4"])) == {
         "model": "m", "lr": 3e-4, "warmup_steps": 10}
     assert train_options(parse(["compare", "--lr", "3e-4"])) == {"lr": 3e-4}
+    options = train_options(parse(["compare", "--model", "m", "--seq-len", "32"]))
+    argv = train_command("topk:ratio=0.01", out_dir=tmp_path, steps=5, seed=0, collective_timeout_s=60,
+                         no_exchange=False, options=options)
+    assert argv[1:4] == ["-m", "gradzip", "train"]
+    cfg = config_from_args(parse(argv[3:]))
+    assert (cfg.model, cfg.lr, cfg.warmup_steps, cfg.seq_len, cfg.compressor) == ("m", 1e-4, 10, 32, "topk:ratio=0.01")
 
 
 def test_simulate_shapes_of_a_model_folder(tmp_path):
