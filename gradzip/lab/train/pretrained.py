@@ -17,6 +17,7 @@ deterministic and a resumed run bit-identical.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import os
@@ -95,13 +96,18 @@ def model_folder(model: str, say: Callable[[str], None] | None = None) -> Path:
     from gradzip.lab.train.data import cache_dir
 
     gguf = smollm2_gguf()
-    digest = hashlib.sha256(gguf.read_bytes()).hexdigest()[:16]
-    folder = cache_dir() / f"{SMOLLM2}-{digest}-v{_CONVERSION}"
+    folder = cache_dir() / f"{SMOLLM2}-{_digest(str(gguf))}-v{_CONVERSION}"
     if not (folder / "config.json").is_file():
         if say:
             say(f"converting {gguf.name} to a model folder (once; cached in {folder})")
         _convert_gguf(gguf, folder)
     return folder
+
+
+@functools.cache
+def _digest(path: str) -> str:
+    """The first 16 hex digits of the file's SHA-256 (once per process: the file is 98 MB)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
 
 
 def _convert_gguf(gguf: Path, folder: Path) -> None:
