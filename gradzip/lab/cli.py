@@ -22,6 +22,7 @@ from gradzip.compressors.values import FLOAT_TEXT, INT_TEXT, shown
 #: modules that contribute subcommands, in the order ``--help`` lists them
 COMMANDS = [
     "gradzip.lab.train.cli",
+    "gradzip.lab.train.finetune",
     "gradzip.lab.listing",
     "gradzip.lab.bench",
     "gradzip.lab.compare.cli",

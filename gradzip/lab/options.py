@@ -133,7 +133,7 @@ def check_fields(obj: Any) -> None:
 
 def add_arguments(
     parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type, *, names: Iterable[str] | None = None, defaults: bool = True,
-    groups: dict[str, Any] | None = None,
+    groups: dict[str, Any] | None = None, overrides: dict[str, Any] | None = None,
 ) -> None:
     """Add one argument per command-line field of ``cls`` (or of ``names``) to ``parser``.
 
@@ -142,7 +142,10 @@ def add_arguments(
         defaults: the fields' defaults as argparse defaults; False: None (the caller passes only
             what the user gave, as ``compare`` does).
         groups: argument groups by :attr:`Option.group`, created on first use when missing.
+        overrides: defaults by field name in place of the fields' own (a command that runs the
+            same job with other defaults, as ``finetune`` does).
     """
+    overrides = overrides or {}
     groups = {} if groups is None else groups
     wanted = None if names is None else set(names)
     for f in dataclasses.fields(cls):
@@ -155,7 +158,7 @@ def add_arguments(
                 groups[opt.group] = parser.add_argument_group(opt.group)
             target = groups[opt.group]
         flag = opt.flag or flag_of(f.name)
-        default = f.default if f.default is not dataclasses.MISSING else None
+        default = overrides.get(f.name, f.default if f.default is not dataclasses.MISSING else None)
         help_text = opt.help.replace("%", "%%")
         if isinstance(default, bool):
             action = "store_false" if opt.negate else "store_true"

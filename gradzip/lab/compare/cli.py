@@ -8,7 +8,7 @@ import sys
 
 from gradzip.lab.compare.core import NETWORKS, CompareConfig
 from gradzip.lab.options import add_arguments, names_where
-from gradzip.lab.train.config import TrainConfig
+from gradzip.lab.train.config import FINETUNE_DEFAULTS, TrainConfig
 
 HELP = """\
 Run the main job once per compressor on the same workers, same seed and data order, and
@@ -24,6 +24,10 @@ examples:
       --world-size 4 --bandwidth 100mbit --steps 100 --out runs/compare-100mbit
   gradzip compare --compressors fp16,torch:fp16,torch:powersgd --network loopback --steps 20
   gradzip compare --compressors powersgd:approx_rank=4,diloco:sync_every=20+uniform:bits=8 --bandwidth 20mbit
+  gradzip compare --model smollm2-135m --compressors none,powersgd:approx_rank=4 --world-size 2 --batch-size 2
+
+With --model the runs fine-tune that model; --lr and --warmup-steps then default to those of
+'gradzip finetune'.
 """
 
 #: ``gradzip train`` options passed through unchanged (None keeps train's default)
@@ -68,6 +72,15 @@ def add_parser(sub) -> None:
     p.set_defaults(func=run)
 
 
+def train_options(args: argparse.Namespace) -> dict:
+    """The training options the user gave; with ``--model``, ``gradzip finetune``'s defaults
+    for those not given (its learning rate and warm-up, not those of a GPT-2 from scratch)."""
+    given = {name: getattr(args, name) for name in TRAIN_OPTIONS if getattr(args, name) is not None}
+    if "model" not in given:
+        return given
+    return {**{k: v for k, v in FINETUNE_DEFAULTS.items() if k in TRAIN_OPTIONS}, **given}
+
+
 def run(args: argparse.Namespace) -> int:
     from gradzip.lab.compare.core import rewrite_report, run_compare, split_compressors
 
@@ -89,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         collective_timeout_s=args.collective_timeout_s,
         limit=not args.no_limit,
         keep_checkpoints=args.keep_checkpoints,
-        train_options={name: getattr(args, name) for name in TRAIN_OPTIONS if getattr(args, name) is not None},
+        train_options=train_options(args),
         command="gradzip " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["compare"] else "",
     )
     rows = run_compare(cfg, log=lambda line: print(line, flush=True))

@@ -189,7 +189,8 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
         from gradzip.lab.train.data import Corpus
 
         # tokenize once here, so that the ranks find the cache instead of all building it
-        Corpus.load(cfg.train_options.get("data"), cfg.train_options.get("vocab_size") or TrainConfig().vocab_size)
+        Corpus.load(cfg.train_options.get("data"), cfg.train_options.get("vocab_size") or TrainConfig().vocab_size,
+                    model=cfg.train_options.get("model"))
 
     reason = _loopback_reason(cfg.network)
     emulated = reason is None

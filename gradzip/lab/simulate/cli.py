@@ -67,6 +67,10 @@ def check_options(args: argparse.Namespace) -> None:
     Raises:
         ValueError: naming the option and its allowed range.
     """
+    try:
+        model_shapes(args.model)
+    except ValueError as exc:
+        raise ValueError(f"--{exc}") from None
     check_int(args.gpus, name="--gpus", low=1, high=MAX_GPUS)
     _positive_ints(args.sweep, "--sweep", MAX_GPUS)
     check_int(args.tokens_per_gpu, name="--tokens-per-gpu", low=1, high=MAX_TOKENS_PER_GPU)
@@ -341,7 +345,9 @@ def add_parser(sub) -> None:
             "--calibrate, set the model's predictions beside the step times of 'gradzip compare' runs."
         ),
     )
-    p.add_argument("--model", default="llama-7b", choices=sorted(MODELS), help="model preset (default llama-7b)")
+    p.add_argument("--model", default="llama-7b", metavar="NAME|DIR",
+                   help=f"model preset ({', '.join(sorted(MODELS))}) or a transformers model folder, whose config.json "
+                   "gives the parameter shapes (default llama-7b)")
     p.add_argument("--gpus", type=int, default=1024, help="GPUs in the table, 1 to 2**53 (default 1024)")
     p.add_argument("--cluster", default="h100-100gbe", choices=list(CLUSTERS), help="cluster preset (default h100-100gbe)")
     p.add_argument("--compressors", default=DEFAULT_COMPRESSORS, help="comma-separated specs: codecs, onebit-adam[:warmup=W,fused=B], or DiLoCo as "

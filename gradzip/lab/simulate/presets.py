@@ -13,6 +13,7 @@ import re
 from dataclasses import dataclass, field
 
 from gradzip.lab.simulate.collectives import Fabric, Link
+from gradzip.lab.train.pretrained import SMOLLM2_SHAPE
 
 GBIT = 1e9 / 8  # bytes per second in one Gbit/s
 GBYTE = 1e9
@@ -302,27 +303,52 @@ MODELS: dict[str, ModelPreset] = {
             "llama",
             4096,
         ),
+        ModelPreset(
+            "smollm2-135m",
+            "SmolLM2-135M (Allal et al. 2025, arXiv 2502.02737): 30 layers, d_model 576, MLP 1536, grouped-query "
+            "attention with 3 key/value heads, vocabulary 49152, tied head; the model of 'gradzip finetune'",
+            SMOLLM2_SHAPE,
+            "llama",
+            2048,
+        ),
     )
 }
+
+#: sequence length assumed for a model folder, at most (its own limit may be far longer)
+FOLDER_SEQ_LEN = 4096
 
 
 @functools.cache
 def model_shapes(name: str) -> ModelShapes:
-    """Parameter shapes of the preset ``name``, from its ``transformers`` config on the meta device.
+    """Parameter shapes of the preset ``name``, or of the ``transformers`` model folder at path
+    ``name`` (its ``config.json``; trained at its longest sequence, at most
+    :data:`FOLDER_SEQ_LEN`), from the config on the meta device.
 
-    No weights are allocated or downloaded: the model is instantiated under
+    No weights are allocated, read or downloaded: the model is instantiated under
     ``torch.device("meta")``, where tensors carry only shape and dtype.
 
     Raises:
-        ValueError: naming ``model`` and the known presets.
+        ValueError: naming ``model``, the known presets and the folder form.
     """
-    if name not in MODELS:
-        raise ValueError(f"model must be one of {', '.join(MODELS)}; got {name!r}")
+    import os
+
+    if name not in MODELS and not os.path.isfile(os.path.join(name, "config.json")):
+        raise ValueError(f"model must be one of {', '.join(MODELS)} or a transformers model folder (holding "
+                         f"config.json); got {name!r}")
     import torch
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
-    preset = MODELS[name]
-    config = (GPT2Config if preset.kind == "gpt2" else LlamaConfig)(**preset.config)
+    if name in MODELS:
+        preset = MODELS[name]
+        config = (GPT2Config if preset.kind == "gpt2" else LlamaConfig)(**preset.config)
+        description, seq_len = preset.description, preset.seq_len
+    else:
+        from gradzip.lab.train.pretrained import load_config
+
+        config = load_config(name)
+        longest = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        seq_len = min(longest or FOLDER_SEQ_LEN, FOLDER_SEQ_LEN)
+        description = f"the model folder {name} ({config.model_type}), at sequence length {seq_len}"
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     names = {id(p): n for n, p in model.named_parameters()}
@@ -338,10 +364,10 @@ def model_shapes(name: str) -> ModelShapes:
     n_layer = getattr(config, "num_hidden_layers", None) or config.n_layer
     return ModelShapes(
         name=name,
-        description=preset.description,
+        description=description,
         params=params,
         lookup_params=lookups,
         n_layer=n_layer,
         d_model=d_model,
-        seq_len=preset.seq_len,
+        seq_len=seq_len,
     )

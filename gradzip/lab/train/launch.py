@@ -95,7 +95,7 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
     """
     cfg.validate()
     idle = preflight(cfg)
-    Corpus.load(cfg.data, cfg.vocab_size, say=report.status if cfg.progress else None).check_fits(cfg.seq_len)
+    Corpus.load(cfg.data, cfg.vocab_size, say=report.status if cfg.progress else None, model=cfg.model).check_fits(cfg.seq_len)
     if cfg.resume:
         from gradzip.lab.train.checkpoint import check_compatible, find_checkpoint
 
@@ -119,6 +119,8 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
 #: options read only with ``--compressor auto``, and only with ``--monitor-every`` above 0
 AUTO_ONLY = ("adapt_every", "auto_schedule", "auto_candidates", "auto_max_error")
 MONITOR_ONLY = ("norm_warn", "norm_warn_checks")
+#: options of the GPT-2 trained from scratch, which a pretrained ``--model`` replaces
+SCRATCH_ONLY = ("vocab_size", "n_layer", "n_embd", "n_head")
 
 
 def preflight(cfg: TrainConfig) -> list[str]:
@@ -128,7 +130,7 @@ def preflight(cfg: TrainConfig) -> list[str]:
 
     Returns:
         one warning per option set where nothing reads it (an ``--auto-*`` option without
-        ``--compressor auto``, a norm warning without monitoring).
+        ``--compressor auto``, a norm warning without monitoring, a GPT-2 shape with ``--model``).
 
     Raises:
         ValueError: naming the option, in one line.
@@ -153,7 +155,11 @@ def preflight(cfg: TrainConfig) -> list[str]:
         idle += [(name, "--compressor auto") for name in AUTO_ONLY if getattr(cfg, name) != getattr(defaults, name)]
     if not cfg.monitor_every:
         idle += [(name, "--monitor-every above 0") for name in MONITOR_ONLY if getattr(cfg, name) != getattr(defaults, name)]
-    return [f"--{name.replace('_', '-')} has no effect without {needs}" for name, needs in idle]
+    lines = [f"--{name.replace('_', '-')} has no effect without {needs}" for name, needs in idle]
+    if cfg.model is not None:
+        lines += [f"--{name.replace('_', '-')} has no effect with --model (its own config sets it)"
+                  for name in SCRATCH_ONLY if getattr(cfg, name) != getattr(defaults, name)]
+    return lines
 
 
 def check_backend(cfg: TrainConfig) -> None:

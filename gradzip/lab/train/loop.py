@@ -30,7 +30,7 @@ from gradzip.lab.train.checkpoint import Progress, resume, save_training_state
 from gradzip.lab.train.config import TrainConfig
 from gradzip.lab.train.data import Corpus, batch_generator, sample_batch, val_batches
 from gradzip.lab.train.hooks import warm_up_kernels
-from gradzip.lab.train.model import build_model, count_parameters
+from gradzip.lab.train.model import build_model, count_parameters, next_token_loss
 from gradzip.lab.train.optimizers import build_optimizer, owns_communication
 from gradzip.lab.train.outer import build_outer, dense_bytes, describe
 from gradzip.lab.train.parallel import Parallel, make_parallel
@@ -61,7 +61,7 @@ def lr_lambda(cfg: TrainConfig):
 def evaluate(model: torch.nn.Module, batches, device) -> float:
     """Mean validation loss over fixed batches (every rank computes the same value)."""
     model.eval()
-    losses = [float(model(input_ids=x.to(device), labels=y.to(device)).loss) for x, y in batches]
+    losses = [float(next_token_loss(model, x.to(device), y.to(device))) for x, y in batches]
     model.train()
     return sum(losses) / len(losses)
 
@@ -76,7 +76,7 @@ def measure_compute(par: Parallel, corpus: Corpus, cfg: TrainConfig, device) -> 
         x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, gen)
         start = time.perf_counter()
         with par.no_exchange():
-            par.module(input_ids=x.to(device), labels=y.to(device)).loss.backward()
+            next_token_loss(par.module, x.to(device), y.to(device)).backward()
         times.append(time.perf_counter() - start)
         par.module.zero_grad(set_to_none=True)
     return report.median(times)
@@ -92,7 +92,7 @@ def settle_buckets(ddp: DDP, corpus: Corpus, cfg: TrainConfig, device) -> None:
     """
     gen = batch_generator(cfg.seed + 2, dist.get_rank())
     x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, gen)
-    ddp(input_ids=x.to(device), labels=y.to(device)).loss.backward()
+    next_token_loss(ddp, x.to(device), y.to(device)).backward()
     ddp.zero_grad(set_to_none=True)
 
 
@@ -138,7 +138,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     if is_main and cfg.progress:
         report.status(f"{world_size} workers up ({backend}); building the model, DDP and the codec's kernels")
     # Data and model.
-    corpus = Corpus.load(cfg.data, cfg.vocab_size)
+    corpus = Corpus.load(cfg.data, cfg.vocab_size, model=cfg.model)
     corpus.check_fits(cfg.seq_len)
     model = build_model(cfg, corpus.vocab_size).to(device)
     replica_group = outer_group = None
@@ -192,7 +192,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
         x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
         step_start = time.perf_counter()
         with par.no_exchange() if cfg.no_exchange else grad_sync(par.module, optimizer):
-            loss = par.module(input_ids=x.to(device), labels=y.to(device)).loss
+            loss = next_token_loss(par.module, x.to(device), y.to(device))
             loss.backward()
         backward_end = time.perf_counter()
         # A step whose gradient is not finite on some rank is skipped by all ranks together.
@@ -278,6 +278,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
         world_size=world_size,
         backend=backend,
         parameters=count_parameters(model),
+        model=cfg.model or "gpt2 (from scratch)",
         corpus=corpus.name,
         batch_size=cfg.batch_size,
         seq_len=cfg.seq_len,
@@ -298,7 +299,8 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
                        / len(log.records))
     out = Path(cfg.out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    report.plot_losses(log.records, out / "loss.png", f"{summary['compressor']} on {world_size} workers")
+    title = f"{summary['compressor']} on {world_size} workers" + (f", {cfg.model}" if cfg.model else "")
+    report.plot_losses(log.records, out / "loss.png", title)
     if cfg.progress:
         print(report.summary_table(summary))
         print("\n".join(monitor.summary_lines()))

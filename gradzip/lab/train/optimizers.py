@@ -119,15 +119,26 @@ def tsr_settings(cfg, params: dict[str, Any]) -> dict[str, Any]:
     Raises:
         ValueError: for a rank larger than the weights it applies to allow, naming it.
     """
-    out = {"approx_rank": max(1, cfg.n_embd // 4), "approx_rank_emb": max(1, min(cfg.n_embd // 2, cfg.seq_len)),
+    width = model_width(cfg)
+    out = {"approx_rank": max(1, width // 4), "approx_rank_emb": max(1, min(width // 2, cfg.seq_len)),
            "update_gap": min(100, max(1, cfg.steps // 10)), **TSR_DEFAULTS}
     out.update({k: v for k, v in params.items() if k in out})
-    for name, bound, what in (("approx_rank", cfg.n_embd, "--n-embd"),
-                              ("approx_rank_emb", min(cfg.n_embd, cfg.seq_len), "--n-embd and --seq-len")):
+    what_width = f"the width of --model {cfg.model}" if cfg.model else "--n-embd"
+    for name, bound, what in (("approx_rank", width, what_width),
+                              ("approx_rank_emb", min(width, cfg.seq_len), f"{what_width} and --seq-len")):
         value = out[name]
         if isinstance(value, int) and not isinstance(value, bool) and value > bound:
             raise ValueError(f"--optimizer tsr-adam: {name} must be at most {bound} ({what}); got {value}")
     return out
+
+
+def model_width(cfg) -> int:
+    """The hidden width of ``cfg``'s model: ``--n-embd``, or that of ``--model``."""
+    if cfg.model is None:
+        return cfg.n_embd
+    from gradzip.lab.train.pretrained import hidden_width
+
+    return hidden_width(cfg.model)
 
 
 def tsr_groups(cfg, model: torch.nn.Module, params: dict[str, Any]) -> list[dict[str, Any]]:
@@ -139,7 +150,7 @@ def tsr_groups(cfg, model: torch.nn.Module, params: dict[str, Any]) -> list[dict
     for name, p in model.named_parameters():
         if id(p) in embeddings:
             embedded.append(p)
-        elif p.dim() == 2 and any(part in name.split(".") for part in ("attn", "mlp")):
+        elif p.dim() == 2 and any(part in name.split(".") for part in ("attn", "self_attn", "mlp")):
             matrices.append(p)
         else:
             dense.append(p)

@@ -67,11 +67,9 @@ def split_entry(spec: str) -> tuple[str, str]:
 
 def n_tensors(cfg) -> int:
     """Trainable parameter tensors of ``cfg``'s model (built on the meta device: no memory)."""
-    from gradzip.lab.train.model import build_model
+    from gradzip.lab.train.model import model_skeleton
 
-    with torch.device("meta"):
-        model = build_model(cfg, cfg.vocab_size)
-    return sum(1 for p in model.parameters() if p.requires_grad)
+    return sum(1 for p in model_skeleton(cfg, cfg.vocab_size).parameters() if p.requires_grad)
 
 
 def check_outer(cfg) -> None:

@@ -96,13 +96,16 @@ class Parallel:
         set_optimizer_state_dict(self.module, optimizer, optimizer_state, options=options)
 
 
-def shard_gpt(model: nn.Module) -> nn.Module:
-    """Apply ``fully_shard`` to every transformer block of a GPT-2 model, then to the root
-    (embeddings, final norm and the tied head); returns the same object, now sharded."""
+def shard_blocks(model: nn.Module) -> nn.Module:
+    """Apply ``fully_shard`` to every transformer block of a ``transformers`` causal LM (the
+    modules its ``_no_split_modules`` names: ``GPT2Block``, ``LlamaDecoderLayer``), then to the
+    root (embeddings, final norm and the head); returns the same object, now sharded."""
     from torch.distributed.fsdp import fully_shard
 
-    for block in model.transformer.h:
-        fully_shard(block)
+    blocks = set(getattr(model, "_no_split_modules", None) or ())
+    for module in list(model.modules()):
+        if type(module).__name__ in blocks:
+            fully_shard(module)
     fully_shard(model)
     return model
 
@@ -131,6 +134,6 @@ def make_parallel(
         return Parallel(ddp, state, "ddp", "torch" if is_torch_hook(state) else "gradzip", ddp.no_sync)
     from gradzip.fsdp import compress_reduce_scatter
 
-    shard_gpt(model)
+    shard_blocks(model)
     state = compress_reduce_scatter(model, cfg.choice.codec)
     return Parallel(model, state, "fsdp", "gradzip", state.paused)

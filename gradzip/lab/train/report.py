@@ -106,6 +106,7 @@ def summary_table(s: dict[str, Any]) -> str:
         ("collective", s.get("collective", "auto")),
         ("world size", s["world_size"]),
         ("steps", s["steps"]),
+        ("model", s.get("model", "-")),
         ("parameters", f"{s['parameters']:,}"),
         ("train loss (first -> last)", f"{s['initial_train_loss']:.3f} -> {s['final_train_loss']:.3f}"),
         ("val loss (start -> end)", f"{s['initial_val_loss']:.3f} -> {s['final_val_loss']:.3f}"),
