@@ -123,7 +123,7 @@ class CompressedReducer:
         self._codec_snapshot: dict[str, Any] | None = None
         self.twophase = TwoPhaseAllReduce(
             self.compressor, group=group, queue=self.queue, metrics=self.metrics, feedback=self.feedback,
-            server_feedback=ErrorFeedback(deferred=True) if use_feedback else None, ledger=self.ledger,
+            server_feedback=ErrorFeedback(deferred=True, follow=False) if use_feedback else None, ledger=self.ledger,
         )
         self._routes: dict[tuple[int, torch.dtype, int], str] = {}
         self._held: list[Held] = []
