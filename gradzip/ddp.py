@@ -9,7 +9,9 @@ buckets, never onto another tensor. Parameters are numbered by their place in th
 state is bound to (:meth:`CompressionState.bind`), or, unbound, in the order the hook first
 meets them, which DDP makes the same in every process that registers the hook at the same
 point. The step counter advances after the last bucket of each backward pass, as in PyTorch's
-``powerSGD_hook``. Buckets below ``min_compress_bytes`` are held back and sent fused,
+``powerSGD_hook``; the last bucket's hook returns once every collective of the pass has been
+issued (later rounds wait for earlier ones), so that the collectives DDP issues after the hooks
+(the unused-parameter map under ``find_unused_parameters=True``) come after them on every rank. Buckets below ``min_compress_bytes`` are held back and sent fused,
 uncompressed, with the last bucket of the pass (see :mod:`gradzip.comm.reducer`).
 
 ``CompressionState("auto")`` picks a codec per bucket (see :mod:`gradzip.control.auto`);
@@ -270,5 +272,7 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     else:
         fut = state.reducer.reduce(key, bucket.buffer(), step=state.step, shapes=shapes, flush=last)
     if last:
+        # Every round of the pass is issued before DDP's own collectives that follow the hooks.
+        state.queue.wait_launched()
         state.step += 1
     return fut

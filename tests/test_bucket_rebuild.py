@@ -6,9 +6,14 @@ The hook's state must follow the tensors: Top-K's flat residuals equal an indepe
 per-parameter recursion over the layouts the hook met, PowerSGD's result does not depend on
 DDP's bucketing at all, and both hold across ``load_state_dict`` in fresh processes (whose first
 step meets DDP's first layout again). No residual warning is raised.
+
+With ``find_unused_parameters=True`` DDP all-reduces its unused-parameter map once the last
+bucket is hooked; PowerSGD's second rounds, issued as first rounds complete, must still reach
+gloo in the same order on every rank (a mismatch aborts the process).
 """
 
 import os
+import time
 import warnings
 
 import pytest
@@ -47,7 +52,9 @@ def batch(rank: int, step: int) -> torch.Tensor:
     return torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * rank + step))
 
 
-def wrap(model: nn.Module, cap_mb: float, state: gradzip.CompressionState, records: list | None = None) -> DDP:
+def wrap(
+    model: nn.Module, cap_mb: float, state: gradzip.CompressionState, records: list | None = None, **ddp_options
+) -> DDP:
     """DDP through gradzip's hook; ``records`` gets (step, parameter names, raw bucket) per bucket."""
     names = {id(p): n for n, p in model.named_parameters()}
 
@@ -56,17 +63,21 @@ def wrap(model: nn.Module, cap_mb: float, state: gradzip.CompressionState, recor
             records.append((state.step, [names[id(p)] for p in bucket.parameters()], bucket.buffer().clone()))
         return gradzip.compression_hook(state, bucket)
 
-    ddp = DDP(model, bucket_cap_mb=cap_mb)
+    ddp = DDP(model, bucket_cap_mb=cap_mb, **ddp_options)
     ddp.register_comm_hook(state, hook)
     return ddp
 
 
-def train(ddp: DDP, steps: range) -> None:
-    """Plain SGD steps (no optimizer state to carry)."""
+def train(ddp: DDP, steps: range, pause_s: float = 0.0) -> None:
+    """Plain SGD steps (no optimizer state to carry); the last rank pauses before some backward
+    passes (callbacks then complete in other orders on different ranks)."""
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     for step in steps:
         opt.zero_grad()
-        ddp(batch(dist.get_rank(), step)).square().mean().backward()
+        loss = ddp(batch(dist.get_rank(), step)).square().mean()
+        if dist.get_rank() == dist.get_world_size() - 1:
+            time.sleep(pause_s * (step % 3))
+        loss.backward()
         opt.step()
 
 
@@ -135,6 +146,10 @@ def first_run(rank: int, world_size: int, folder: str) -> dict:
         train(wrap(model, 25, state, records), range(3))
         out["one_bucket_orders"] = [names for step, names, _ in records if step in (0, 1)]
         out["one_bucket_matches"] = _equal(residuals_by_name(state, model), reference_residuals(records, {}, sizes))
+        # PowerSGD under find_unused_parameters=True, with uneven ranks.
+        model = net()
+        train(wrap(model, TINY_CAP_MB, gradzip.CompressionState(POWERSGD), find_unused_parameters=True), range(20), pause_s=0.01)
+        out["unused_map"] = flat_params(model)
     out["warnings"] = [str(w.message) for w in caught if "feedback" in str(w.message) or "residual" in str(w.message)]
     return out
 
@@ -168,7 +183,7 @@ def _equal(got: dict, want: dict) -> bool:
     return set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
 
 
-def test_state_follows_parameters_through_the_rebuild_and_a_fresh_process(tmp_path):
+def test_state_follows_parameters_through_the_rebuild_and_a_fresh_process_and_rounds_stay_ordered(tmp_path):
     first = run_ranks(first_run, 2, str(tmp_path))
     resumed = run_ranks(resumed_run, 2, str(tmp_path))
     for rank in range(2):
@@ -186,3 +201,4 @@ def test_state_follows_parameters_through_the_rebuild_and_a_fresh_process(tmp_pa
         assert torch.equal(again["powersgd"], out["powersgd_tiny"])
         assert out["warnings"] == [] and again["warnings"] == []
     assert torch.equal(first[0]["powersgd_tiny"], first[1]["powersgd_tiny"])
+    assert torch.equal(first[0]["unused_map"], first[1]["unused_map"])
