@@ -127,3 +127,126 @@ def test_lightning_strategy_compresses_logs_and_resumes_exactly(tmp_path):
         rows = [r for r in csv.DictReader(f) if r.get("gradzip/payload_bytes")]
     assert len(rows) == 6 and {float(r["gradzip/payload_bytes"]) for r in rows} == {payload_formula(tiny_net())}
     assert all(0 < float(r["gradzip/norm_ratio"]) <= 1.0 + 1e-6 for r in rows)
+
+
+# -- Accelerate ----------------------------------------------------------------------------------
+
+
+def accelerate_run(rank: int, world_size: int, folder: str) -> dict:
+    launched_env(rank, world_size)
+    import shutil
+
+    from accelerate import Accelerator
+
+    from gradzip.integrations import accelerate as gz_accelerate
+    from gradzip.integrations.common import register
+
+    def run(epochs: range, *, load_from: str | None = None, save_to: str | None = None, checkpointed: bool = True):
+        accelerator = Accelerator(cpu=True)
+        model = tiny_net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = torch.utils.data.DataLoader(dataset(), batch_size=4)
+        model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+        if checkpointed:
+            state = gz_accelerate.register(accelerator, model, SPEC)
+        else:
+            state = register(model, gradzip.CompressionState(SPEC))
+        if load_from is not None:
+            accelerator.load_state(load_from)
+        logged = []
+        for epoch in epochs:
+            for x, y in loader:
+                optimizer.zero_grad()
+                accelerator.backward((model(x) - y).square().mean())
+                optimizer.step()
+                logged.append(gz_accelerate.figures(state))
+            if save_to is not None and epoch == 0:
+                accelerator.save_state(save_to)
+        return accelerator.unwrap_model(model), logged
+
+    saved = os.path.join(folder, "state")
+    model, logged = run(range(2), save_to=saved)
+    out = {"went_on": flat(model), "identical": identical_on_ranks(flat(model)), "steps": len(logged)}
+    out["payload_bytes"] = logged[-1]["gradzip/payload_bytes"]
+    out["dense_bytes"] = logged[-1]["gradzip/dense_bytes"]
+    out["resumed"] = flat(run(range(1, 2), load_from=saved)[0])
+    stripped = os.path.join(folder, "stripped")
+    if rank == 0:
+        shutil.copytree(saved, stripped, ignore=shutil.ignore_patterns("custom_checkpoint_*"))
+    dist.barrier()
+    out["resumed_without_state"] = flat(run(range(1, 2), load_from=stripped, checkpointed=False)[0])
+    return out
+
+
+def test_accelerate_register_compresses_and_resumes_exactly(tmp_path):
+    pytest.importorskip("accelerate")
+    for result in run_ranks(accelerate_run, 2, str(tmp_path)):
+        check(result, tiny_net())
+        assert result["steps"] == 6
+
+
+# -- Hugging Face Trainer ------------------------------------------------------------------------
+
+
+class LossNet(nn.Module):
+    """The tiny net with the Trainer's calling convention (keyword inputs, a ``loss`` output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = tiny_net()
+
+    def forward(self, x, labels):
+        return {"loss": (self.net(x) - labels).square().mean()}
+
+
+def trainer_run(rank: int, world_size: int, folder: str) -> dict:
+    launched_env(rank, world_size)
+    import shutil
+    import warnings
+
+    from transformers import Trainer, TrainingArguments
+
+    from gradzip.integrations.hf import CompressionCallback
+
+    records = [{"x": x, "labels": y} for x, y in dataset()]
+
+    def train(output_dir: str, resume: str | None = None):
+        args = TrainingArguments(
+            output_dir=output_dir, use_cpu=True, per_device_train_batch_size=4, num_train_epochs=2,
+            learning_rate=0.1, optim="sgd", lr_scheduler_type="constant", logging_steps=1, report_to=[],
+            save_strategy="epoch" if resume is None else "no", disable_tqdm=True, seed=0,
+        )
+        model = LossNet()
+        trainer = Trainer(model=model, args=args, train_dataset=records)
+        callback = CompressionCallback(trainer, SPEC)
+        trainer.add_callback(callback)
+        trainer.train(resume_from_checkpoint=resume)
+        return model, trainer, callback
+
+    model, trainer, callback = train(folder)
+    logged = [e for e in trainer.state.log_history if "gradzip/payload_bytes" in e]
+    out = {"went_on": flat(model), "identical": identical_on_ranks(flat(model)), "steps": callback.compression.step}
+    out["logged_steps"] = [e["step"] for e in logged]
+    out["payload_bytes"] = logged[-1]["gradzip/payload_bytes"]
+    out["dense_bytes"] = logged[-1]["gradzip/dense_bytes"]
+    out["loss_logged"] = sum("loss" in e for e in trainer.state.log_history)
+    first = os.path.join(folder, "checkpoint-3")
+    out["resumed"] = flat(train(folder, first)[0])
+    other = os.path.join(folder, "other")
+    if rank == 0:
+        shutil.copytree(first, os.path.join(other, "checkpoint-3"), ignore=shutil.ignore_patterns("gradzip_state_*"))
+    dist.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out["resumed_without_state"] = flat(train(other, os.path.join(other, "checkpoint-3"))[0])
+    out["fresh_warning"] = any("starts afresh" in str(w.message) for w in caught)
+    return out
+
+
+def test_trainer_callback_compresses_logs_and_resumes_exactly(tmp_path):
+    pytest.importorskip("transformers")
+    for result in run_ranks(trainer_run, 2, str(tmp_path)):
+        check(result, tiny_net())
+        assert result["steps"] == 6 and result["logged_steps"] == [1, 2, 3, 4, 5, 6]
+        assert result["loss_logged"] == 6  # the Trainer's own logs still go out at every step
+        assert result["fresh_warning"]
