@@ -10,9 +10,10 @@ The Trainer has no comm-hook option, and a callback's events receive the unwrapp
 has wrapped the model) registers the hook on ``trainer.model_wrapped``, bound to its
 parameters. Hence the two lines: build the trainer, then add the callback.
 
-At every optimizer step where the Trainer logs (``logging_steps``), and on steps with quality
-figures, the figures of :func:`gradzip.integrations.common.figures` go through ``trainer.log``
-(the log history and every ``report_to`` integration). At each checkpoint (``on_save``) every
+Every ``logging_steps`` optimizer steps, counted from the first (the steps that carry quality
+figures, with ``monitor_every`` left to follow ``logging_steps``), the figures of
+:func:`gradzip.integrations.common.figures` go through ``trainer.log`` (the log history and
+every ``report_to`` integration). At each checkpoint (``on_save``) every
 rank writes its compressor state to ``gradzip_state_{rank}.pt`` in the checkpoint folder, as
 the Trainer writes its per-rank RNG state; a resumed run loads it back at ``on_train_begin``
 from ``resume_from``, else ``args.resume_from_checkpoint``, else
@@ -62,7 +63,7 @@ def _define_callback() -> type:
             compressor: a spec such as ``"powersgd:approx_rank=4"``, a codec, or a ready
                 :class:`~gradzip.CompressionState` (for its other options).
             monitor_every: quality figures (the logged norm ratio) every this many steps; None uses
-                ``args.logging_steps``, 0 never. Ignored for a ready state.
+                the Trainer's logging interval, 0 never. Ignored for a ready state.
             resume_from: the checkpoint folder to load the compressor state from when training
                 resumes (None: see the module docstring).
 
@@ -100,7 +101,7 @@ def _define_callback() -> type:
                 warnings.warn(f"gradzip: the Trainer's model is a {type(model).__name__}, not DDP; nothing is compressed", stacklevel=2)
                 return
             if self.compression is None:
-                every = args.logging_steps if self._monitor_every is None else self._monitor_every
+                every = state.logging_steps if self._monitor_every is None else self._monitor_every
                 self.compression = CompressionState(self._compressor, monitor_every=int(every))
             if model is not self._registered:
                 register(model, self.compression)
@@ -120,11 +121,12 @@ def _define_callback() -> type:
             self.compression.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
-            """Log the step's figures through ``trainer.log`` where the Trainer logs this step."""
+            """Log the step's figures through ``trainer.log`` every logging interval."""
             if self.compression is None or self._registered is None:
                 return control
             logged = figures(self.compression.metrics.pop())
-            if logged and (control.should_log or "gradzip/norm_ratio" in logged):
+            every = self.compression.monitor_every or max(int(state.logging_steps), 1)
+            if logged and (self.compression.step - 1) % every == 0:  # the step just reduced
                 should_log = control.should_log
                 self.trainer.log(logged)
                 control.should_log = should_log  # trainer.log clears it; the Trainer's own logs still go
