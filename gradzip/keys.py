@@ -47,6 +47,20 @@ def tensor_key(key: Hashable, i: int) -> Hashable:
     return (key, i)
 
 
+def label(key: Hashable) -> str:
+    """A short name for reports: ``params 4-9`` for a bucket of parameters 4 to 9 (in any
+    order), ``params 1,5`` otherwise, ``param 3`` for one; ``str(key)`` for other keys. Buckets of
+    one layout hold disjoint parameters, so their labels differ."""
+    if not is_bucket_key(key) or not key[1]:
+        return str(key)
+    params = sorted(key[1])
+    if len(params) == 1:
+        return f"param {params[0]}"
+    if params[-1] - params[0] == len(params) - 1:
+        return f"params {params[0]}-{params[-1]}"
+    return "params " + ",".join(map(str, params))
+
+
 def _pieces(key: Hashable) -> list[tuple[int, int]] | None:
     """``[(parameter, numel), ...]`` laid out under ``key``; None for a key that names no
     parameters (a plain bucket index, a parameter name)."""

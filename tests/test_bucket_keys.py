@@ -9,7 +9,7 @@ import torch
 import gradzip
 from gradzip.ddp import ParameterNumbers
 from gradzip.feedback import ErrorFeedback
-from gradzip.keys import bucket_key, regroup, tensor_key
+from gradzip.keys import bucket_key, label, regroup, tensor_key
 
 
 def test_regroup_lays_out_each_parameter_from_the_old_buckets():
@@ -102,3 +102,10 @@ def test_state_dict_carries_parameter_sizes_and_a_mismatch_is_refused_on_bind():
     other.load_state_dict(saved)
     with pytest.raises(ValueError, match="parameter 0 has 4 elements"):
         other.bind(torch.nn.Linear(2, 2))
+
+
+def test_labels_are_short_and_plain_keys_keep_their_text():
+    assert label(bucket_key([6, 5, 4], [1, 1, 1])) == "params 4-6"
+    assert label(bucket_key([3, 1], [1, 1])) == "params 1,3"
+    assert label(bucket_key([2], [8])) == "param 2"
+    assert label(0) == "0" and label("b") == "b"

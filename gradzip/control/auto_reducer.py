@@ -41,7 +41,7 @@ from gradzip.comm.reducer import CompressedReducer
 from gradzip.comm.traffic import allreduce_bytes
 from gradzip.compressors import Compressor, build
 from gradzip.control.figures import BucketFigures, CandidateFigures, Plan, WindowFigures, sampled_entropy
-from gradzip.keys import regroup, tensor_key
+from gradzip.keys import label, regroup, tensor_key
 from gradzip.metrics import StepMetrics, quality_figures
 
 # numel, itemsize, payload_bytes, sent_bytes, -communicate_s, collectives, gradient_sum_norm, entropy
@@ -284,8 +284,8 @@ class AutoReducer:
             self._switch(key, index, step, reason=plan.reasons.get(key, ""))
         self.metrics.add_event({
             "kind": "auto", "step": step, "window": [window.start, window.end], "period_s": window.period_s,
-            "note": plan.note, "choices": {str(k): self.names[self.choices.get(k, 0)] for k in order},
-            "reasons": {str(k): r for k, r in plan.reasons.items()},
+            "note": plan.note, "choices": {label(k): self.names[self.choices.get(k, 0)] for k in order},
+            "reasons": {label(k): r for k, r in plan.reasons.items()},
         })
         self.window_start = step
         self.window_end = step + max(MIN_WINDOW_STEPS, plan.window_steps)
@@ -345,7 +345,7 @@ class AutoReducer:
             previous = self.carry.get(key)
             self.carry[key] = residual if previous is None else previous + residual.to(previous.dtype)
         self.choices[key] = index
-        self.metrics.add_event({"kind": "switch", "step": step, "bucket": str(key), "from": self.names[old],
+        self.metrics.add_event({"kind": "switch", "step": step, "bucket": label(key), "from": self.names[old],
                                 "to": self.names[index], "reason": reason})
 
     # -- state -----------------------------------------------------------------------------
