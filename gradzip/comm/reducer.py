@@ -156,7 +156,7 @@ class CompressedReducer:
         """Start averaging ``grad`` over the group; returns at once.
 
         Args:
-            key: names the tensor across steps (a bucket index); keys the residuals.
+            key: names the tensor across steps (a bucket, see :mod:`gradzip.keys`); keys the residuals.
             grad: any shape, floating dtype; not modified, and must stay unchanged until the
                 future completes (as DDP's bucket buffers do).
             step: the training step (seeds and schedules).
