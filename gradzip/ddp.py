@@ -96,6 +96,11 @@ class ParameterNumbers:
             out.append(number)
         return out
 
+    def sizes(self) -> list[int]:
+        """Element count by number: the parameters numbered so far, then those a loaded
+        checkpoint knew beyond them (so saving before the hook has run keeps them)."""
+        return self.numels + (self.expected or [])[len(self.numels) :]
+
     def _check(self, numbers) -> None:
         if self.expected is None:
             return
@@ -203,7 +208,7 @@ class CompressionState:
         each numbered parameter."""
         return {
             "compressor": self.spec, "step": self.step, "reducer": self.reducer.state_dict(),
-            "parameters": list(self.numbering.numels),
+            "parameters": self.numbering.sizes(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

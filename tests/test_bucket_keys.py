@@ -109,3 +109,11 @@ def test_labels_are_short_and_plain_keys_keep_their_text():
     assert label(bucket_key([3, 1], [1, 1])) == "params 1,3"
     assert label(bucket_key([2], [8])) == "param 2"
     assert label(0) == "0" and label("b") == "b"
+
+
+def test_a_state_saved_before_the_hook_runs_keeps_the_loaded_sizes():
+    state = gradzip.CompressionState("topk:ratio=0.5")
+    state.load_state_dict({**state.state_dict(), "parameters": [6, 2]})
+    assert state.state_dict()["parameters"] == [6, 2]
+    state.numbering.of([torch.zeros(6)])
+    assert state.state_dict()["parameters"] == [6, 2]
