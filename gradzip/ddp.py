@@ -2,10 +2,17 @@
 
     ddp_model.register_comm_hook(gradzip.CompressionState("topk:ratio=0.01"), gradzip.compression_hook)
 
-Buckets are keyed by ``bucket.index()``; the step counter advances after the last bucket of each
-backward pass, as in PyTorch's ``powerSGD_hook``. Buckets below ``min_compress_bytes`` are held
-back and sent fused, uncompressed, with the last bucket of the pass (see
-:mod:`gradzip.comm.reducer`).
+Buckets are keyed by the parameters they hold (:mod:`gradzip.keys`), not by ``bucket.index()``:
+DDP lays its buckets out again after the first backward pass (and a fresh process starts from
+the first layout), and residuals and warm-start factors follow their parameters into the new
+buckets, never onto another tensor. Parameters are numbered by their place in the module the
+state is bound to (:meth:`CompressionState.bind`), or, unbound, in the order the hook first
+meets them, which DDP makes the same in every process that registers the hook at the same
+point. The step counter advances after the last bucket of each backward pass, as in PyTorch's
+``powerSGD_hook``; the last bucket's hook returns once every collective of the pass has been
+issued (later rounds wait for earlier ones), so that the collectives DDP issues after the hooks
+(the unused-parameter map under ``find_unused_parameters=True``) come after them on every rank. Buckets below ``min_compress_bytes`` are held back and sent fused,
+uncompressed, with the last bucket of the pass (see :mod:`gradzip.comm.reducer`).
 
 ``CompressionState("auto")`` picks a codec per bucket (see :mod:`gradzip.control.auto`);
 ``monitor_every`` adds quality figures to the metrics every that many steps; ``verify_every``
@@ -14,17 +21,96 @@ difference (an exactness check that also catches codec or collective faults in t
 """
 
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from gradzip.choice import Choice, parse_compressor
 from gradzip.comm import Reducer, make_reducer
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.comm.warmup import WarmupReducer
 from gradzip.compressors import Compressor
+from gradzip.keys import bucket_key
 from gradzip.metrics import StepMetrics, relative_difference
+
+
+class ParameterNumbers:
+    """Stable numbers for parameters, for the keys of :mod:`gradzip.keys`.
+
+    Bound to a module (:meth:`bind`), a parameter's number is its place in
+    ``module.parameters()``; unbound, parameters are numbered in the order they are first met.
+    The element count of each number is kept, so that a checkpoint's state cannot land on
+    parameters of another size (:meth:`expect`).
+    """
+
+    def __init__(self) -> None:
+        self.numbers: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.numels: list[int] = []  # by number
+        self.bound = False
+        self.expected: list[int] | None = None
+
+    def bind(self, module: nn.Module) -> None:
+        """Number ``module``'s parameters by their place in ``module.parameters()``.
+
+        Raises:
+            ValueError: if parameters were already numbered otherwise, or their sizes differ from
+                a checkpoint's (:meth:`expect`).
+        """
+        numbers: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        for number, param in enumerate(module.parameters()):
+            numbers[param] = number
+        if any(numbers.get(param) != number for param, number in self.numbers.items()):
+            raise ValueError("bind the state to its module before the first backward pass")
+        self.numbers, self.numels, self.bound = numbers, [p.numel() for p in module.parameters()], True
+        self._check(range(len(self.numels)))
+
+    def expect(self, numels: Sequence[int] | None) -> None:
+        """Require the element counts a checkpoint was made with (None: no requirement).
+
+        Raises:
+            ValueError: if parameters already numbered differ in size.
+        """
+        self.expected = None if numels is None else [int(n) for n in numels]
+        self._check(range(len(self.numels)))
+
+    def of(self, params: Sequence[torch.Tensor]) -> list[int]:
+        """The numbers of ``params``, numbering those met for the first time.
+
+        Raises:
+            ValueError: for a parameter outside the bound module, or one whose size differs from
+                the checkpoint's at its number.
+        """
+        out = []
+        for param in params:
+            number = self.numbers.get(param)
+            if number is None:
+                if self.bound:
+                    raise ValueError("a DDP bucket holds a parameter of another module than the one the state is bound to")
+                number = self.numbers[param] = len(self.numels)
+                self.numels.append(param.numel())
+                self._check([number])
+            out.append(number)
+        return out
+
+    def sizes(self) -> list[int]:
+        """Element count by number: the parameters numbered so far, then those a loaded
+        checkpoint knew beyond them (so saving before the hook has run keeps them)."""
+        return self.numels + (self.expected or [])[len(self.numels) :]
+
+    def _check(self, numbers) -> None:
+        if self.expected is None:
+            return
+        for number in numbers:
+            if number < len(self.expected) and self.expected[number] != self.numels[number]:
+                raise ValueError(
+                    f"parameter {number} has {self.numels[number]} elements, but {self.expected[number]} in the "
+                    "checkpoint: the state was saved for another model or parameter order (bind it to the model "
+                    "with CompressionState.bind)"
+                )
 
 
 class CompressionState:
@@ -48,8 +134,8 @@ class CompressionState:
         ValueError: for a bad spec, collective, threshold or setting (at construction, before
             training starts), or a ``torch:`` hook (PyTorch's hooks are registered as they are).
 
-    Pickles without its process group (it uses the default group after unpickling), and
-    carries its reducer's residuals in :meth:`state_dict`.
+    Pickles without its process group (it uses the default group after unpickling) and without
+    its binding, and carries its reducer's residuals in :meth:`state_dict`.
     """
 
     def __init__(
@@ -85,6 +171,18 @@ class CompressionState:
         self.metrics = StepMetrics(monitor_every)
         self.queue = CollectiveQueue()
         self.reducer: Reducer = self._make_reducer()
+        self.numbering = ParameterNumbers()
+
+    def bind(self, module: nn.Module) -> "CompressionState":
+        """Number parameters by their place in ``module.parameters()`` (the DDP model or the module
+        it wraps), so that state keys do not depend on the order the hook meets them; returns self.
+
+        Raises:
+            ValueError: after the hook has met parameters in another order, or if the sizes
+                differ from a loaded checkpoint's.
+        """
+        self.numbering.bind(module)
+        return self
 
     def _make_reducer(self) -> Reducer:
         opts = self.options
@@ -106,17 +204,23 @@ class CompressionState:
         return make_reducer(self.compressor, **common)
 
     def state_dict(self) -> dict[str, Any]:
-        """Spec, step and reducer state (residuals, factors); tensors cloned."""
-        return {"compressor": self.spec, "step": self.step, "reducer": self.reducer.state_dict()}
+        """Spec, step, reducer state (residuals, factors; tensors cloned) and the element count of
+        each numbered parameter."""
+        return {
+            "compressor": self.spec, "step": self.step, "reducer": self.reducer.state_dict(),
+            "parameters": self.numbering.sizes(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned.
 
         Raises:
-            ValueError: if the checkpoint was made with another codec spec.
+            ValueError: if the checkpoint was made with another codec spec, or for parameters of
+                other sizes (checked as parameters are numbered).
         """
         if state["compressor"] != self.spec:
             raise ValueError(f"checkpoint holds compressor state for {state['compressor']!r}, not {self.spec!r}")
+        self.numbering.expect(state.get("parameters"))
         self.step = state["step"]
         self.reducer.load_state_dict(state["reducer"])
 
@@ -166,11 +270,14 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
         a future whose value is the averaged flat bucket (same shape and dtype).
     """
     shapes = [g.shape for g in bucket.gradients()]
+    key = bucket_key(state.numbering.of(bucket.parameters()), [s.numel() for s in shapes])
     last = bucket.is_last()
     if state.verify_every and state.step % state.verify_every == 0:
-        fut = verified_reduce(state, bucket.index(), bucket.buffer(), step=state.step, shapes=shapes, flush=last)
+        fut = verified_reduce(state, key, bucket.buffer(), step=state.step, shapes=shapes, flush=last)
     else:
-        fut = state.reducer.reduce(bucket.index(), bucket.buffer(), step=state.step, shapes=shapes, flush=last)
+        fut = state.reducer.reduce(key, bucket.buffer(), step=state.step, shapes=shapes, flush=last)
     if last:
+        # Every round of the pass is issued before DDP's own collectives that follow the hooks.
+        state.queue.wait_launched()
         state.step += 1
     return fut

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from gradzip.compressors.values import check_number
+from gradzip.keys import regroup
 
 
 def check_decay(decay: float) -> float:
@@ -31,7 +32,7 @@ def check_decay(decay: float) -> float:
 
 
 class ErrorFeedback:
-    """One residual per key (a bucket index, a parameter name).
+    """One residual per key (a bucket, a parameter, a parameter name).
 
     Args:
         start_step: first step at which residuals are kept (before it, nothing is remembered);
@@ -46,16 +47,23 @@ class ErrorFeedback:
             (``compensated = grad + decay * residual``): SparseLoCo's decayed error-feedback
             accumulator (Sarfi et al., arXiv 2508.15706), which takes the place of outer
             momentum there. 1 (the default) is plain error feedback.
+        follow: residuals under the parameter-named keys of :mod:`gradzip.keys` follow their
+            parameters when DDP lays them into other buckets (True: each residual is laid out
+            as its key says); False for residuals of part of a bucket (the two-phase exchange's
+            server side), which restart at zero in a new layout.
 
     Raises:
         ValueError: if ``start_step`` is not an integer >= 0 or ``decay`` is not in (0, 1].
 
-    A key whose gradient changes shape (DDP rebuilds its buckets after the first step) restarts
-    at zeros of the new shape, with a warning, so memory stays one residual per key.
+    A parameter-named key absent from the memory takes the residuals of its parameters from the
+    keys that held them (:func:`gradzip.keys.regroup`), so a residual never lands on another
+    tensor. Any other key whose gradient changes shape restarts at zeros of the new shape, with
+    a warning, so memory stays one residual per key.
     """
 
     def __init__(
-        self, *, start_step: int = 0, dtype: torch.dtype | None = None, deferred: bool = False, decay: float = 1.0
+        self, *, start_step: int = 0, dtype: torch.dtype | None = None, deferred: bool = False, decay: float = 1.0,
+        follow: bool = True,
     ) -> None:
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
             raise ValueError(f"start_step must be an integer >= 0; got {start_step!r}")
@@ -63,6 +71,7 @@ class ErrorFeedback:
         self.start_step = start_step
         self.dtype = dtype
         self.deferred = deferred
+        self.follow = follow
         self.residuals: dict[Hashable, Tensor] = {}
         self.replaced: dict[Hashable, Tensor | None] = {}  # deferred mode: key -> residual before the step
 
@@ -79,6 +88,8 @@ class ErrorFeedback:
         """
         dtype = self.dtype or grad.dtype
         residual = self.residuals.get(key)
+        if residual is None:
+            residual = self._regroup(key, grad)
         if residual is not None and residual.shape != grad.shape:
             warnings.warn(
                 f"error feedback: key {key!r} changed shape {tuple(residual.shape)} -> "
@@ -94,6 +105,18 @@ class ErrorFeedback:
         if self.decay == 1.0:
             return grad.to(dtype) + residual
         return torch.add(grad.to(dtype), residual, alpha=self.decay)
+
+    def _regroup(self, key: Hashable, grad: Tensor) -> Tensor | None:
+        """The residual of ``key`` laid out from the keys that held its parameters (None if
+        none did); kept under ``key`` as the residual from before this step."""
+        moved = [k for k in self.replaced if k != key]
+        residual = regroup(self.residuals, key, follow=self.follow)
+        # DDP changes its layout between steps, so no key of the new layout moves a residual
+        # that this step has already replaced (discard could not put it back).
+        assert all(k in self.residuals for k in moved), f"{key!r} took a residual replaced in this step"
+        if residual is not None and residual.numel() == grad.numel():
+            residual = self.residuals[key] = residual.view(grad.shape)
+        return residual
 
     def update(self, key: Hashable, compensated: Tensor, decoded: Tensor, *, step: int) -> None:
         """Store ``compensated - decoded`` as the residual of ``key`` (nothing before ``start_step``)."""

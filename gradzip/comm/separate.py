@@ -6,7 +6,8 @@ For one bucket (a flat tensor holding several gradients) at a step past ``start_
 1. Split the bucket into gradients by ``shapes``; those that compress are viewed as ``m x n``
    matrices and error-compensated in fp32 (``c = g + e``).
 2. One all_reduce of ``[uncompressed / world_size, c_1 A_1 / world_size .. c_k A_k / world_size]``
-   in the bucket's dtype, each ``A`` drawn from ``(seed, step, (key, i))``.
+   in the bucket's dtype, each ``A`` drawn from ``(seed, step, name)`` with ``name`` the gradient's
+   :func:`~gradzip.keys.tensor_key`.
 3. Decode each summed payload as ``P A^T``; the same draw of ``A`` gives this rank's own decode
    ``c A A^T`` for the moving-average error memory.
 
@@ -33,6 +34,7 @@ from gradzip.comm.traffic import allreduce_bytes
 from gradzip.compressors.kernels import wire
 from gradzip.compressors.lowrank import matrix_view_shape
 from gradzip.compressors.separate import moving_average_error
+from gradzip.keys import tensor_key
 
 
 def split_bucket(grad: Tensor, shapes: Sequence[torch.Size] | None) -> list[tuple[int, torch.Size]]:
@@ -127,10 +129,11 @@ class SeparateReducer(SettlingReducer):
                     o, s = layout[i]
                     m, n = matrix_view_shape(s)
                     piece = flat[o : o + s.numel()].view(m, n)
-                    mat, _ = nonfinite.checked_input(piece, self.feedback.compensate((key, i), piece, step=step))
+                    name = tensor_key(key, i)
+                    mat, _ = nonfinite.checked_input(piece, self.feedback.compensate(name, piece, step=step))
                     box["matrices"].append(mat)
                     if sendable:
-                        proj = codec.encode(mat, step=step, key=(key, i))
+                        proj = codec.encode(mat, step=step, key=name)
                         box["local"].append(proj)
                         payload[offset : offset + proj.numel()] = nonfinite.saturate(proj.div(world_size), wire_dtype).reshape(-1)
                     offset += m * codec.effective_rank(n)
@@ -156,13 +159,14 @@ class SeparateReducer(SettlingReducer):
                     m, n = matrix_view_shape(s)
                     r = codec.effective_rank(n)
                     mat = box["matrices"][j]
+                    name = tensor_key(key, i)
                     # The summed payload and this rank's own, lifted by one draw of A.
                     both = torch.cat([payload[offset : offset + m * r].view(m, r).float(), box["local"][j]])
-                    lifted = codec.decode(both, n, step=step, key=(key, i), out=torch.empty(2 * m, n, device=grad.device))
+                    lifted = codec.decode(both, n, step=step, key=name, out=torch.empty(2 * m, n, device=grad.device))
                     out[o : o + s.numel()] = nonfinite.saturate(lifted[:m], out.dtype).reshape(-1)
-                    previous = self.feedback.residuals.get((key, i))
+                    previous = self.feedback.residuals.get(name)
                     previous = previous if previous is not None and previous.shape == mat.shape else None
-                    self.feedback.store((key, i), moving_average_error(previous, mat, lifted[m:], codec.ef_beta), step=step)
+                    self.feedback.store(name, moving_average_error(previous, mat, lifted[m:], codec.ef_beta), step=step)
                     offset += m * r
             return out.view(grad.shape)
 

@@ -48,6 +48,7 @@ from typing import Any
 
 from gradzip.compressors.values import check_number
 from gradzip.control.figures import BucketFigures, CandidateFigures, Plan, WindowFigures
+from gradzip.keys import label
 
 SCHEDULES = ("cost", "accordion", "legacy", "edgc")
 
@@ -218,7 +219,7 @@ class _Base:
     def _reason(self, b: BucketFigures, new: int, why: str) -> str:
         old = self.specs[b.current]
         arrow = f"{old} -> {self.specs[new]}" if new != b.current else f"stays {old}"
-        return f"bucket {b.key}: {arrow}, {why}"
+        return f"bucket {label(b.key)}: {arrow}, {why}"
 
     def state_dict(self) -> dict[str, Any]:
         return {}

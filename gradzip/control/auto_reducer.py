@@ -41,6 +41,7 @@ from gradzip.comm.reducer import CompressedReducer
 from gradzip.comm.traffic import allreduce_bytes
 from gradzip.compressors import Compressor, build
 from gradzip.control.figures import BucketFigures, CandidateFigures, Plan, WindowFigures, sampled_entropy
+from gradzip.keys import label, regroup, tensor_key
 from gradzip.metrics import StepMetrics, quality_figures
 
 # numel, itemsize, payload_bytes, sent_bytes, -communicate_s, collectives, gradient_sum_norm, entropy
@@ -119,6 +120,7 @@ class AutoReducer:
         self.window_end = 1 + max(MIN_WINDOW_STEPS, controller.first_window_steps())
         self.probe_this_window = True
         self._order: list[Hashable] = []
+        self._seen: set[Hashable] = set()  # buckets hooked in this window (DDP's layout may change)
         self._periods: list[float] = []
         self._sums: dict[Hashable, Tensor] = {}
         self._probes: dict[Hashable, list[dict[str, float]]] = {}
@@ -160,6 +162,8 @@ class AutoReducer:
         if key not in self._order:
             self._order.append(key)
         in_window = self.window_start <= step < self.window_end
+        if in_window:
+            self._seen.add(key)
         if in_window and self.controller.needs_gradient_sum and nonfinite.is_finite(grad):
             total = self._sums.get(key)
             if total is None or total.shape != grad.shape:
@@ -171,6 +175,8 @@ class AutoReducer:
         if in_window and step == self.window_end - 1 and self.controller.needs_entropy:
             self._entropy[key] = sampled_entropy(grad)
         carry = self.carry.pop(key, None)
+        if carry is None and regroup(self.carry, key) is not None:  # DDP laid its parameters out anew
+            carry = self.carry.pop(key)
         if carry is not None and carry.numel() == grad.numel():
             grad = (grad.reshape(-1) + carry.to(grad.dtype)).view(grad.shape)
         return self.reducers[self.choices.get(key, 0)].reduce(key, grad, step=step, shapes=shapes, flush=flush)
@@ -226,7 +232,7 @@ class AutoReducer:
     def _decide(self, step: int) -> None:
         """Reduce the window's figures over the group, let the controller decide, and apply
         its plan from ``step`` on."""
-        order = list(self._order)
+        order = self._order = [k for k in self._order if k in self._seen]
         probed = self.probe_this_window and all(k in self._probes for k in order)
         steps = max(1, self.window_end - self.window_start)
         n_cand = len(self.codecs)
@@ -278,13 +284,14 @@ class AutoReducer:
             self._switch(key, index, step, reason=plan.reasons.get(key, ""))
         self.metrics.add_event({
             "kind": "auto", "step": step, "window": [window.start, window.end], "period_s": window.period_s,
-            "note": plan.note, "choices": {str(k): self.names[self.choices.get(k, 0)] for k in order},
-            "reasons": {str(k): r for k, r in plan.reasons.items()},
+            "note": plan.note, "choices": {label(k): self.names[self.choices.get(k, 0)] for k in order},
+            "reasons": {label(k): r for k, r in plan.reasons.items()},
         })
         self.window_start = step
         self.window_end = step + max(MIN_WINDOW_STEPS, plan.window_steps)
         self.probe_this_window = plan.probe_next
         self._periods = []
+        self._seen = set()
         self._sums = {}
         self._probes = {}
         self._entropy = {}
@@ -338,7 +345,7 @@ class AutoReducer:
             previous = self.carry.get(key)
             self.carry[key] = residual if previous is None else previous + residual.to(previous.dtype)
         self.choices[key] = index
-        self.metrics.add_event({"kind": "switch", "step": step, "bucket": str(key), "from": self.names[old],
+        self.metrics.add_event({"kind": "switch", "step": step, "bucket": label(key), "from": self.names[old],
                                 "to": self.names[index], "reason": reason})
 
     # -- state -----------------------------------------------------------------------------
@@ -357,7 +364,7 @@ class AutoReducer:
                 numel = sum(s.numel() for s in shapes)
                 flat, offset, any_found = torch.zeros(numel), 0, False
                 for i, s in enumerate(shapes):
-                    r = feedback.residuals.get((key, i))
+                    r = feedback.residuals.get(tensor_key(key, i))
                     if r is not None:
                         flat[offset : offset + s.numel()] = r.reshape(-1).float()
                         any_found = True

@@ -30,6 +30,7 @@ from typing import Any
 
 from gradzip.compressors.values import check_number
 from gradzip.integrations.tensorboard import summary_writer
+from gradzip.keys import label
 from gradzip.metrics import QUALITY_FIELDS
 
 BUCKET_FIELDS = ("codec", "payload_bytes", "dense_bytes", "compress_s", "decompress_s", "communicate_s")
@@ -103,7 +104,7 @@ class QualityMonitor:
         buckets: dict[str, dict[str, Any]] = {}
         checked: list[str] = []
         for key, entry in comm.get("buckets", {}).items():
-            name = str(key)
+            name = label(key)
             out = {f: entry[f] for f in BUCKET_FIELDS if f in entry}
             if "quality" in entry:
                 out["quality"] = entry["quality"]
