@@ -26,7 +26,17 @@ from pathlib import Path
 import pytest
 import torch
 
+from gradzip import testing
+
 os.environ.setdefault("GRADZIP_COMPILE", "0")
+# One intra-op thread here and in every child: the tensors are small, and with ranks or the CLI's
+# workers on the same cores a second thread mostly waits for a core (with other jobs on the machine,
+# one test ran 5x slower with two).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
+# Ranks fork from one server that imported these once, instead of each rank importing them again
+# (seconds per rank): what the test modules that run ranks import, and the trainer's GPT-2.
+testing.preload("pytest", "hypothesis", "gradzip.fsdp", "gradzip.lab.train.loop", "transformers.models.gpt2.modeling_gpt2")
 
 TIERS = {
     "unit": "one process, no spawned ranks or CLI runs (the fast tier)",
