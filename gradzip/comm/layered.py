@@ -38,11 +38,11 @@ from torch import Tensor
 from torch.futures import Future
 
 from gradzip.comm import nonfinite
-from gradzip.comm.powersgd import PowerSGDReducer
+from gradzip.comm.powersgd import PowerSGDReducer, orthogonalize, product
 from gradzip.comm.queue import CollectiveQueue, completed
 from gradzip.comm.traffic import allgather_bytes, allreduce_bytes
 from gradzip.comm.twophase import mean_of_payloads
-from gradzip.compressors import Compressor, Payload, build
+from gradzip.compressors import Compressor, Payload, build, seeded_generator
 from gradzip.compressors.kernels import wire
 from gradzip.compressors.lowrank import matrix_view_shape
 from gradzip.feedback import ErrorFeedback
@@ -328,6 +328,41 @@ class LayeredReducer:
         acc.add_gradient(grad)
         self.metrics.add_quality(key, acc.figures())
 
+    def probe_errors(
+        self, key: Hashable, grad: Tensor, shapes: Sequence[torch.Size], specs: Sequence[Sequence[str]], *, step: int
+    ) -> list[tuple[float, list[float]]]:
+        """Price codecs on each layer of a bucket locally: no collective, no state change.
+
+        Args:
+            key, grad, shapes, step: as :meth:`reduce`.
+            specs: per layer, the codec specs to price.
+
+        Returns:
+            per layer, ``(||x||^2, [||x - D(C(x))||^2 per spec])`` in float64 arithmetic, with ``x``
+            the layer plus the residual it carries (what its codec would be handed). PowerSGD is
+            priced by one power iteration from a ``Q`` drawn from ``(seed, step, layer)``; a rank
+            at which the layer would travel dense has error 0.
+        """
+        shapes = [torch.Size(s) for s in shapes]
+        feedback = self.powersgd.feedback if key in self.low_rank_keys and self.powersgd is not None else self.feedback
+        flat = grad.reshape(-1)
+        out = []
+        for i, (shape, o) in enumerate(zip(shapes, offsets_of(shapes))):
+            x = flat[o : o + shape.numel()].float()
+            residual = feedback.residuals.get((key, i))
+            if residual is not None and residual.numel() == shape.numel():
+                x = x + residual.reshape(-1).float()
+            errors = []
+            for spec in specs[i]:
+                codec = self.codec(spec)
+                if codec.multi_round:
+                    errors.append(low_rank_error(codec, x, shape, step=step, key=(key, i)))
+                    continue
+                decoded = codec.decompress(codec.compress(x, step=step, key=(key, i)), like=x)
+                errors.append(float(torch.linalg.vector_norm((x - decoded).double())) ** 2)
+            out.append((float(torch.linalg.vector_norm(x.double())) ** 2, errors))
+        return out
+
     # -- steps and state ---------------------------------------------------------------------
 
     def _settle(self, keep: bool) -> None:
@@ -377,3 +412,17 @@ class LayeredReducer:
         self._family = {key: key in self.low_rank_keys for key in self.plans}
         if state["powersgd"] is not None and self.powersgd is not None:
             self.powersgd.load_state_dict(state["powersgd"])
+
+
+def low_rank_error(codec, x: Tensor, shape: torch.Size, *, step: int, key: Hashable) -> float:
+    """``||M - P Q^T||^2`` of one power iteration of ``codec`` (PowerSGD) on ``x`` viewed as its
+    matrix, from a ``Q`` drawn from ``(codec.seed, step, key)``; 0 where the layer travels dense."""
+    if not codec.compresses(shape):
+        return 0.0
+    n, m = matrix_view_shape(shape)
+    mat = x.reshape(n, m).float()
+    gen = seeded_generator(codec.seed, step, key)
+    q = torch.randn(m, codec.effective_rank(n, m), generator=gen)
+    p = orthogonalize(product(mat, q))
+    approx = p @ product(mat.T, p).T
+    return float(torch.linalg.vector_norm((mat - approx).double())) ** 2

@@ -26,6 +26,7 @@ class TrainConfig:
         "powersgd:approx_rank=4",
         "codec spec, e.g. topk:ratio=0.01 (see 'gradzip list'); add start_step=N to exchange the first N steps "
         "dense; warmup_steps=N[,clip_norm=C] after a codec with a ratio for DGC's warm-up; auto picks per bucket; "
+        "kimad, legacy and edgc[:params] plan a codec per layer (see gradzip.control.schedules); "
         "torch:allreduce|fp16|bf16|powersgd[:approx_rank=R] run PyTorch's own hooks as anchors",
         metavar="SPEC", must_match=True)
     optimizer: str = option(
@@ -131,7 +132,7 @@ class TrainConfig:
         if self.fsdp and (self.collective != "auto" or self.min_compress_bytes):
             raise ValueError("--collective and --min-compress-bytes shape DDP buckets; with --fsdp the codec picks the exchange")
         if self.fsdp and choice.kind == "auto":
-            raise ValueError("--compressor auto adapts DDP buckets; with --fsdp name a codec")
+            raise ValueError(f"--compressor {choice.schedule} adapts DDP buckets; with --fsdp name a codec")
         if self.fsdp and choice.kind == "codec" and choice.warmup:
             raise ValueError("warmup_steps and clip_norm wrap DDP buckets; with --fsdp name the codec alone")
         if self.fsdp and self.optimizer.split(":")[0].strip().lower() != "adamw":
