@@ -135,7 +135,7 @@ class EDGCController(LayerSchedule):
     """EDGC (see the module docstring)."""
 
     def __init__(self, cfg: EDGCConfig) -> None:
-        self.cfg = cfg
+        self.cfg = cfg.validate()
         self.entropy_every = cfg.sample_every
         self.ladder = Ladder("powersgd")
         self.phase = "probe" if cfg.max_rank == 0 else "warmup"

@@ -38,7 +38,7 @@ gradzip's reducers. Errors are re-measured every ``error_every`` steps, not ever
 pricing every level costs one encode per level and layer.
 
 Spec: ``kimad[:codec=topk,levels=0.001/0.01/0.1,target_ms=100,layerwise=true,error_every=10,
-units=1000,hysteresis=0.1,half_life=2]``; ``codec=powersgd,levels=1/2/4/8`` splits ranks.
+units=1000,hysteresis=0.1,half_life=1]``; ``codec=powersgd,levels=1/2/4/8`` splits ranks.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class KimadConfig:
     hysteresis: float = 0.1
     """A budget within this fraction of the running plan's keeps the plan."""
 
-    half_life: float = 2.0
+    half_life: float = 1.0
     """Steps after which a link sample counts half."""
 
     def validate(self) -> KimadConfig:
@@ -111,9 +111,9 @@ class KimadController(LayerSchedule):
     min_window_steps = 1
 
     def __init__(self, cfg: KimadConfig) -> None:
-        self.cfg = cfg
+        self.cfg = cfg.validate()
         self.ladder = Ladder(cfg.codec)
-        self.link = LinkEstimator(half_life=cfg.half_life, keep=max(4, int(6 * cfg.half_life)))
+        self.link = LinkEstimator(half_life=cfg.half_life, keep=max(4, int(8 * cfg.half_life)))
         self.layout: dict[Hashable, tuple[list[torch.Size], torch.dtype]] = {}
         self.errors: dict[Hashable, list[dict[str, float]]] = {}  # per layer: spec -> squared error
         self.plans: dict[Hashable, tuple[str, ...]] = {}

@@ -98,7 +98,10 @@ def levels_text(text: Any, *, name: str, kind: type = float) -> tuple:
     Raises:
         ValueError: naming ``name`` for an empty list or a value that is not a ``kind``.
     """
-    items = str(text).split("/") if not isinstance(text, (int, float)) else [str(text)]
+    if isinstance(text, (tuple, list)):
+        items = [str(v) for v in text]
+    else:
+        items = str(text).split("/") if not isinstance(text, (int, float)) else [str(text)]
     try:
         values = tuple(kind(item) if kind is float else _int(item) for item in items if item.strip())
     except ValueError:

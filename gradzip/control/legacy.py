@@ -65,8 +65,8 @@ class LegacyConfig:
         self.splits = levels_text(self.splits, name="splits", kind=int)
         if any(b <= a for a, b in zip(self.splits, self.splits[1:])) or self.splits[0] < 1:
             raise ValueError(f"splits must be increasing integers >= 1; got {'/'.join(map(str, self.splits))}")
-        rows = self.policy if isinstance(self.policy, tuple) else str(self.policy).split("|")
-        self.policy = tuple(row if isinstance(row, tuple) else levels_text(row, name="policy", kind=kind) for row in rows)
+        rows = self.policy if isinstance(self.policy, (tuple, list)) else str(self.policy).split("|")
+        self.policy = tuple(levels_text(row, name="policy", kind=kind) for row in rows)
         for row in self.policy:
             if len(row) != len(self.splits) + 1:
                 raise ValueError(f"policy rows need one cell per size group ({len(self.splits) + 1}); got {len(row)}")
@@ -84,7 +84,7 @@ class LegacyController(LayerSchedule):
     function of the step and the layer's size, the same on every rank."""
 
     def __init__(self, cfg: LegacyConfig) -> None:
-        self.cfg = cfg
+        self.cfg = cfg.validate()
         self.ladder = Ladder(cfg.codec)
 
     @classmethod
