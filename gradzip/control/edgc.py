@@ -281,8 +281,9 @@ def map_entropy_change_to_rank(
 
     With fewer than two windows of samples the rank is ``max_rank``. Otherwise the change of the
     mean entropy between the last two windows, over the change between the run's first two
-    windows, maps linearly onto ``[min_rank, max_rank]``, is rounded, clamped and made even; it
-    moves at most ``step`` from the previous rank (the first mapping: from ``max_rank``).
+    windows, maps linearly onto ``[min_rank, max_rank]``, is rounded, clamped and made even (but
+    not below ``min_rank``, which the code's rounding could cross when it is odd); it moves at
+    most ``step`` from the previous rank (the first mapping: from ``max_rank``).
     """
     n = samples_per_window
     if len(series) < 2 * n:
@@ -298,7 +299,7 @@ def map_entropy_change_to_rank(
         norm = 0.0 if change == 0 else 1.0
     mapped = round(min_rank + (max_rank - min_rank) * norm)
     mapped = max(min_rank, min(mapped, max_rank))
-    mapped = (mapped // 2) * 2
+    mapped = max((mapped // 2) * 2, min_rank)  # even, as the code rounds; never under min_rank (it can be 1)
     previous = ranks[-1] if ranks else None
     if previous is None:
         final = mapped if max_rank - mapped <= step else max_rank - step

@@ -156,6 +156,7 @@ class LayerAutoReducer(AutoReducer):
             "per_layer": True,
             "window": [self.window_start, self.window_end, self.probe_this_window],
             "window_figures": self._window_state(),
+            "probes": [self._probe_lists, self._layer_probes],
             "layered": self.layered.state_dict(),
             "controller": self.controller.state_dict(),
         }
@@ -170,5 +171,6 @@ class LayerAutoReducer(AutoReducer):
             raise ValueError("checkpoint holds auto's per-bucket state, not a per-layer schedule's")
         self.window_start, self.window_end, self.probe_this_window = state["window"]
         self._load_window_state(state.get("window_figures"))
+        self._probe_lists, self._layer_probes = (dict(d) for d in state["probes"])
         self.layered.load_state_dict(state["layered"])
         self.controller.load_state_dict(state["controller"])
