@@ -321,11 +321,12 @@ class AutoReducer:
         plan = self.controller.decide(window)
         self.last_plan = plan
         self._apply(plan, order, step)
-        self.metrics.add_event({
-            "kind": "auto", "step": step, "window": [window.start, window.end], "period_s": window.period_s,
-            "note": plan.note, "choices": self._event_choices(order),
-            "reasons": {str(k): r for k, r in plan.reasons.items()},
-        })
+        if not plan.quiet:
+            self.metrics.add_event({
+                "kind": "auto", "step": step, "window": [window.start, window.end], "period_s": window.period_s,
+                "figures_s": window.figures_s, "note": plan.note, "choices": self._event_choices(order),
+                "reasons": {str(k): r for k, r in plan.reasons.items()},
+            })
         self.window_start = step
         self.window_end = step + max(self._min_window_steps(), plan.window_steps)
         self.probe_this_window = plan.probe_next

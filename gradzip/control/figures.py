@@ -139,6 +139,7 @@ class Plan:
         reasons: a sentence per bucket whose choice changed or was examined.
         note: a sentence about the whole decision (a trial started, accepted or rejected).
         probe_next: whether the next window should probe candidates at its last step.
+        quiet: nothing changed worth an ``auto`` event (a per-step schedule keeping its plan).
     """
 
     choices: dict[Hashable, int]
@@ -146,3 +147,4 @@ class Plan:
     reasons: dict[Hashable, str] = field(default_factory=dict)
     note: str = ""
     probe_next: bool = True
+    quiet: bool = False

@@ -157,13 +157,13 @@ class KimadController(LayerSchedule):
         probe_next = self.since_probe + 1 >= self.cfg.error_every
         keys = [b.key for b in window.buckets if b.key in self.errors and b.key in self.layout]
         if link is None or not keys:
-            return Plan({}, 1, {}, "measuring the link and the layers' errors", probe_next)
+            return Plan({}, 1, {}, "measuring the link and the layers' errors", probe_next, quiet=True)
         collectives = sum(b.collectives for b in window.buckets)
         target_s = self.cfg.target_ms / 1e3
         budget = link.bytes_within(target_s, collectives)
         head = f"link {link.mbit:,.1f} Mbit/s, {link.latency_s * 1e3:.2f} ms per collective, budget {budget / 1e6:,.3f} MB"
         if not refreshed and self.budget is not None and _within(budget, self.budget, self.cfg.hysteresis):
-            return Plan({}, 1, {}, f"{head}: within {self.cfg.hysteresis:.0%} of the plan's; kept", probe_next)
+            return Plan({}, 1, {}, f"{head}: within {self.cfg.hysteresis:.0%} of the plan's; kept", probe_next, quiet=True)
         self._solve(keys, budget, window.world_size)
         self.budget = budget
         reasons = {k: f"bucket {k}: {_summary(self.plans[k])}" for k in keys}

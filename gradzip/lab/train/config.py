@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from gradzip.choice import Choice, parse_compressor
 from gradzip.comm.routes import COLLECTIVES
-from gradzip.control.auto import FIRST_WINDOW_STEPS
+from gradzip.control.auto import FIRST_WINDOW_STEPS, SCHEDULES
 from gradzip.lab.options import Int, Num, OneOf, check_fields, option
 
 MONITORING = "monitoring and auto"
@@ -107,8 +107,9 @@ class TrainConfig:
     adapt_every: int = option(
         50, f"--compressor auto: re-decide every N steps; the first decision comes after a measuring window of "
         f"min(N, {FIRST_WINDOW_STEPS}) steps after step 0", check=Int(4), metavar="N", group=MONITORING, compare=True)
-    auto_schedule: str = option("cost", "--compressor auto: bandwidth-aware cost, accordion, legacy or edgc",
-                                check=OneOf(("cost", "accordion", "legacy", "edgc")), group=MONITORING)
+    auto_schedule: str = option("cost", "--compressor auto: bandwidth-aware cost or accordion (the per-layer "
+                                "schedules are compressors: --compressor kimad, legacy, edgc)",
+                                check=OneOf(SCHEDULES), group=MONITORING)
     auto_candidates: str | None = option(None, "--compressor auto: codecs separated by ';', gentlest first (default: "
                                          "the schedule's list)", metavar="SPECS", group=MONITORING)
     auto_max_error: float = option(0.6, "--compressor auto with cost: largest one-step relative error per bucket",
