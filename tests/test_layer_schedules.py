@@ -1,5 +1,7 @@
-"""The per-layer schedules on real gloo ranks: every rank plans the same codec for every layer at
-the same step and ends with the same tensors, and a run resumed from the reducer's state goes on
+"""The per-layer exchange and schedules on real gloo ranks (one spawn per world size): each layer's
+payload decodes to what its own codec's route gives (against a single-process reference), bytes
+and collectives per bucket, residuals per layer; every rank plans the same codec for every layer
+at the same step and ends with the same tensors; a run resumed from the reducer's state goes on
 exactly as the uninterrupted one."""
 
 from __future__ import annotations
@@ -9,7 +11,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import layered_runs as layered
 
+from gradzip.comm.layered import offsets_of
+from gradzip.comm.traffic import allgather_bytes, allreduce_bytes
+from gradzip.compressors import build
 from gradzip.control.layer_reducer import LayerAutoReducer
 from gradzip.control.schedules import layer_controller
 from gradzip.metrics import StepMetrics
@@ -52,7 +58,7 @@ def _run(reducer: LayerAutoReducer, rank: int, steps: range, metrics: StepMetric
 
 
 def _ranks(rank: int, world_size: int) -> dict:
-    out = {}
+    out = {"layered": layered.layered_rank(rank, world_size)}
     for name, params in SCHEDULES.items():
         metrics = StepMetrics()
         reducer = _make(name, params, metrics)
@@ -73,8 +79,9 @@ def _ranks(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
-def test_every_rank_plans_alike_and_resumes_exactly(world_size):
-    results = run_ranks(_ranks, world_size, timeout_s=240)
+def test_layered_exchange_and_schedules_on_ranks(world_size):
+    results = run_ranks(_ranks, world_size, timeout_s=300)
+    _check_layered([r["layered"] for r in results], world_size)
     for name in SCHEDULES:
         histories = [r[name] for r in results]
         for step in range(STEPS):
@@ -96,3 +103,58 @@ def test_every_rank_plans_alike_and_resumes_exactly(world_size):
             for (plans_a, values_a), (plans_b, values_b) in zip(straight, resumed):
                 assert plans_a == plans_b
                 assert all(torch.equal(values_a[k], values_b[k]) for k in SHAPES), name
+
+
+def _check_layered(results: list[dict], world_size: int) -> None:
+    """Each layer's result against the reference of its own codec's route; bytes and
+    collectives per bucket; residuals kept per layer and sent whole by a dense step."""
+    reference = layered.reference(world_size)
+    exact = world_size == 2  # beyond two ranks gloo sums in its own order
+    for step, expected in enumerate(reference):
+        for r in results:
+            got = r["outs"][step]
+            assert torch.equal(got, results[0]["outs"][step])
+            if exact:
+                assert torch.equal(got, expected), step
+            else:
+                assert torch.allclose(got, expected, rtol=0, atol=4e-3), step  # fp16 sums differ by 1 ulp
+    # bytes handed to the collectives: fp32 part all_reduced, fp16 part all_reduced, the rest gathered
+    record = results[0]["records"][0]["buckets"][0]
+    codecs = [build(s) for s in layered.PLANS[0]]
+    payload = [c.payload_nbytes(s.numel()) for c, s in zip(codecs, layered.SHAPES)]
+    fp32 = payload[1] + payload[3]  # none, randomk (values; shared indices are never sent)
+    expected_sent = allreduce_bytes(fp32, world_size) + allreduce_bytes(payload[2], world_size)
+    expected_sent += allgather_bytes(payload[0] + payload[4], world_size)
+    assert record["sent_bytes"] == expected_sent
+    assert record["collectives"] == 3 and record["collective"] == "layered"
+    assert [layer["payload_bytes"] for layer in record["layers"]] == payload
+    assert [layer["codec"] for layer in record["layers"]] == list(layered.PLANS[0])
+    assert "quality" in record
+    dense = results[0]["records"][2]["buckets"][0]
+    assert dense["collectives"] == 1 and dense["sent_bytes"] == allreduce_bytes(layered.NUMEL * 4, world_size)
+    # the all-dense step sent every residual: nothing is owed
+    assert all(r["residual"] is None for r in results)
+    _check_low_rank(results, world_size)
+
+
+def _check_low_rank(results, world_size):
+    """A rank per layer; error feedback kept through the plan and sent whole by a dense step."""
+    for step in range(4):
+        assert torch.equal(results[0]["low_outs"][step], results[1]["low_outs"][step])
+    first = results[0]["low_outs"][0]
+    for i, (shape, o) in enumerate(zip(layered.SHAPES, offsets_of(layered.SHAPES))):
+        layer = first[o : o + shape.numel()]
+        spec = layered.LOW_RANK[i]
+        if spec == "none":
+            mean = sum(layered.grad(r, 10)[o : o + shape.numel()] for r in range(world_size)) / world_size
+            assert torch.allclose(layer, mean, rtol=1e-6, atol=1e-6)
+        else:
+            assert int(torch.linalg.matrix_rank(layer.view(shape[0], -1))) == int(spec.split("=")[1])
+    layers = results[0]["records"][3]["buckets"][7]["layers"]
+    assert [entry["codec"] for entry in layers] == list(layered.LOW_RANK)
+    # sum_t out_t = sum_t mean_r g_{r,t} once the last, dense step sent what PowerSGD owed
+    total = sum(results[0]["low_outs"])
+    expected = sum(sum(layered.grad(r, 10 + step) for r in range(world_size)) / world_size for step in range(4))
+    assert torch.allclose(total, expected, rtol=1e-4, atol=1e-4)
+    assert float((results[0]["low_outs"][0] - expected / 4).norm()) > 0.1  # compression did drop something
+    assert all(r["low_residual"] is None for r in results)

@@ -290,6 +290,10 @@ class CostController(_Base):
         """The current estimate of the link."""
         return self.estimator.link
 
+    def probe_bytes(self) -> int:
+        """A link probe for the next figure all_reduce (see :meth:`LinkEstimator.probe_bytes`)."""
+        return self.estimator.probe_bytes()
+
     def state_dict(self) -> dict[str, Any]:
         return {"running": self.running, "running_period_s": self.running_period_s, "trial": self.trial,
                 "trial_bytes_per_s": self.trial_bytes_per_s, "rejected": list(self.rejected),

@@ -150,6 +150,7 @@ class AutoReducer:
         self._entropy_steps: dict[int, float] = {}
         self._figures_s = 0.0  # the previous window's figure all_reduce
         self._figures_bytes = 0.0
+        self._probe_bytes = 0  # padding of the next figure all_reduce (a link probe)
         self._entropy_lock = threading.Lock()
 
     def _make(self, codec: Compressor):
@@ -304,6 +305,9 @@ class AutoReducer:
         in_flight = (self.metrics.in_flight_total_s - self._in_flight_at_start) / steps
         exchange = statistics.fmean(self._exchange) if self._exchange else 0.0
         values += [period, -in_flight, exchange, -self._figures_s]
+        # A link probe, when the controller asked for one: zeros that make this all_reduce
+        # carry that many bytes (read back by nobody; its time reads the bandwidth).
+        values += [0.0] * (self._probe_bytes // 8)
         stats = torch.tensor(values, dtype=torch.float64)
 
         def launch() -> Future:
@@ -320,6 +324,7 @@ class AutoReducer:
         self._figures_bytes = float(allreduce_bytes(stats.numel() * stats.element_size(), window.world_size))
         plan = self.controller.decide(window)
         self.last_plan = plan
+        self._probe_bytes = getattr(self.controller, "probe_bytes", lambda: 0)()
         self._apply(plan, order, step)
         if not plan.quiet:
             self.metrics.add_event({
@@ -481,12 +486,13 @@ class AutoReducer:
     def _window_state(self) -> dict[str, Any]:
         """What the open window gathered that is not timing (a resumed run keeps sampling it)."""
         with self._entropy_lock:
-            return {"entropy_steps": dict(self._entropy_steps), "figures": [self._figures_s, self._figures_bytes]}
+            return {"entropy_steps": dict(self._entropy_steps),
+                    "figures": [self._figures_s, self._figures_bytes, self._probe_bytes]}
 
     def _load_window_state(self, state: dict[str, Any] | None) -> None:
         if state is not None:
             self._entropy_steps = dict(state["entropy_steps"])
-            self._figures_s, self._figures_bytes = state["figures"]
+            self._figures_s, self._figures_bytes, self._probe_bytes = state["figures"]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned.

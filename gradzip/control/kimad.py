@@ -113,7 +113,9 @@ class KimadController(LayerSchedule):
     def __init__(self, cfg: KimadConfig) -> None:
         self.cfg = cfg.validate()
         self.ladder = Ladder(cfg.codec)
-        self.link = LinkEstimator(half_life=cfg.half_life, keep=max(4, int(8 * cfg.half_life)))
+        # a step is a batch; a link probe at most every 8 steps (only while the exchange is
+        # mostly latency)
+        self.link = LinkEstimator(half_life=cfg.half_life, keep=max(4, int(8 * cfg.half_life)), probe_every=8)
         self.layout: dict[Hashable, tuple[list[torch.Size], torch.dtype]] = {}
         self.errors: dict[Hashable, list[dict[str, float]]] = {}  # per layer: spec -> squared error
         self.plans: dict[Hashable, tuple[str, ...]] = {}
@@ -203,6 +205,10 @@ class KimadController(LayerSchedule):
         weights, capacity = knapsack.discretise([sizes for *_, sizes, _ in items], budget, self.cfg.units)
         choice = knapsack.solve([errs for _, _, _, errs, _, _ in items], weights, capacity)
         return strongest if choice is None else choice
+
+    def probe_bytes(self) -> int:
+        """A link probe for the next figure all_reduce (see :meth:`LinkEstimator.probe_bytes`)."""
+        return self.link.probe_bytes()
 
     def state_dict(self) -> dict[str, Any]:
         return {"link": self.link.state_dict(), "errors": {k: [dict(e) for e in v] for k, v in self.errors.items()},

@@ -21,6 +21,14 @@ The latency is the least-squares fit of each batch whose sizes spread enough
 The bandwidth is then each batch's bytes over its wire seconds given that latency, averaged
 geometrically with weights that halve every :attr:`LinkEstimator.half_life` newer batches: it
 follows a change of the link up as fast as down, whatever payload the running codec sends.
+
+A strongly compressed exchange can be so small that its time is nearly all latency; its bytes
+then say little about the bandwidth (and a recovered link would go unseen). Such a batch
+(wire seconds under :data:`MIN_WIRE_SHARE` of its time) counts in proportion to its wire share,
+and :meth:`LinkEstimator.probe_bytes` asks for a probe: the next figure all_reduce is padded to
+about eight latencies' worth of bytes at the current estimate (64 KiB to 8 MiB), which times
+the bandwidth at the cost of that one collective, at most every ``probe_every`` batches (its seconds are in
+every ``auto`` event, ``figures_s``).
 """
 
 from __future__ import annotations
@@ -33,6 +41,10 @@ from typing import Any
 #: the largest over the smallest bytes per collective among weighted samples, above which the
 #: fit separates latency from bandwidth
 MIN_SPREAD = 8.0
+#: a batch whose wire seconds are under this share of its seconds reads the bandwidth poorly
+MIN_WIRE_SHARE = 0.25
+#: the bounds of a probe's bytes
+PROBE_BYTES = (64 << 10, 8 << 20)
 
 
 @dataclass
@@ -67,12 +79,13 @@ class LinkEstimator:
     Args:
         half_life: batches after which a sample counts half (a number > 0).
         keep: batches kept (older ones would weigh under ``2 ** (-keep / half_life)``).
+        probe_every: the fewest batches from one probe to the next (:meth:`probe_bytes`).
 
     Raises:
         ValueError: for a ``half_life`` that is not > 0 or a ``keep`` below 1.
     """
 
-    def __init__(self, *, half_life: float = 0.5, keep: int = 8) -> None:
+    def __init__(self, *, half_life: float = 0.5, keep: int = 8, probe_every: int = 1) -> None:
         if isinstance(half_life, bool) or not isinstance(half_life, (int, float)) or not half_life > 0:
             raise ValueError(f"half_life must be a number > 0; got {half_life!r}")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
@@ -82,6 +95,9 @@ class LinkEstimator:
         self.batches: list[list[Sample]] = []
         self.latency_s: float | None = None
         self.link: Link | None = None
+        self.last_share = 1.0  # the last batch's wire seconds over its seconds
+        self.probe_every = probe_every
+        self.since_probe = probe_every
 
     def add(self, samples: Iterable[Sample]) -> Link | None:
         """Add one batch of measured exchanges (rows with no time are skipped) and refit.
@@ -109,22 +125,39 @@ class LinkEstimator:
         # a recency-weighted geometric mean, so that a fall and a rise by the same factor move
         # the estimate equally fast.
         logs = []
+        self.last_share = 0.0
         for batch, w in zip(self.batches, weights):
             sent = sum(b for _, b, _ in batch)
             wire_s = sum(max(0.0, s - latency * n) for n, b, s in batch if b > 0)
+            share = wire_s / max(sum(s for _, b, s in batch if b > 0), 1e-12)
+            self.last_share = share
             if sent > 0 and wire_s > 0:
-                logs.append((math.log(sent / wire_s), w))
+                logs.append((math.log(sent / wire_s), w * min(1.0, share / MIN_WIRE_SHARE)))
         if logs:
             rate = math.exp(sum(x * w for x, w in logs) / sum(w for _, w in logs))
             self.link = Link(latency, rate)
 
+    def probe_bytes(self) -> int:
+        """Bytes for the next figure all_reduce to carry: 0, or, when the last batch's time was
+        mostly latency and no probe was asked for in the last ``probe_every`` batches, about
+        eight latencies' worth at the current estimate (within :data:`PROBE_BYTES`) so that its
+        time reads the bandwidth. Call once per batch."""
+        self.since_probe += 1
+        if self.link is None or self.last_share >= MIN_WIRE_SHARE or self.since_probe < self.probe_every:
+            return 0
+        self.since_probe = 0
+        low, high = PROBE_BYTES
+        return int(min(high, max(low, 8 * self.link.latency_s * self.link.bytes_per_s)))
+
     def state_dict(self) -> dict[str, Any]:
         return {"batches": [[list(s) for s in b] for b in self.batches], "latency_s": self.latency_s,
+                "last_share": self.last_share, "since_probe": self.since_probe,
                 "link": None if self.link is None else [self.link.latency_s, self.link.bytes_per_s]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.batches = [[tuple(s) for s in b] for b in state["batches"]]
-        self.latency_s = state["latency_s"]
+        self.latency_s, self.last_share = state["latency_s"], state["last_share"]
+        self.since_probe = state["since_probe"]
         self.link = None if state["link"] is None else Link(*state["link"])
 
 
