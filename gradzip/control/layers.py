@@ -10,6 +10,7 @@ than its raw bytes at that level travels dense (``none``), as every gradzip exch
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Hashable, Sequence
 from dataclasses import fields
@@ -80,10 +81,12 @@ class Ladder:
         return codec.spec if codec.payload_nbytes(numel, dtype) < numel * dtype.itemsize else DENSE
 
 
+@functools.lru_cache(maxsize=4096)
 def sent_bytes(spec: str, shape: torch.Size, dtype: torch.dtype, world_size: int) -> int:
     """Bytes one rank sends for one layer under ``spec`` in the layered exchange
     (:mod:`gradzip.comm.layered`): all_reduce for summable payloads and PowerSGD's factors,
-    all_gather for the rest."""
+    all_gather for the rest. Cached: a schedule prices every layer at every level each time it
+    plans."""
     codec = build(spec)
     shape = torch.Size(shape)
     if codec.multi_round:
