@@ -8,7 +8,10 @@ A compressor string (``--compressor`` on the command line, the first argument of
   ``warmup_stages`` and ``clip_norm`` (:mod:`gradzip.comm.warmup`): a :class:`CodecChoice`;
 - ``torch:NAME[:params]``, one of PyTorch's own DDP hooks run as an anchor: a
   :class:`TorchHookChoice` (the lab runs these; the library's hook does not);
-- ``auto``: a :class:`AutoChoice`, a codec per bucket picked by :mod:`gradzip.control.auto`.
+- ``auto``: a :class:`AutoChoice`, a codec per bucket picked by :mod:`gradzip.control.auto`;
+- ``kimad``, ``legacy``, ``edgc`` (with their parameters, ``kimad:target_ms=200``): an
+  :class:`AutoChoice` of a per-layer schedule (:mod:`gradzip.control.schedules`), a codec per
+  layer of every bucket.
 
 :func:`parse_compressor` is the one place that reads the text; everything below it receives the
 typed value or the objects built from it.
@@ -20,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gradzip.compressors import REGISTRY, Compressor, SpecError, build, list_compressors, parse_spec
-from gradzip.compressors.spec import split_training_options
+from gradzip.compressors.spec import format_spec, split_training_options
 
 AUTO = "auto"
 #: PyTorch's DDP hooks that ``torch:NAME`` names, with the parameters each takes
@@ -75,10 +78,25 @@ class TorchHookChoice:
 
 @dataclass(frozen=True)
 class AutoChoice:
-    """``auto``: a codec per bucket chosen while training (:mod:`gradzip.control.auto`)."""
+    """A schedule that chooses while training: ``auto`` (a codec per bucket,
+    :mod:`gradzip.control.auto`) or a per-layer schedule (``kimad``, ``legacy``, ``edgc``).
 
+    Attributes:
+        schedule: ``auto`` or a key of :data:`gradzip.control.schedules.LAYER_SCHEDULES`.
+        params: the per-layer schedule's parameters as given (checked when parsed).
+    """
+
+    schedule: str = AUTO
+    params: dict[str, Any] = field(default_factory=dict)
     kind = "auto"
-    spec = AUTO
+
+    @property
+    def per_layer(self) -> bool:
+        return self.schedule != AUTO
+
+    @property
+    def spec(self) -> str:
+        return format_spec(self.schedule, self.params)
 
 
 Choice = CodecChoice | TorchHookChoice | AutoChoice
@@ -86,7 +104,9 @@ Choice = CodecChoice | TorchHookChoice | AutoChoice
 
 def accepted_names() -> str:
     """Every name a compressor string may start with, for error messages."""
-    return ", ".join([*list_compressors(), AUTO, *(f"torch:{name}" for name in TORCH_HOOKS)])
+    from gradzip.control.schedules import LAYER_SCHEDULES
+
+    return ", ".join([*list_compressors(), AUTO, *LAYER_SCHEDULES, *(f"torch:{name}" for name in TORCH_HOOKS)])
 
 
 def parse_compressor(text: str | Compressor | Choice) -> Choice:
@@ -108,7 +128,15 @@ def parse_compressor(text: str | Compressor | Choice) -> Choice:
         return AutoChoice()
     if stripped.lower().startswith("torch:"):
         return _torch_hook(stripped[len("torch:"):], text)
-    for name, _params in parse_spec(stripped):
+    parts = parse_spec(stripped)
+    from gradzip.control.schedules import LAYER_SCHEDULES, layer_controller
+
+    if len(parts) == 1 and parts[0][0] in LAYER_SCHEDULES:
+        name, params = parts[0]
+        # every parameter checked now, before training starts (the run's length comes later)
+        layer_controller(name, params, total_steps=1)
+        return AutoChoice(name, params)
+    for name, _params in parts:
         if name not in REGISTRY:
             raise SpecError(f"unknown compressor {name!r}; known: {accepted_names()}")
     codec_spec, warmup = split_training_options(stripped)

@@ -15,6 +15,8 @@ issued (later rounds wait for earlier ones), so that the collectives DDP issues 
 uncompressed, with the last bucket of the pass (see :mod:`gradzip.comm.reducer`).
 
 ``CompressionState("auto")`` picks a codec per bucket (see :mod:`gradzip.control.auto`);
+``CompressionState("kimad")`` (or ``legacy``, ``edgc``) a codec per layer of every bucket (see
+:mod:`gradzip.control.schedules`);
 ``monitor_every`` adds quality figures to the metrics every that many steps; ``verify_every``
 runs a dense all_reduce beside the compressed one on every that many steps and records the
 difference (an exactness check that also catches codec or collective faults in the field).
@@ -129,6 +131,8 @@ class CompressionState:
         monitor_every: quality figures every this many steps (0: never).
         verify_every: exactness check every this many steps (0: never).
         auto: a :class:`gradzip.control.auto.AutoConfig` for ``compressor="auto"`` (None: defaults).
+        total_steps: the run's steps, for the per-layer schedules that slice the run (``legacy``,
+            ``edgc``) when their spec does not give it; None: not known.
 
     Raises:
         ValueError: for a bad spec, collective, threshold or setting (at construction, before
@@ -149,6 +153,7 @@ class CompressionState:
         monitor_every: int = 0,
         verify_every: int = 0,
         auto: Any = None,
+        total_steps: int | None = None,
     ) -> None:
         for name, value in (("monitor_every", monitor_every), ("verify_every", verify_every)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -159,7 +164,7 @@ class CompressionState:
         # the constructor's arguments, kept once: pickling rebuilds the state from them
         self.options = {
             "error_feedback": error_feedback, "collective": collective, "min_compress_bytes": min_compress_bytes,
-            "monitor_every": monitor_every, "verify_every": verify_every, "auto": auto,
+            "monitor_every": monitor_every, "verify_every": verify_every, "auto": auto, "total_steps": total_steps,
         }
         self.process_group = process_group
         self.is_auto = self.choice.kind == "auto"
@@ -186,6 +191,12 @@ class CompressionState:
 
     def _make_reducer(self) -> Reducer:
         opts = self.options
+        if self.is_auto and self.choice.per_layer:
+            from gradzip.control.layer_reducer import LayerAutoReducer
+            from gradzip.control.schedules import layer_controller
+
+            controller = layer_controller(self.choice.schedule, self.choice.params, total_steps=opts["total_steps"])
+            return LayerAutoReducer(controller, group=self.process_group, queue=self.queue, metrics=self.metrics)
         if self.is_auto:
             from gradzip.control.auto import AutoConfig, make_controller
             from gradzip.control.auto_reducer import AutoReducer

@@ -143,6 +143,15 @@ class ErrorFeedback:
             self.replaced[key] = self.residuals.get(key)
         self.residuals[key] = residual if self.dtype is None else residual.to(self.dtype)
 
+    def drop(self, key: Hashable, *, step: int) -> None:
+        """Forget the residual of ``key`` (what it held was just sent whole); in ``deferred``
+        mode it is kept for :meth:`discard`. Nothing changes before ``start_step``."""
+        if step < self.start_step or key not in self.residuals:
+            return
+        if self.deferred and key not in self.replaced:
+            self.replaced[key] = self.residuals[key]
+        del self.residuals[key]
+
     def commit(self) -> None:
         """Keep the updates since the last commit (``deferred`` mode): forget the old residuals."""
         self.replaced = {}

@@ -6,11 +6,13 @@ Reducers run partly on communication threads (future callbacks), so every update
 flight (overlapping collectives are not double counted).
 
 Per bucket (``buckets[key]``): the route it took (``collective``: ``allreduce``, ``allgather``,
-``twophase``, ``dense`` or ``fused``), whether it was compressed, ``codec`` (its spec),
-``payload_bytes`` (the codec's payload of the bucket), ``sent_bytes`` and ``received_bytes`` (what
-this rank moves over the wire by the formulas of :mod:`gradzip.comm.traffic`), and ``compress_s``,
-``communicate_s`` (launch to completion of each of its collectives, summed; collectives of
-different buckets may overlap) and ``decompress_s``.
+``twophase``, ``dense``, ``fused``, or ``layered`` under a per-layer plan), whether it was
+compressed, ``codec`` (its spec), ``payload_bytes`` (the codec's payload of the bucket),
+``sent_bytes`` and ``received_bytes`` (what this rank moves over the wire by the formulas of
+:mod:`gradzip.comm.traffic`), and ``compress_s``, ``communicate_s`` (launch to completion of
+each of its collectives, summed; collectives of different buckets may overlap) and
+``decompress_s``. Under a per-layer plan, ``layers`` lists
+each layer of the bucket in order with its ``codec``, ``numel`` and ``payload_bytes``.
 
 Quality figures (every ``monitor_every`` steps), for the tensor ``x`` handed to the codec (the
 gradient, plus the error-feedback residual where the codec keeps one) and its local decode
@@ -158,6 +160,8 @@ class StepMetrics:
         self._flight_start = 0.0
         #: running totals per bucket since construction (never reset by pop); read by controllers
         self.totals: dict[Hashable, dict[str, float]] = {}
+        #: wall seconds with at least one collective in flight since construction (never reset)
+        self.in_flight_total_s = 0.0
         self._reset()
 
     def _reset(self) -> None:
@@ -280,7 +284,15 @@ class StepMetrics:
             self._in_flight -= 1
             assert self._in_flight >= 0, "collective finished more often than started"
             if self._in_flight == 0:
-                self.communicate_s += time.perf_counter() - self._flight_start
+                elapsed = time.perf_counter() - self._flight_start
+                self.communicate_s += elapsed
+                self.in_flight_total_s += elapsed
+
+    def add_layers(self, key: Hashable, layers: list[dict[str, Any]]) -> None:
+        """Attach bucket ``key``'s per-layer exchange (a per-layer plan): one entry per layer, in
+        bucket order, with ``codec``, ``numel`` and ``payload_bytes``."""
+        with self._lock:
+            self._entry(key)["layers"] = [dict(layer) for layer in layers]
 
     def add_quality(self, key: Hashable, figures: dict[str, float] | None) -> None:
         """Attach quality figures (see :func:`quality_figures`) to bucket ``key``; None is skipped."""

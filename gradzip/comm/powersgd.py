@@ -88,6 +88,7 @@ class _Layout:
     shapes: list[torch.Size]
     compressed: list[int]  # indices into shapes
     uncompressed: list[int]
+    codecs: list[PowerSGD]  # the codec (rank) of each layer
 
 
 class PowerSGDReducer:
@@ -121,8 +122,15 @@ class PowerSGDReducer:
         self.q_replaced: dict[Hashable, Tensor | None] = {}  # key -> warm start before the step
         self.ledger = ledger or nonfinite.StepLedger()
         self.open_step = nonfinite.OpenStep()
+        #: per bucket, a codec per layer (a rank per layer; None sends the layer dense), set by
+        #: a per-layer plan (:mod:`gradzip.comm.layered`); buckets without one use ``compressor``
+        self.layer_codecs: dict[Hashable, list[PowerSGD | None]] = {}
 
-    def _layout(self, grad: Tensor, shapes: Sequence[torch.Size] | None) -> _Layout:
+    def _codecs(self, key: Hashable, n_layers: int) -> list[PowerSGD | None]:
+        codecs = self.layer_codecs.get(key)
+        return codecs if codecs is not None and len(codecs) == n_layers else [self.compressor] * n_layers
+
+    def _layout(self, grad: Tensor, shapes: Sequence[torch.Size] | None, key: Hashable = None) -> _Layout:
         shapes = [torch.Size(s) for s in shapes] if shapes is not None else [grad.shape]
         offsets, total = [], 0
         for shape in shapes:
@@ -130,9 +138,11 @@ class PowerSGDReducer:
             total += shape.numel()
         if total != grad.numel():
             raise ValueError(f"shapes cover {total} elements but the bucket holds {grad.numel()}")
-        compressed = [i for i, s in enumerate(shapes) if self.compressor.compresses(s)]
-        uncompressed = [i for i, s in enumerate(shapes) if not self.compressor.compresses(s)]
-        return _Layout(offsets, shapes, compressed, uncompressed)
+        codecs = self._codecs(key, len(shapes))
+        compressed = [i for i, (s, c) in enumerate(zip(shapes, codecs)) if c is not None and c.compresses(s)]
+        chosen = set(compressed)
+        uncompressed = [i for i in range(len(shapes)) if i not in chosen]
+        return _Layout(offsets, shapes, compressed, uncompressed, [c or self.compressor for c in codecs])
 
     def _initial_q(self, key: Hashable, m: int, r: int, step: int, device: torch.device) -> Tensor:
         gen = seeded_generator(self.compressor.seed, step, key)
@@ -174,7 +184,7 @@ class PowerSGDReducer:
             return completed(grad.clone())
         if step < self.compressor.start_step:
             return self._reduce_dense(key, grad, world_size, step=step)
-        layout = self._layout(grad, shapes)
+        layout = self._layout(grad, shapes, key)
         flat = grad.reshape(-1)
         pieces = [flat[o : o + s.numel()] for o, s in zip(layout.offsets, layout.shapes)]
         wire_dtype = grad.dtype
@@ -189,7 +199,7 @@ class PowerSGDReducer:
             matrices, qs, sendable = [], [], True
             for i in layout.compressed:
                 n, m = matrix_view_shape(layout.shapes[i])
-                r = self.compressor.effective_rank(n, m)
+                r = layout.codecs[i].effective_rank(n, m)
                 name = tensor_key(key, i)
                 piece = pieces[i].view(n, m)
                 mat, finite = nonfinite.checked_input(piece, self.feedback.compensate(name, piece, step=step))
@@ -201,8 +211,8 @@ class PowerSGDReducer:
                 if q is None or q.shape != (m, r):
                     q = self._initial_q(name, m, r, step if not self.compressor.warm_start else 0, grad.device)
                 qs.append(q)
-        uncompressed = [pieces[i] for i in layout.uncompressed]
-        sendable = sendable and all(nonfinite.is_finite(piece) for piece in uncompressed)
+        uncompressed = [self._dense_piece(tensor_key(key, i), pieces[i], step) for i in layout.uncompressed]
+        sendable = sendable and all(nonfinite.is_finite(pieces[i]) for i in layout.uncompressed)
         n_p = sum(mat.shape[0] * q.shape[1] for mat, q in zip(matrices, qs))
         round1 = torch.cat(
             [torch.cat(uncompressed).div(world_size) if uncompressed else flat.new_empty(0)]
@@ -224,6 +234,13 @@ class PowerSGDReducer:
             dense_bytes=grad.numel() * grad.element_size(), collective="allreduce",
             compressed=bool(matrices), sent_bytes=sent, received_bytes=sent, codec=self.compressor.spec,
         )
+        if key in self.layer_codecs:
+            chosen = set(layout.compressed)
+            self.metrics.add_layers(key, [
+                {"codec": c.spec if i in chosen else "none", "numel": shape.numel(),
+                 "payload_bytes": c.matrix_payload_nbytes(shape, grad.dtype) if i in chosen else shape.numel() * grad.element_size()}
+                for i, (shape, c) in enumerate(zip(layout.shapes, layout.codecs))
+            ])
         monitored = self.metrics.wants_quality(step)
         p_hat: list[Tensor] = []
         q_local_list: list[Tensor] = []
@@ -387,6 +404,16 @@ class PowerSGDReducer:
             return first.then(finish)
         return self.queue.submit(launch_q, after=first).then(finish)
 
+    def _dense_piece(self, key: Hashable, piece: Tensor, step: int) -> Tensor:
+        """A layer sent uncompressed: with the residual a lower rank left it (a per-layer plan
+        that moved it to dense), which then travels whole and is forgotten."""
+        residual = self.feedback.residuals.get(key)
+        if residual is None or residual.numel() != piece.numel():
+            return piece
+        compensated = piece + residual.reshape(-1).to(piece.dtype)
+        self.feedback.drop(key, step=step)
+        return nonfinite.checked_input(piece, compensated)[0]
+
     @staticmethod
     def _decode(p: Tensor, q_mean: Tensor, out: Tensor) -> None:
         """Write ``p @ q_mean.T`` into ``out`` (``n x m``, any floating dtype). Each entry is at
@@ -463,7 +490,7 @@ class PowerSGDReducer:
         world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
         if step < self.compressor.start_step:
             return dense_probe(grad, world_size)  # before start_step the bucket travels dense
-        layout = self._layout(grad, shapes)
+        layout = self._layout(grad, shapes, key)
         flat = grad.reshape(-1)
         decoded = flat.clone()
         compress_s = decompress_s = 0.0
@@ -471,7 +498,7 @@ class PowerSGDReducer:
         factor_bytes = 0
         for i in layout.compressed:
             n, m = matrix_view_shape(layout.shapes[i])
-            r = self.compressor.effective_rank(n, m)
+            r = layout.codecs[i].effective_rank(n, m)
             o = layout.offsets[i]
             mat = flat[o : o + n * m].view(n, m).float()
             q = self.q_memory.get(tensor_key(key, i))
@@ -486,7 +513,7 @@ class PowerSGDReducer:
             compress_s += middle - start
             decompress_s += end - middle
             factor_item = wire.dtype_nbytes(self.compressor.factor_dtype(grad.dtype))
-            payload_bytes += self.compressor.matrix_payload_nbytes(layout.shapes[i], grad.dtype)
+            payload_bytes += layout.codecs[i].matrix_payload_nbytes(layout.shapes[i], grad.dtype)
             factor_bytes += m * r * factor_item
         sent = allreduce_bytes(payload_bytes - factor_bytes, world_size) + allreduce_bytes(factor_bytes, world_size)
         return {

@@ -7,35 +7,35 @@ rank reaches the same decisions. :class:`~gradzip.control.auto_reducer.AutoReduc
 
 Schedules (``--auto-schedule``):
 
-- ``cost`` (default): bandwidth-aware. Fits the link (``seconds = latency * collectives +
-  sent_bytes / bandwidth``) to the bytes and seconds of the collectives of the last
-  ``LINK_WINDOWS`` windows, prices every
-  candidate on every bucket from a local probe (encode and decode seconds, payload bytes), keeps
-  the candidates whose one-step relative error ``||g - D(C(g))|| / ||g||`` is within
-  ``max_error`` (a quality budget per bucket, in the spirit of L-GreCo, Markov et al., arXiv
-  2210.17357, and Kimad, Xin et al., arXiv 2312.08053; neither's optimiser is reproduced: the
-  choice is per bucket, the cheapest that fits, not a dynamic programme over a total budget),
-  and picks the cheapest, dense unless a codec saves at least ``min_gain`` of the dense cost.
+- ``cost`` (default): bandwidth-aware. Estimates the link's latency and bandwidth from every
+  window's exchange and the window's own figure all_reduce
+  (:class:`~gradzip.control.link.LinkEstimator`, right whatever codec runs, following the link
+  up as fast as down), prices every candidate on every bucket from a local probe (encode and
+  decode seconds, bytes it would send), keeps the candidates whose relative error
+  ``||x - D(C(x))|| / ||x||`` is within ``max_error``, and picks the cheapest, dense unless a
+  codec saves at least ``min_gain`` of the dense cost. ``x`` is the bucket's gradient plus the
+  residual the bucket carries (the tensor the codec is handed), so the error is the figure the
+  monitor logs as ``relative_error``; a codec whose error exceeded the budget on the bucket while
+  it ran is not proposed there again until the link rate moves by a quarter (an error-feedback
+  codec's error grows with the residual it builds, which a probe from a clean start cannot see).
+  The budget is per bucket, in the spirit of L-GreCo (Markov et al., arXiv 2210.17357) and Kimad
+  (Xin et al., arXiv 2312.08053); their optimisers are ``--compressor kimad``.
   A proposal that differs from the running choice is then tried for ``trial_steps`` steps and
-  kept only if the measured step period beats the running one (a gentler proposal is kept when
-  not slower by more than ``trial_margin``; a stronger one only when faster by that much). Every
-  change must win against what runs, and the run starts dense, so measured steps are never
-  slower than dense by more than the noise of one comparison.
+  kept only if the measured step period beats the running one. Hysteresis: a gentler proposal
+  is kept unless slower by more than ``trial_margin``, a stronger one only when faster by that
+  much, and a stronger one is not tried for a predicted saving under ``trial_margin`` of the
+  step; so a recovered link brings the gentler codec back as readily as a slow one takes it
+  away, and noise does not flap between them. Every change must win against what runs, and the
+  run starts dense, so measured steps are never slower than dense by more than the noise of one
+  comparison.
 - ``accordion``: Accordion (Agarwal et al., "Adaptive Gradient Communication via Critical
   Learning Regime Identification", MLSys 2021, arXiv 2010.16248): a bucket is in a critical
   regime when the norm of its gradient summed over a window changed by at least
   ``critical_change`` (Accordion's eta, 0.5) relative to the previous window; critical buckets
   use the gentlest candidate, the others the strongest. Accordion's batch-size variant is not
   implemented.
-- ``legacy``: LEGACY-style ("LEGACY: A Lightweight Dynamic Gradient Compression Strategy for
-  Distributed Deep Learning", ICLR 2026): compress less early in training and on small buckets. Here: the level
-  along the candidate list (gentlest first) rises linearly with the step until ``ramp_steps``;
-  buckets under ``small_numel`` elements stay at the gentlest candidate. The paper's exact
-  per-layer formulas are not reproduced.
-- ``edgc``: EDGC-style (Yi et al., arXiv 2511.10333): the entropy of a down-sampled gradient is
-  estimated every window and the compression follows its trend: each drop of ``entropy_step``
-  in entropy relative to the first window moves a bucket one candidate stronger (list PowerSGD
-  ranks highest first). EDGC's Marchenko-Pastur model of rank against error is not reproduced.
+The per-layer schedules Kimad, LEGACY and EDGC are compressors of their own
+(``--compressor kimad``, ``legacy``, ``edgc``; :mod:`gradzip.control.schedules`).
 
 Candidates are listed gentlest first (``none`` is always candidate 0 and is added if missing).
 """
@@ -48,9 +48,10 @@ from typing import Any
 
 from gradzip.compressors.values import check_number
 from gradzip.control.figures import BucketFigures, CandidateFigures, Plan, WindowFigures
+from gradzip.control.link import Link, LinkEstimator
 from gradzip.keys import label
 
-SCHEDULES = ("cost", "accordion", "legacy", "edgc")
+SCHEDULES = ("cost", "accordion")
 
 FIRST_WINDOW_STEPS = 5
 """Steps of the first window (after step 0): enough for a median step period of three steps
@@ -59,9 +60,6 @@ and one probe, short so that a run on a slow link leaves dense early."""
 DEFAULT_CANDIDATES = {
     "cost": ("none", "fp16", "powersgd:approx_rank=4", "topk:ratio=0.01"),
     "accordion": ("none", "powersgd:approx_rank=4", "powersgd:approx_rank=1"),
-    "legacy": ("none", "fp16", "powersgd:approx_rank=8", "powersgd:approx_rank=2"),
-    "edgc": ("none", "powersgd:approx_rank=8", "powersgd:approx_rank=4", "powersgd:approx_rank=2",
-             "powersgd:approx_rank=1"),
 }
 
 
@@ -70,7 +68,7 @@ class AutoConfig:
     """Settings of ``--compressor auto``; :meth:`validate` raises ``ValueError`` on bad values."""
 
     schedule: str = "cost"
-    """One of ``cost``, ``accordion``, ``legacy``, ``edgc`` (see the module docstring)."""
+    """``cost`` or ``accordion`` (see the module docstring)."""
 
     candidates: tuple[str, ...] | None = None
     """Codec specs, gentlest first; None takes the schedule's default list."""
@@ -99,25 +97,16 @@ class AutoConfig:
     critical_change: float = 0.5
     """``accordion``: relative change of the summed gradient's norm that marks a critical regime."""
 
-    ramp_steps: int = 300
-    """``legacy``: steps over which compression rises from the gentlest to the strongest candidate."""
-
-    small_numel: int = 1 << 16
-    """``legacy``: buckets with fewer elements stay at the gentlest candidate."""
-
-    entropy_step: float = 0.05
-    """``edgc``: entropy drop (relative to the first window) per step along the candidate list."""
-
     def validate(self) -> AutoConfig:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"--auto-schedule must be one of {', '.join(SCHEDULES)}; got {self.schedule!r}")
-        for name, low in (("adapt_every", 4), ("reprobe_every", 1), ("ramp_steps", 1), ("small_numel", 0)):
+        for name, low in (("adapt_every", 4), ("reprobe_every", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
         if self.trial_steps is not None and (not isinstance(self.trial_steps, int) or self.trial_steps < 3):
             raise ValueError(f"trial_steps must be an integer >= 3; got {self.trial_steps!r}")
-        for name in ("max_error", "min_gain", "trial_margin", "critical_change", "entropy_step"):
+        for name in ("max_error", "min_gain", "trial_margin", "critical_change"):
             value = getattr(self, name)
             check_number(value, name=name, low=0, low_open=True)
         if self.min_gain >= 1 or self.trial_margin >= 1:
@@ -144,62 +133,8 @@ def parse_candidates(text: str) -> tuple[str, ...]:
 def make_controller(cfg: AutoConfig, specs: Sequence[str]):
     """The controller of ``cfg.schedule`` for candidates ``specs`` (``none`` first)."""
     cfg.validate()
-    cls = {"cost": CostController, "accordion": AccordionController, "legacy": LegacyController,
-           "edgc": EntropyController}[cfg.schedule]
+    cls = {"cost": CostController, "accordion": AccordionController}[cfg.schedule]
     return cls(cfg, list(specs))
-
-
-# -- the link ----------------------------------------------------------------------------------
-
-
-@dataclass
-class Link:
-    """``seconds = latency_s * collectives + sent_bytes / bytes_per_s``, ``sent_bytes`` what one rank
-    sends (:mod:`gradzip.comm.traffic` gives them per route)."""
-
-    latency_s: float
-    bytes_per_s: float
-
-    @property
-    def mbit(self) -> float:
-        return self.bytes_per_s * 8 / 1e6
-
-    def seconds(self, sent_bytes: float, collectives: float) -> float:
-        return self.latency_s * collectives + sent_bytes / self.bytes_per_s
-
-
-LINK_WINDOWS = 4
-"""Windows whose collectives the ``cost`` schedule fits the link to: after a switch the window
-before it (other payload sizes) stays in the fit, so latency and bandwidth both come out."""
-
-
-def link_rows(window: WindowFigures) -> list[tuple[float, float, float]]:
-    """``(collectives, sent_bytes, seconds)`` per step of each bucket that moved bytes in ``window``."""
-    return [(b.collectives, b.sent_bytes, b.communicate_s) for b in window.buckets
-            if b.sent_bytes > 0 and b.communicate_s > 0]
-
-
-def fit_link(rows: Sequence[tuple[float, float, float]], previous: Link | None = None) -> Link | None:
-    """Least-squares fit of latency and bandwidth to ``(collectives, sent bytes, seconds)`` rows.
-
-    With one payload size (or a negative latency) the latency is 0 and the bandwidth is the
-    ratio of sums. Returns ``previous`` when no row moved bytes.
-    """
-    if not rows:
-        return previous
-    s11 = sum(n * n for n, _, _ in rows)
-    s12 = sum(n * w for n, w, _ in rows)
-    s22 = sum(w * w for _, w, _ in rows)
-    s1y = sum(n * y for n, _, y in rows)
-    s2y = sum(w * y for _, w, y in rows)
-    det = s11 * s22 - s12 * s12
-    if len(rows) >= 2 and det > 1e-12 * s11 * s22:
-        latency = (s22 * s1y - s12 * s2y) / det
-        inv_bw = (s11 * s2y - s12 * s1y) / det
-        if latency >= 0 and inv_bw > 0:
-            return Link(latency, 1.0 / inv_bw)
-    inv_bw = s2y / s22
-    return Link(0.0, 1.0 / inv_bw) if inv_bw > 0 else previous
 
 
 # -- schedules ---------------------------------------------------------------------------------
@@ -207,7 +142,7 @@ def fit_link(rows: Sequence[tuple[float, float, float]], previous: Link | None =
 
 class _Base:
     needs_gradient_sum = False
-    needs_entropy = False
+    entropy_every = 0
 
     def __init__(self, cfg: AutoConfig, specs: list[str]) -> None:
         self.cfg = cfg
@@ -234,9 +169,11 @@ class CostController(_Base):
     def __init__(self, cfg: AutoConfig, specs: list[str]) -> None:
         super().__init__(cfg, specs)
         self.trial_steps = cfg.trial_steps or max(4, cfg.adapt_every // 4)
-        self.link: Link | None = None
-        self.link_history: list[list[tuple[float, float, float]]] = []
+        # a window averages many steps: the last one counts most (an older one a sixteenth)
+        self.estimator = LinkEstimator(half_life=0.25)
         self.probes: dict[Hashable, list[CandidateFigures]] = {}
+        #: (bucket, candidate) -> the link rate at which it ran over the error budget
+        self.over_budget: dict[tuple[Hashable, int], float] = {}
         self.windows_since_probe = 0
         self.running_period_s: float | None = None
         self.running: dict[Hashable, int] | None = None
@@ -258,9 +195,13 @@ class CostController(_Base):
                 self.probes[b.key] = b.candidates
         probed = any(b.candidates is not None for b in window.buckets)
         self.windows_since_probe = 0 if probed else self.windows_since_probe + 1
-        self.link_history = (self.link_history + [link_rows(window)])[-LINK_WINDOWS:]
-        self.link = fit_link([row for rows in self.link_history for row in rows], self.link)
+        self.estimator.add(window.link_samples())
         current = {b.key: b.current for b in window.buckets}
+        bandwidth = self.link.bytes_per_s if self.link else 0.0
+        for b in window.buckets:
+            # the running codec's error on what it was handed: over the budget, it is set aside
+            if b.candidates is not None and b.current and b.candidates[b.current].relative_error > self.cfg.max_error:
+                self.over_budget[(b.key, b.current)] = bandwidth
         probe_next = self.windows_since_probe + 1 >= self.cfg.reprobe_every
 
         if self.trial is not None:
@@ -324,6 +265,10 @@ class CostController(_Base):
                 if cand.relative_error > self.cfg.max_error:
                     over_budget.append(f"{cand.spec} error {cand.relative_error:.2f}")
                     continue
+                ran_over = self.over_budget.get((b.key, c))
+                if ran_over is not None and ran_over > 0 and abs(link.bytes_per_s / ran_over - 1) < 0.25:
+                    over_budget.append(f"{cand.spec} ran over it")
+                    continue
                 cost = self._candidate_s(cand)
                 if cost < best_s:
                     best, best_s = c, cost
@@ -341,19 +286,28 @@ class CostController(_Base):
             reasons[b.key] = self._reason(b, best, why)
         return choices, reasons
 
+    @property
+    def link(self) -> Link | None:
+        """The current estimate of the link."""
+        return self.estimator.link
+
+    def probe_bytes(self) -> int:
+        """A link probe for the next figure all_reduce (see :meth:`LinkEstimator.probe_bytes`)."""
+        return self.estimator.probe_bytes()
+
     def state_dict(self) -> dict[str, Any]:
         return {"running": self.running, "running_period_s": self.running_period_s, "trial": self.trial,
-                "trial_bytes_per_s": self.trial_bytes_per_s, "rejected": list(self.rejected), "windows_since_probe": self.windows_since_probe,
-                "link": None if self.link is None else (self.link.latency_s, self.link.bytes_per_s),
-                "link_history": [list(rows) for rows in self.link_history]}
+                "trial_bytes_per_s": self.trial_bytes_per_s, "rejected": list(self.rejected),
+                "windows_since_probe": self.windows_since_probe, "link": self.estimator.state_dict(),
+                "over_budget": [[k, c, rate] for (k, c), rate in self.over_budget.items()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.running, self.running_period_s = state["running"], state["running_period_s"]
         self.trial, self.rejected = state["trial"], list(state["rejected"])
         self.trial_bytes_per_s = state["trial_bytes_per_s"]
         self.windows_since_probe = state["windows_since_probe"]
-        self.link = None if state["link"] is None else Link(*state["link"])
-        self.link_history = [[tuple(row) for row in rows] for rows in state.get("link_history", [])]
+        self.estimator.load_state_dict(state["link"])
+        self.over_budget = {(k, c): rate for k, c, rate in state["over_budget"]}
 
 
 def _bucket(window: WindowFigures, key: Hashable) -> BucketFigures:
@@ -396,49 +350,3 @@ class AccordionController(_Base):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.previous = dict(state["previous"])
-
-
-class LegacyController(_Base):
-    """The ``legacy`` schedule (see the module docstring)."""
-
-    def decide(self, window: WindowFigures) -> Plan:
-        levels = len(self.specs) - 1
-        progress = min(1.0, window.end / self.cfg.ramp_steps)
-        level = 1 + min(levels - 1, int(progress * levels))
-        choices, reasons = {}, {}
-        for b in window.buckets:
-            if b.numel < self.cfg.small_numel:
-                choices[b.key] = 1
-                why = f"small bucket ({b.numel:,} < {self.cfg.small_numel:,} elements)"
-            else:
-                choices[b.key] = level
-                why = f"training progress {progress:.0%} of {self.cfg.ramp_steps} steps"
-            reasons[b.key] = self._reason(b, choices[b.key], why)
-        return Plan(choices, self.cfg.adapt_every, reasons, "legacy", False)
-
-
-class EntropyController(_Base):
-    """The ``edgc`` schedule (see the module docstring)."""
-
-    needs_entropy = True
-
-    def __init__(self, cfg: AutoConfig, specs: list[str]) -> None:
-        super().__init__(cfg, specs)
-        self.initial: dict[Hashable, float] = {}
-
-    def decide(self, window: WindowFigures) -> Plan:
-        levels = len(self.specs) - 1
-        choices, reasons = {}, {}
-        for b in window.buckets:
-            first = self.initial.setdefault(b.key, b.entropy)
-            drop = (first - b.entropy) / first if first > 0 else 0.0
-            level = 1 + min(levels - 1, max(0, int(drop / self.cfg.entropy_step)))
-            choices[b.key] = level
-            reasons[b.key] = self._reason(b, level, f"entropy {b.entropy:.3f} ({-drop:+.1%} since the first window)")
-        return Plan(choices, self.cfg.adapt_every, reasons, "edgc", False)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"initial": dict(self.initial)}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.initial = dict(state["initial"])

@@ -20,11 +20,21 @@ lost, whatever the new codec keeps (a dense exchange sends it whole).
 The candidate reducers share one :class:`~gradzip.comm.nonfinite.StepLedger`: a step skipped for a
 non-finite gradient in any bucket is put back in every candidate's state, and a non-finite
 gradient does not enter the window's gradient sums.
+
+Besides the buckets' figures, each window reports what a link estimate needs whatever codec runs
+(:meth:`WindowFigures.link_samples`): the seconds per step with a collective in flight against
+the bytes and collectives of the step, and the seconds of the previous window's own figure
+all_reduce, a sample of the latency at almost no bytes. Schedules that read the gradient's
+entropy (``entropy_every`` > 0) get the entropy of the averaged result at every such step.
+
+:class:`~gradzip.control.layer_reducer.LayerAutoReducer` runs the per-layer schedules (Kimad,
+LEGACY, EDGC) on the same windows.
 """
 
 from __future__ import annotations
 
 import statistics
+import threading
 import time
 from collections.abc import Hashable, Sequence
 from typing import Any, Protocol
@@ -40,12 +50,12 @@ from gradzip.comm.queue import CollectiveQueue
 from gradzip.comm.reducer import CompressedReducer
 from gradzip.comm.traffic import allreduce_bytes
 from gradzip.compressors import Compressor, build
-from gradzip.control.figures import BucketFigures, CandidateFigures, Plan, WindowFigures, sampled_entropy
+from gradzip.control.figures import BucketFigures, CandidateFigures, Plan, WindowFigures
 from gradzip.keys import label, regroup, tensor_key
 from gradzip.metrics import StepMetrics, quality_figures
 
-# numel, itemsize, payload_bytes, sent_bytes, -communicate_s, collectives, gradient_sum_norm, entropy
-_BUCKET_FIELDS = 8
+# numel, itemsize, payload_bytes, sent_bytes, -communicate_s, collectives, gradient_sum_norm
+_BUCKET_FIELDS = 7
 # compress_s, decompress_s, payload_bytes, sent_bytes, collectives, relative_error
 _CANDIDATE_FIELDS = 6
 MIN_WINDOW_STEPS = 3
@@ -55,7 +65,8 @@ class Controller(Protocol):
     """Turns a window's figures into a plan; must be a deterministic function of what it saw."""
 
     needs_gradient_sum: bool
-    needs_entropy: bool
+    #: sample the averaged gradient's entropy every this many steps (0: never)
+    entropy_every: int
 
     def first_window_steps(self) -> int: ...
 
@@ -104,12 +115,19 @@ class AutoReducer:
         self.specs = specs
         #: the candidates as the user wrote them, for decisions and reasons
         self.names = [n.strip() for n, _ in named]
+        self._start(controller, group, queue, metrics)
+        self.reducers = [self._make(c) for c in codecs]
+
+    def _start(
+        self, controller: Controller, group: dist.ProcessGroup | None, queue: CollectiveQueue | None,
+        metrics: StepMetrics | None,
+    ) -> None:
+        """The state every auto reducer keeps: controller, group, choices and the window."""
         self.controller = controller
         self.group = group
         self.queue = queue or CollectiveQueue()
         self.metrics = metrics or StepMetrics()
         self.ledger = nonfinite.StepLedger()
-        self.reducers = [self._make(c) for c in codecs]
         self.choices: dict[Hashable, int] = {}
         self.carry: dict[Hashable, Tensor] = {}
         self.shapes: dict[Hashable, list[torch.Size]] = {}
@@ -117,18 +135,25 @@ class AutoReducer:
         self.forced: dict[int, dict[Hashable, int]] = {}
         # Window state. Step 0 is left out: DDP rebuilds its buckets after it.
         self.window_start = 1
-        self.window_end = 1 + max(MIN_WINDOW_STEPS, controller.first_window_steps())
+        self.window_end = 1 + max(self._min_window_steps(), controller.first_window_steps())
         self.probe_this_window = True
         self._order: list[Hashable] = []
         self._seen: set[Hashable] = set()  # buckets hooked in this window (DDP's layout may change)
         self._periods: list[float] = []
         self._sums: dict[Hashable, Tensor] = {}
         self._probes: dict[Hashable, list[dict[str, float]]] = {}
-        self._entropy: dict[Hashable, float] = {}
         self._totals_at_start: dict[Hashable, dict[str, float]] = {}
         self._step: int | None = None
         self._step_first_s: float | None = None
         self.last_plan: Plan | None = None
+        self._in_flight_at_start = 0.0
+        self._exchange: list[float] = []  # per step of the window: encode + in flight + decode seconds
+        self._exchange_mark: float | None = None
+        self._entropy_steps: dict[int, float] = {}
+        self._figures_s = 0.0  # the previous window's figure all_reduce
+        self._figures_bytes = 0.0
+        self._probe_bytes = 0  # padding of the next figure all_reduce (a link probe)
+        self._entropy_lock = threading.Lock()
 
     def _make(self, codec: Compressor):
         if codec.multi_round:
@@ -172,14 +197,29 @@ class AutoReducer:
                 total += grad
         if in_window and step == self.window_end - 1 and self.probe_this_window:
             self._probe(key, grad, step, shapes)
-        if in_window and step == self.window_end - 1 and self.controller.needs_entropy:
-            self._entropy[key] = sampled_entropy(grad)
         carry = self.carry.pop(key, None)
         if carry is None and regroup(self.carry, key) is not None:  # DDP laid its parameters out anew
             carry = self.carry.pop(key)
         if carry is not None and carry.numel() == grad.numel():
             grad = (grad.reshape(-1) + carry.to(grad.dtype)).view(grad.shape)
-        return self.reducers[self.choices.get(key, 0)].reduce(key, grad, step=step, shapes=shapes, flush=flush)
+        fut = self.reducers[self.choices.get(key, 0)].reduce(key, grad, step=step, shapes=shapes, flush=flush)
+        return self._sample_entropy(fut, step)
+
+    def _sample_entropy(self, fut: Future, step: int) -> Future:
+        """At the steps the controller samples, add the entropy of the averaged bucket (the same
+        tensor on every rank) to the step's sum when it arrives."""
+        every = getattr(self.controller, "entropy_every", 0)
+        if not every or step % every or not self.window_start <= step < self.window_end:
+            return fut
+
+        def sample(done: Future) -> Tensor:
+            value = done.value()
+            entropy = self.controller.entropy(value)
+            with self._entropy_lock:
+                self._entropy_steps[step] = self._entropy_steps.get(step, 0.0) + entropy
+            return value
+
+        return fut.then(sample)
 
     def flush(self) -> None:
         """Nothing is held back (see the constructor); kept for the reducer interface."""
@@ -223,11 +263,21 @@ class AutoReducer:
             if self.window_start < previous < last:
                 self._periods.append(now - self._step_first_s)
         self._step, self._step_first_s = step, now
+        mark = self._exchange_total()
+        if previous is not None and step == previous + 1 and self._exchange_mark is not None:
+            if self.window_start < previous:  # the window's first step carries a switch
+                self._exchange.append(mark - self._exchange_mark)
+        self._exchange_mark = mark
         if step >= self.window_end:
             self._decide(step)
         if step in self.forced:
             for key, index in self.forced.pop(step).items():
                 self._switch(key, index, step, reason="forced")
+
+    def _exchange_total(self) -> float:
+        """Seconds spent exchanging since construction: collectives in flight, encoding, decoding."""
+        totals = self.metrics.totals.values()
+        return self.metrics.in_flight_total_s + sum(t["compress_s"] + t["decompress_s"] for t in totals)
 
     def _decide(self, step: int) -> None:
         """Reduce the window's figures over the group, let the controller decide, and apply
@@ -235,7 +285,6 @@ class AutoReducer:
         order = self._order = [k for k in self._order if k in self._seen]
         probed = self.probe_this_window and all(k in self._probes for k in order)
         steps = max(1, self.window_end - self.window_start)
-        n_cand = len(self.codecs)
         values: list[float] = []
         for key in order:
             now = self.metrics.totals.get(key, {})
@@ -254,18 +303,17 @@ class AutoReducer:
                 -delta("communicate_s"),
                 delta("collectives"),
                 float(total.norm()) if total is not None else 0.0,
-                self._entropy.get(key, 0.0),
             ]
-            probes = self._probes.get(key) if probed else None
-            for c in range(n_cand):
-                if probes is None:
-                    values += [0.0] * _CANDIDATE_FIELDS
-                else:
-                    p = probes[c]
-                    values += [p["compress_s"], p["decompress_s"], p["payload_bytes"], p["sent_bytes"],
-                               p["collectives"], p["relative_error"]]
+            values += self._probe_values(key, probed)
+        sampled = self._sampled_steps()
+        values += [self._entropy_steps.get(t, 0.0) for t in sampled]
         period = statistics.median(self._periods) if self._periods else 0.0
-        values.append(period)
+        in_flight = (self.metrics.in_flight_total_s - self._in_flight_at_start) / steps
+        exchange = statistics.fmean(self._exchange) if self._exchange else 0.0
+        values += [period, -in_flight, exchange, -self._figures_s]
+        # A link probe, when the controller asked for one: zeros that make this all_reduce
+        # carry that many bytes (read back by nobody; its time reads the bandwidth).
+        values += [0.0] * (self._probe_bytes // 8)
         stats = torch.tensor(values, dtype=torch.float64)
 
         def launch() -> Future:
@@ -275,48 +323,98 @@ class AutoReducer:
         # Under DDP every collective of the previous step has completed before this step's
         # first bucket is hooked, so this one launches at once and the wait is one small
         # all_reduce, issued where all ranks meet anyway.
+        began = time.perf_counter()
         self.queue.submit(launch).wait()
-        window = self._unpack(stats.tolist(), order, probed)
+        window = self._unpack(stats.tolist(), order, probed, len(sampled))
+        self._figures_s = time.perf_counter() - began
+        self._figures_bytes = float(allreduce_bytes(stats.numel() * stats.element_size(), window.world_size))
         plan = self.controller.decide(window)
         self.last_plan = plan
-        for key in order:
-            index = plan.choices.get(key, self.choices.get(key, 0))
-            self._switch(key, index, step, reason=plan.reasons.get(key, ""))
-        self.metrics.add_event({
-            "kind": "auto", "step": step, "window": [window.start, window.end], "period_s": window.period_s,
-            "note": plan.note, "choices": {label(k): self.names[self.choices.get(k, 0)] for k in order},
-            "reasons": {label(k): r for k, r in plan.reasons.items()},
-        })
+        self._probe_bytes = getattr(self.controller, "probe_bytes", lambda: 0)()
+        self._apply(plan, order, step)
+        if not plan.quiet:
+            self.metrics.add_event({
+                "kind": "auto", "step": step, "window": [window.start, window.end], "period_s": window.period_s,
+                "figures_s": window.figures_s, "note": plan.note, "choices": self._event_choices(order),
+                "reasons": {label(k): r for k, r in plan.reasons.items()},
+            })
         self.window_start = step
-        self.window_end = step + max(MIN_WINDOW_STEPS, plan.window_steps)
+        self.window_end = step + max(self._min_window_steps(), plan.window_steps)
         self.probe_this_window = plan.probe_next
         self._periods = []
         self._seen = set()
         self._sums = {}
         self._probes = {}
-        self._entropy = {}
+        self._entropy_steps = {}
+        self._exchange = []
         self._totals_at_start = {k: dict(v) for k, v in self.metrics.totals.items()}
+        self._in_flight_at_start = self.metrics.in_flight_total_s
 
-    def _unpack(self, values: list[float], order: list[Hashable], probed: bool) -> WindowFigures:
+    def _min_window_steps(self) -> int:
+        return getattr(self.controller, "min_window_steps", MIN_WINDOW_STEPS)
+
+    def _sampled_steps(self) -> list[int]:
+        every = getattr(self.controller, "entropy_every", 0)
+        return [t for t in range(self.window_start, self.window_end) if every and t % every == 0]
+
+    def _apply(self, plan: Plan, order: list[Hashable], step: int) -> None:
+        for key in order:
+            index = plan.choices.get(key, self.choices.get(key, 0))
+            self._switch(key, index, step, reason=plan.reasons.get(key, ""))
+
+    def _event_choices(self, order: list[Hashable]) -> dict[str, Any]:
+        return {label(k): self.names[self.choices.get(k, 0)] for k in order}
+
+    def _probe_values(self, key: Hashable, probed: bool) -> list[float]:
+        """The probe figures of bucket ``key`` for the window's all_reduce (zeros if not probed)."""
+        probes = self._probes.get(key) if probed else None
+        values: list[float] = []
+        for c in range(len(self.codecs)):
+            if probes is None:
+                values += [0.0] * _CANDIDATE_FIELDS
+            else:
+                p = probes[c]
+                values += [p["compress_s"], p["decompress_s"], p["payload_bytes"], p["sent_bytes"],
+                           p["collectives"], p["relative_error"]]
+        return values
+
+    def _probe_figures(self, values: list[float], i: int, key: Hashable, probed: bool) -> tuple[int, dict[str, Any]]:
+        """Read back what :meth:`_probe_values` packed; returns the next index and the
+        :class:`BucketFigures` fields it gives."""
+        cands = []
+        for c in range(len(self.codecs)):
+            cs, ds, pb, sb, nc, err = values[i : i + _CANDIDATE_FIELDS]
+            i += _CANDIDATE_FIELDS
+            cands.append(CandidateFigures(self.names[c], cs, ds, pb, sb, nc, err))
+        return i, {"candidates": cands if probed else None}
+
+    def _unpack(self, values: list[float], order: list[Hashable], probed: bool, n_sampled: int) -> WindowFigures:
         world_size = dist.get_world_size(self.group)
         buckets, i = [], 0
         for key in order:
-            numel, itemsize, payload, sent, neg_comm, colls, sum_norm, entropy = values[i : i + _BUCKET_FIELDS]
+            numel, itemsize, payload, sent, neg_comm, colls, sum_norm = values[i : i + _BUCKET_FIELDS]
             i += _BUCKET_FIELDS
-            cands = []
-            for c in range(len(self.codecs)):
-                cs, ds, pb, sb, nc, err = values[i : i + _CANDIDATE_FIELDS]
-                i += _CANDIDATE_FIELDS
-                cands.append(CandidateFigures(self.names[c], cs, ds, pb, sb, nc, err))
+            i, extra = self._probe_figures(values, i, key, probed)
             current = self.choices.get(key, 0)
             buckets.append(BucketFigures(
                 key=key, numel=int(numel), itemsize=int(itemsize), current=current, payload_bytes=payload,
-                sent_bytes=sent, communicate_s=-neg_comm, collectives=colls, gradient_sum_norm=sum_norm, entropy=entropy, candidates=cands if probed else None,
+                sent_bytes=sent, communicate_s=-neg_comm, collectives=colls, gradient_sum_norm=sum_norm, **extra,
             ))
-        return WindowFigures(self.window_start, self.window_end, world_size, values[i], buckets)
+        entropy_samples = values[i : i + n_sampled]
+        i += n_sampled
+        period, neg_in_flight, exchange, neg_figures = values[i : i + 4]
+        return WindowFigures(self.window_start, self.window_end, world_size, period, buckets,
+                             in_flight_s=-neg_in_flight, exchange_s=exchange, figures_s=-neg_figures,
+                             figures_bytes=self._figures_bytes, entropy=entropy_samples)
 
     def _probe(self, key: Hashable, grad: Tensor, step: int, shapes: list[torch.Size]) -> None:
+        """Price every candidate on ``x``, the bucket plus what it still owes (carried and the
+        running codec's residual): the tensor a codec is handed, whose relative error the
+        monitor logs."""
         world_size = dist.get_world_size(self.group)
+        owed = self.residual(key)
+        if owed is not None and owed.numel() == grad.numel():
+            grad = (grad.reshape(-1).float() + owed.to(grad.device)).to(grad.dtype).view(grad.shape)
         results = []
         for c, reducer in enumerate(self.reducers):
             if c == 0:
@@ -387,9 +485,21 @@ class AutoReducer:
             "choices": dict(self.choices),
             "carry": {k: v.clone() for k, v in self.carry.items()},
             "window": [self.window_start, self.window_end, self.probe_this_window],
+            "window_figures": self._window_state(),
             "reducers": [r.state_dict() for r in self.reducers],
             "controller": self.controller.state_dict(),
         }
+
+    def _window_state(self) -> dict[str, Any]:
+        """What the open window gathered that is not timing (a resumed run keeps sampling it)."""
+        with self._entropy_lock:
+            return {"entropy_steps": dict(self._entropy_steps),
+                    "figures": [self._figures_s, self._figures_bytes, self._probe_bytes]}
+
+    def _load_window_state(self, state: dict[str, Any] | None) -> None:
+        if state is not None:
+            self._entropy_steps = dict(state["entropy_steps"])
+            self._figures_s, self._figures_bytes, self._probe_bytes = state["figures"]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned.
@@ -402,6 +512,7 @@ class AutoReducer:
         self.choices = dict(state["choices"])
         self.carry = {k: v.clone() for k, v in state["carry"].items()}
         self.window_start, self.window_end, self.probe_this_window = state["window"]
+        self._load_window_state(state.get("window_figures"))
         for reducer, sub in zip(self.reducers, state["reducers"]):
             reducer.load_state_dict(sub)
         self.controller.load_state_dict(state["controller"])

@@ -1,15 +1,13 @@
-"""What an auto controller sees and answers: per-candidate probe figures, per-bucket and
-per-window figures (identical on every rank: the auto reducer all-reduces them before a
-controller reads them), the controller's :class:`Plan`, and the sampled gradient entropy."""
+"""What an auto controller sees and answers: per-candidate probe figures, per-layer probe
+figures, per-bucket and per-window figures (identical on every rank: the auto reducer
+all-reduces them before a controller reads them) and the controller's :class:`Plan`."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
 
 
 @dataclass
@@ -37,6 +35,23 @@ class CandidateFigures:
 
 
 @dataclass
+class LayerFigures:
+    """One layer of a bucket priced by a local probe under a per-layer schedule.
+
+    Attributes:
+        shape: the layer's gradient shape.
+        errors: ``||x - D(C(x))||^2`` per probed spec (the controller's list for this layer, in
+            order), ``x`` the layer's gradient plus the residual it carries (the tensor its codec
+            is handed), max over ranks; empty when this window did not probe.
+        norm_sq: ``||x||^2`` (max over ranks).
+    """
+
+    shape: torch.Size
+    errors: list[float]
+    norm_sq: float
+
+
+@dataclass
 class BucketFigures:
     """One bucket over a window.
 
@@ -51,9 +66,9 @@ class BucketFigures:
             ranks: the last rank to arrive waits least, so its figure is closest to the transfer).
         collectives: collectives per step.
         gradient_sum_norm: norm of the bucket's gradient summed over the window (max over ranks).
-        entropy: normalised Shannon entropy in [0, 1] of a sample of the last gradient (max over ranks).
         candidates: probe figures per candidate (same order as the reducer's candidates), or
             None when this window did not probe.
+        layers: per-layer figures under a per-layer schedule (None otherwise).
     """
 
     key: Hashable
@@ -65,8 +80,8 @@ class BucketFigures:
     communicate_s: float
     collectives: float
     gradient_sum_norm: float
-    entropy: float
     candidates: list[CandidateFigures] | None = None
+    layers: list[LayerFigures] | None = None
 
 
 @dataclass
@@ -79,6 +94,15 @@ class WindowFigures:
         period_s: median seconds from one step's first bucket to the next step's (max over
             ranks), over the window's steps less its first (a switch) and last (the probe).
         buckets: per-bucket figures, in hook order.
+        in_flight_s: wall seconds per step with some collective of the hook in flight (min over
+            ranks: the last rank to arrive waits least).
+        exchange_s: seconds per step of the whole exchange, encoding, collectives in flight and
+            decoding (max over ranks), over the window's steps less its first.
+        figures_s: seconds of the previous window's figure all_reduce (min over ranks), 0 for
+            the first window; ``figures_bytes`` what it sent per rank. A sample of the link's
+            latency at almost no bytes.
+        entropy: per sampled step of the window (the controller's ``entropy_every``), the
+            entropy of the averaged gradient summed over buckets (identical on every rank).
     """
 
     start: int
@@ -86,6 +110,23 @@ class WindowFigures:
     world_size: int
     period_s: float
     buckets: list[BucketFigures] = field(default_factory=list)
+    in_flight_s: float = 0.0
+    exchange_s: float = 0.0
+    figures_s: float = 0.0
+    figures_bytes: float = 0.0
+    entropy: list[float] = field(default_factory=list)
+
+    def link_samples(self) -> list[tuple[float, float, float]]:
+        """``(collectives, sent_bytes, seconds)`` per step of the whole exchange, and of the
+        figure all_reduce, for :class:`gradzip.control.link.LinkEstimator`."""
+        rows = []
+        collectives = sum(b.collectives for b in self.buckets)
+        sent = sum(b.sent_bytes for b in self.buckets)
+        if collectives > 0 and self.in_flight_s > 0:
+            rows.append((collectives, sent, self.in_flight_s))
+        if self.figures_s > 0:
+            rows.append((1.0, self.figures_bytes, self.figures_s))
+        return rows
 
 
 @dataclass
@@ -98,6 +139,7 @@ class Plan:
         reasons: a sentence per bucket whose choice changed or was examined.
         note: a sentence about the whole decision (a trial started, accepted or rejected).
         probe_next: whether the next window should probe candidates at its last step.
+        quiet: nothing changed worth an ``auto`` event (a per-step schedule keeping its plan).
     """
 
     choices: dict[Hashable, int]
@@ -105,23 +147,4 @@ class Plan:
     reasons: dict[Hashable, str] = field(default_factory=dict)
     note: str = ""
     probe_next: bool = True
-
-
-def sampled_entropy(x: Tensor, *, samples: int = 65536, bins: int = 256) -> float:
-    """Normalised Shannon entropy (in [0, 1]) of the values of ``x``, from an evenly strided
-    sample of at most ``samples`` elements in a ``bins``-bin histogram between their min and max.
-
-    The down-sampling follows EDGC (Yi et al., arXiv 2511.10333), which estimates gradient entropy
-    on a sample to keep it cheap. A constant or empty tensor has entropy 0.
-    """
-    flat = x.reshape(-1)
-    if flat.numel() < 2:
-        return 0.0
-    stride = max(1, flat.numel() // samples)
-    sample = flat[::stride].float()
-    low, high = float(sample.min()), float(sample.max())
-    if not (math.isfinite(low) and math.isfinite(high)) or high <= low:
-        return 0.0
-    counts = torch.histc(sample, bins=bins, min=low, max=high)
-    p = counts[counts > 0] / counts.sum()
-    return float(-(p * p.log()).sum()) / math.log(bins)
+    quiet: bool = False

@@ -33,7 +33,7 @@ from gradzip.integrations.tensorboard import summary_writer
 from gradzip.keys import label
 from gradzip.metrics import QUALITY_FIELDS
 
-BUCKET_FIELDS = ("codec", "payload_bytes", "dense_bytes", "compress_s", "decompress_s", "communicate_s")
+BUCKET_FIELDS = ("codec", "payload_bytes", "dense_bytes", "compress_s", "decompress_s", "communicate_s", "layers")
 #: error-feedback ratio above which a check of a codec with error feedback counts as low
 FEEDBACK_LIMIT = 20.0
 
@@ -98,7 +98,8 @@ class QualityMonitor:
 
         Returns:
             fields to add to the step's record: ``buckets`` (per bucket: codec, bytes, seconds,
-            and ``quality`` / ``verify`` on the steps that have them), ``events`` when there are
+            ``layers`` under a per-layer schedule, and ``quality`` / ``verify`` on the steps that
+            have them), ``events`` when there are
             any, ``norm_warning`` while the warning stands.
         """
         buckets: dict[str, dict[str, Any]] = {}

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from gradzip.choice import Choice, parse_compressor
 from gradzip.comm.routes import COLLECTIVES
-from gradzip.control.auto import FIRST_WINDOW_STEPS
+from gradzip.control.auto import FIRST_WINDOW_STEPS, SCHEDULES
 from gradzip.lab.options import Int, Num, OneOf, check_fields, option
 from gradzip.lab.train.pretrained import SMOLLM2
 
@@ -31,6 +31,7 @@ class TrainConfig:
         "powersgd:approx_rank=4",
         "codec spec, e.g. topk:ratio=0.01 (see 'gradzip list'); add start_step=N to exchange the first N steps "
         "dense; warmup_steps=N[,clip_norm=C] after a codec with a ratio for DGC's warm-up; auto picks per bucket; "
+        "kimad, legacy and edgc[:params] plan a codec per layer (see gradzip.control.schedules); "
         "torch:allreduce|fp16|bf16|powersgd[:approx_rank=R] run PyTorch's own hooks as anchors",
         metavar="SPEC", must_match=True)
     optimizer: str = option(
@@ -117,8 +118,9 @@ class TrainConfig:
     adapt_every: int = option(
         50, f"--compressor auto: re-decide every N steps; the first decision comes after a measuring window of "
         f"min(N, {FIRST_WINDOW_STEPS}) steps after step 0", check=Int(4), metavar="N", group=MONITORING, compare=True)
-    auto_schedule: str = option("cost", "--compressor auto: bandwidth-aware cost, accordion, legacy or edgc",
-                                check=OneOf(("cost", "accordion", "legacy", "edgc")), group=MONITORING)
+    auto_schedule: str = option("cost", "--compressor auto: bandwidth-aware cost or accordion (the per-layer "
+                                "schedules are compressors: --compressor kimad, legacy, edgc)",
+                                check=OneOf(SCHEDULES), group=MONITORING)
     auto_candidates: str | None = option(None, "--compressor auto: codecs separated by ';', gentlest first (default: "
                                          "the schedule's list)", metavar="SPECS", group=MONITORING)
     auto_max_error: float = option(0.6, "--compressor auto with cost: largest one-step relative error per bucket",
@@ -149,7 +151,7 @@ class TrainConfig:
         if self.fsdp and (self.collective != "auto" or self.min_compress_bytes):
             raise ValueError("--collective and --min-compress-bytes shape DDP buckets; with --fsdp the codec picks the exchange")
         if self.fsdp and choice.kind == "auto":
-            raise ValueError("--compressor auto adapts DDP buckets; with --fsdp name a codec")
+            raise ValueError(f"--compressor {choice.schedule} adapts DDP buckets; with --fsdp name a codec")
         if self.fsdp and choice.kind == "codec" and choice.warmup:
             raise ValueError("warmup_steps and clip_norm wrap DDP buckets; with --fsdp name the codec alone")
         if self.fsdp and self.optimizer.split(":")[0].strip().lower() != "adamw":

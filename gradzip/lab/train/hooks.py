@@ -127,6 +127,7 @@ def make_hook(cfg, group: dist.ProcessGroup | None = None):
     }
     if choice.kind == "auto":
         options["auto"] = cfg.auto_config()
+        options["total_steps"] = cfg.steps  # legacy's phases and edgc's warm-up slice the run
     return CompressionState(choice, process_group=group, **options), compression_hook
 
 

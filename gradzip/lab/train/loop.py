@@ -147,8 +147,11 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
 
         replica_group, outer_group = replica_groups(world_size, cfg.replica_size)
     par = make_parallel(model, cfg, settle=lambda ddp: settle_buckets(ddp, corpus, cfg, device), group=replica_group)
-    # auto probes its candidates on a later step: theirs compile now as well
-    choices = [parse_compressor(s) for s in cfg.auto_config().candidate_specs()] if cfg.choice.kind == "auto" else [cfg.choice]
+    # auto probes its candidates on a later step: theirs compile now as well (the per-layer
+    # schedules build theirs as they plan)
+    choices = [cfg.choice]
+    if cfg.choice.kind == "auto":
+        choices = [] if cfg.choice.per_layer else [parse_compressor(s) for s in cfg.auto_config().candidate_specs()]
     if cfg.outer is not None:
         choices = ([] if cfg.replica_size == 1 else choices) + [parse_compressor(cfg.outer_compressor)]
     kernels_s = sum(warm_up_kernels(choice) for choice in choices) if device.type == "cpu" else 0.0

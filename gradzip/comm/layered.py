@@ -1,0 +1,429 @@
+"""A codec per layer inside a DDP bucket, one exchange per bucket.
+
+A DDP bucket is one flat buffer holding several parameters' gradients end to end (``shapes``
+gives them in order). Under a per-layer plan each of those views takes its own codec (a spec per
+layer: ``none``, ``fp16``, ``topk:ratio=0.001``, ...), and the payloads of the whole bucket
+travel together, one set of collectives per bucket whatever the number of layers:
+
+- every floating payload tensor of an aggregatable codec (``none``, ``fp16``, ``bf16``,
+  ``randomk``), divided by ``world_size``, goes into one all_reduce per dtype (fp32 and fp16
+  at most, in practice);
+- every other layer's payload is packed as bytes into one ``all_gather``; every rank decodes all
+  ranks' payloads of each layer in rank order and averages them, as the ``allgather`` route does.
+
+Bytes: the aggregatable part ``A_d`` of dtype ``d`` sends ``2 (W-1) A_d // W``; the gathered part
+``G`` sends ``(W-1) G``; ``A_d`` and ``G`` are sums of the layers' ``payload_nbytes(numel)``.
+
+Low-rank plans (``powersgd:approx_rank=r`` per layer, ``none`` for a dense layer) go to PowerSGD's
+two-round reducer with a rank per layer (:class:`~gradzip.comm.powersgd.PowerSGDReducer`): round
+1 carries every layer's ``P`` and the dense layers, round 2 every ``Q``. A plan mixes low-rank
+layers with ``none`` only.
+
+Error feedback is per layer, keyed ``(bucket, layer)``, and stays with the layer when its codec or
+ratio changes (a change of plan moves nothing); a layer sent dense sends its residual with it and
+keeps none. When a bucket moves between the single-round and the low-rank exchange its residuals
+move along. Non-finite gradients follow :mod:`gradzip.comm.nonfinite`: a rank with inf or NaN in
+the bucket poisons every floating payload tensor, and every rank returns all NaN.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
+
+from gradzip.comm import nonfinite
+from gradzip.comm.powersgd import PowerSGDReducer, orthogonalize, product
+from gradzip.comm.queue import CollectiveQueue, completed
+from gradzip.comm.traffic import allgather_bytes, allreduce_bytes
+from gradzip.comm.twophase import mean_of_payloads
+from gradzip.compressors import Compressor, Payload, build, seeded_generator
+from gradzip.compressors.kernels import wire
+from gradzip.compressors.lowrank import matrix_view_shape
+from gradzip.feedback import ErrorFeedback
+from gradzip.keys import tensor_key
+from gradzip.metrics import QualityAccumulator, StepMetrics
+
+DENSE = "none"
+
+
+def offsets_of(shapes: Sequence[torch.Size]) -> list[int]:
+    """Where each of ``shapes`` starts in the flat bucket."""
+    out, total = [], 0
+    for shape in shapes:
+        out.append(total)
+        total += torch.Size(shape).numel()
+    return out
+
+
+def summed(codec: Compressor) -> bool:
+    """Whether a layer of ``codec`` joins the bucket's all_reduce: aggregatable, and every
+    payload tensor floating (an integer part would be summed over ranks too)."""
+    if not codec.aggregatable or codec.multi_round:
+        return False
+    probe = codec.compress(torch.zeros(8), step=0, key="layered-probe")
+    return all(t.is_floating_point() for t in probe.tensors)
+
+
+class LayeredReducer:
+    """Averages buckets with a codec per layer (see the module docstring).
+
+    Call :meth:`set_plan` for a bucket before :meth:`reduce`; a bucket without a plan travels
+    dense.
+
+    Args:
+        group: the process group (None: the default group).
+        queue: the ordered launch queue shared by every reducer of ``group``.
+        metrics: where bytes (per layer too) and times go.
+        ledger: the steps whose gradient was not finite, shared by every reducer of one hook.
+    """
+
+    def __init__(
+        self,
+        *,
+        group: dist.ProcessGroup | None = None,
+        queue: CollectiveQueue | None = None,
+        metrics: StepMetrics | None = None,
+        ledger: nonfinite.StepLedger | None = None,
+    ) -> None:
+        self.group = group
+        self.queue = queue or CollectiveQueue()
+        self.metrics = metrics or StepMetrics()
+        self.ledger = ledger or nonfinite.StepLedger()
+        self.feedback = ErrorFeedback(deferred=True)
+        self.open_step = nonfinite.OpenStep()
+        self.plans: dict[Hashable, tuple[str, ...]] = {}
+        self.low_rank_keys: set[Hashable] = set()
+        self._family: dict[Hashable, bool] = {}  # key -> whether its last exchange was low-rank
+        self._codecs: dict[str, tuple[Compressor, bool]] = {}
+        self._lock = threading.Lock()
+        self.powersgd: PowerSGDReducer | None = None
+
+    # -- plans -------------------------------------------------------------------------------
+
+    def codec(self, spec: str) -> Compressor:
+        """The built codec of ``spec`` (cached; with the NaN-marker slot where its payload has
+        no floating tensor)."""
+        return self._entry(spec)[0]
+
+    def _entry(self, spec: str) -> tuple[Compressor, bool]:
+        with self._lock:
+            entry = self._codecs.get(spec)
+        if entry is None:
+            codec = build(spec)
+            if codec.multi_round and codec.name != "powersgd":
+                raise ValueError(f"a per-layer plan takes powersgd and single-round codecs, not {codec.name}")
+            if not codec.multi_round:
+                codec = nonfinite.with_marker_slot(codec)
+            entry = (codec, summed(codec))
+            with self._lock:
+                self._codecs[spec] = entry
+        return entry
+
+    def set_plan(self, key: Hashable, plan: Sequence[str]) -> None:
+        """Use ``plan`` (one codec spec per layer of bucket ``key``, in bucket order) from the
+        next :meth:`reduce` of ``key`` on.
+
+        Raises:
+            ValueError: for an unknown spec, a multi-round codec other than powersgd, or a plan
+                that mixes powersgd with codecs other than ``none``.
+        """
+        plan = tuple(plan)
+        codecs = [self.codec(spec) for spec in plan]
+        low_rank = any(c.multi_round for c in codecs)
+        if low_rank and any(not c.multi_round and c.name != DENSE for c in codecs):
+            raise ValueError(f"a per-layer plan mixes powersgd only with none; got {', '.join(sorted(set(plan)))}")
+        if low_rank and len({c.replace(approx_rank=1).spec for c in codecs if c.multi_round}) > 1:
+            raise ValueError("the powersgd layers of a plan must differ in approx_rank only")
+        self.plans[key] = plan
+        if low_rank:
+            first = next(c for c in codecs if c.multi_round)
+            if self.powersgd is None:
+                self.powersgd = PowerSGDReducer(first, group=self.group, queue=self.queue, metrics=self.metrics,
+                                                ledger=self.ledger)
+            self.powersgd.layer_codecs[key] = [c if c.multi_round else None for c in codecs]
+            self.low_rank_keys.add(key)
+        else:
+            self.low_rank_keys.discard(key)
+
+    def _follow(self, key: Hashable, shapes: list[torch.Size]) -> None:
+        """Move bucket ``key``'s residuals to the exchange its plan now takes (single-round or
+        low-rank), shaped as that exchange keeps them (flat, or PowerSGD's matrix view)."""
+        low = key in self.low_rank_keys
+        if self._family.get(key, low) == low:
+            self._family[key] = low
+            return
+        self._family[key] = low
+        self.settle()
+        source, target = (self.feedback, self.powersgd.feedback) if low else (self.powersgd.feedback, self.feedback)
+        for i, shape in enumerate(shapes):
+            residual = source.residuals.pop(tensor_key(key, i), None)
+            if residual is None or residual.numel() != shape.numel():
+                continue
+            view = matrix_view_shape(shape) if low else None
+            residual = residual.reshape(view if view is not None else (-1,))
+            target.residuals[tensor_key(key, i)] = residual if target.dtype is None else residual.to(target.dtype)
+
+    def plan(self, key: Hashable, n_layers: int) -> tuple[str, ...]:
+        """The plan of ``key`` (all ``none`` if unset or of another length)."""
+        plan = self.plans.get(key)
+        return plan if plan is not None and len(plan) == n_layers else (DENSE,) * n_layers
+
+    # -- the exchange -------------------------------------------------------------------------
+
+    def reduce(
+        self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None,
+        flush: bool = True,
+    ) -> Future:
+        """Start averaging bucket ``key`` with its plan; returns at once.
+
+        Args:
+            key: the bucket's name across steps (its index).
+            grad: the flat bucket (any floating dtype); not modified, must stay unchanged until
+                the future completes.
+            step: the training step (codec seeds).
+            shapes: the shapes of the layers laid end to end in ``grad`` (None: one layer).
+            flush: accepted for the reducer interface; nothing is held back.
+
+        Returns:
+            a future whose value is the mean over ranks, ``grad``'s shape and dtype; all NaN on
+            every rank if any rank's bucket held inf or NaN.
+
+        Raises:
+            ValueError: if ``shapes`` do not add up to ``grad.numel()``.
+        """
+        shapes = [torch.Size(s) for s in shapes] if shapes is not None else [grad.shape]
+        offsets = offsets_of(shapes)
+        if sum(s.numel() for s in shapes) != grad.numel():
+            raise ValueError(f"shapes cover {sum(s.numel() for s in shapes)} elements but the bucket holds {grad.numel()}")
+        self._follow(key, shapes)
+        if key in self.low_rank_keys:
+            return self.powersgd.reduce(key, grad, step=step, shapes=shapes, flush=flush)
+        closed = self.open_step.begin(key, step)
+        if closed is not None:
+            self._settle(self.ledger.finite(closed))
+        if grad.numel() == 0:
+            return completed(grad.clone())
+        return self._launch(key, grad, step, shapes, offsets)
+
+    def _launch(self, key: Hashable, grad: Tensor, step: int, shapes: list[torch.Size], offsets: list[int]) -> Future:
+        world_size = dist.get_world_size(self.group)
+        plan = self.plan(key, len(shapes))
+        entries = [self._entry(spec) for spec in plan]
+        flat = grad.reshape(-1)
+        itemsize = grad.element_size()
+        layer_bytes = [codec.payload_nbytes(s.numel(), grad.dtype) for (codec, _), s in zip(entries, shapes)]
+        self.metrics.add_layers(key, [
+            {"codec": spec, "numel": s.numel(), "payload_bytes": b} for spec, s, b in zip(plan, shapes, layer_bytes)
+        ])
+        box: dict[str, Any] = {}
+        monitored = self.metrics.wants_quality(step)
+
+        def encode() -> None:
+            sendable = True
+            payloads, sent_x, decoded = [], [], []
+            for i, ((codec, _), shape, o) in enumerate(zip(entries, shapes, offsets)):
+                piece = flat[o : o + shape.numel()]
+                lkey = tensor_key(key, i)
+                if codec.name == DENSE:
+                    x = self.feedback.compensate(lkey, piece, step=step) if lkey in self.feedback.residuals else piece
+                    self.feedback.drop(lkey, step=step)
+                    x, ok = nonfinite.checked_input(piece, x)
+                    sendable = sendable and ok
+                    payloads.append(codec.compress(x, step=step, key=lkey))
+                    sent_x.append(x)
+                    decoded.append(None)
+                    continue
+                x, ok = nonfinite.checked_input(piece, self.feedback.compensate(lkey, piece, step=step))
+                sendable = sendable and ok
+                payload = codec.compress(x if ok else torch.zeros_like(x), step=step, key=lkey)
+                d = codec.decompress(payload, like=x)
+                self.feedback.update(lkey, x, d, step=step)
+                assert payload.nbytes == codec.payload_nbytes(shape.numel(), grad.dtype), (
+                    f"{codec.name}: payload of {payload.nbytes} bytes, formula says "
+                    f"{codec.payload_nbytes(shape.numel(), grad.dtype)}")
+                payloads.append(payload)
+                sent_x.append(x)
+                decoded.append(d)
+            if not sendable:
+                payloads = [nonfinite.marked(p) for p in payloads]
+            box["payloads"], box["sent"], box["decoded"] = payloads, sent_x, decoded
+
+        def launch() -> Future:
+            with self.metrics.timed("compress_s", key):
+                encode()
+                reduce_parts: dict[torch.dtype, list[Tensor]] = {}
+                gather_parts: list[Tensor] = []
+                for (_codec, summed_), payload in zip(entries, box["payloads"]):
+                    if summed_:
+                        for t in payload.tensors:
+                            reduce_parts.setdefault(t.dtype, []).append(t.reshape(-1).div(world_size))
+                    else:
+                        gather_parts.extend(payload.tensors)
+                box["reduced"] = {d: torch.cat(parts) for d, parts in reduce_parts.items()}
+                box["gather_like"] = gather_parts
+                send = wire.to_bytes(gather_parts).to(grad.device)
+                box["recv"] = torch.empty(world_size * send.numel(), dtype=torch.uint8, device=grad.device)
+            # The bytes handed to the collectives, per the module docstring's formula.
+            sent = sum(allreduce_bytes(wire.nbytes([t]), world_size) for t in box["reduced"].values())
+            sent += allgather_bytes(send.numel(), world_size)
+            self.metrics.add_bucket(
+                key, payload_bytes=sum(layer_bytes), dense_bytes=grad.numel() * itemsize, collective="layered",
+                compressed=any(codec.name != DENSE for codec, _ in entries), sent_bytes=sent, received_bytes=sent,
+                codec="layered",
+            )
+            if monitored:
+                self._record_quality(key, grad, box)
+            works = [dist.all_reduce(t, group=self.group, async_op=True).get_future() for t in box["reduced"].values()]
+            if send.numel():
+                works.append(dist.all_gather_single(box["recv"], send, group=self.group, async_op=True).get_future())
+            works = [self.metrics.track(w, (key,)) for w in works]
+            return works[0] if len(works) == 1 else torch.futures.collect_all(works)
+
+        def decode(fut: Future) -> Tensor:
+            fut.value()  # re-raises a failed collective
+            with self.metrics.timed("decompress_s", key):
+                return self._decode(box, entries, shapes, offsets, grad, step, world_size)
+
+        return self.queue.submit(launch).then(decode)
+
+    def _decode(self, box, entries, shapes, offsets, grad: Tensor, step: int, world_size: int) -> Tensor:
+        reduced = box["reduced"]
+        rows = box["recv"].view(world_size, -1)
+        gathered = [wire.from_bytes(rows[r], box["gather_like"]) for r in range(world_size)]
+        if nonfinite.received_marker(reduced.values()) or any(nonfinite.received_marker(g) for g in gathered):
+            self.ledger.mark_nonfinite(step)
+            return nonfinite.marker_like(grad)
+        out = torch.empty_like(grad.reshape(-1))
+        cursor = {d: 0 for d in reduced}
+        g_index = 0
+        for (codec, summed_), payload, shape, o in zip(entries, box["payloads"], shapes, offsets):
+            like = grad.reshape(-1)[o : o + shape.numel()]
+            if summed_:
+                tensors = []
+                for t in payload.tensors:
+                    start = cursor[t.dtype]
+                    tensors.append(reduced[t.dtype][start : start + t.numel()].view(t.shape))
+                    cursor[t.dtype] = start + t.numel()
+                out[o : o + shape.numel()] = codec.decompress(Payload(tuple(tensors), payload.ctx), like=like)
+            else:
+                n = len(payload.tensors)
+                ranks = [Payload(tuple(g[g_index : g_index + n]), payload.ctx) for g in gathered]
+                g_index += n
+                out[o : o + shape.numel()] = mean_of_payloads(codec, ranks, like)
+        return out.view(grad.shape)
+
+    def _record_quality(self, key: Hashable, grad: Tensor, box: dict[str, Any]) -> None:
+        acc = QualityAccumulator()
+        for i, (x, d) in enumerate(zip(box["sent"], box["decoded"])):
+            if d is None:
+                acc.add_exact(x)
+            else:
+                acc.add(x, d, difference=self.feedback.residuals.get(tensor_key(key, i)))
+                acc.add_residual(self.feedback.residuals.get(tensor_key(key, i)))
+        acc.add_gradient(grad)
+        self.metrics.add_quality(key, acc.figures())
+
+    def probe_errors(
+        self, key: Hashable, grad: Tensor, shapes: Sequence[torch.Size], specs: Sequence[Sequence[str]], *, step: int
+    ) -> list[tuple[float, list[float]]]:
+        """Price codecs on each layer of a bucket locally: no collective, no state change.
+
+        Args:
+            key, grad, shapes, step: as :meth:`reduce`.
+            specs: per layer, the codec specs to price.
+
+        Returns:
+            per layer, ``(||x||^2, [||x - D(C(x))||^2 per spec])`` in float64 arithmetic, with ``x``
+            the layer plus the residual it carries (what its codec would be handed). PowerSGD is
+            priced by one power iteration from a ``Q`` drawn from ``(seed, step, layer)``; a rank
+            at which the layer would travel dense has error 0.
+        """
+        shapes = [torch.Size(s) for s in shapes]
+        feedback = self.powersgd.feedback if key in self.low_rank_keys and self.powersgd is not None else self.feedback
+        flat = grad.reshape(-1)
+        out = []
+        for i, (shape, o) in enumerate(zip(shapes, offsets_of(shapes))):
+            x = flat[o : o + shape.numel()].float()
+            residual = feedback.residuals.get(tensor_key(key, i))
+            if residual is not None and residual.numel() == shape.numel():
+                x = x + residual.reshape(-1).float()
+            errors = []
+            for spec in specs[i]:
+                codec = self.codec(spec)
+                if codec.multi_round:
+                    errors.append(low_rank_error(codec, x, shape, step=step, key=tensor_key(key, i)))
+                    continue
+                decoded = codec.decompress(codec.compress(x, step=step, key=tensor_key(key, i)), like=x)
+                errors.append(float(torch.linalg.vector_norm((x - decoded).double())) ** 2)
+            out.append((float(torch.linalg.vector_norm(x.double())) ** 2, errors))
+        return out
+
+    # -- steps and state ---------------------------------------------------------------------
+
+    def _settle(self, keep: bool) -> None:
+        if keep:
+            self.feedback.commit()
+        else:
+            self.feedback.discard()
+
+    def settle(self) -> None:
+        """End the current step now (see :meth:`gradzip.comm.reducer.CompressedReducer.settle`)."""
+        closed = self.open_step.finish()
+        self._settle(closed is None or self.ledger.finite(closed))
+        if self.powersgd is not None:
+            self.powersgd.settle()
+
+    def flush(self) -> None:
+        """Nothing is held back."""
+
+    def residual(self, key: Hashable, shapes: Sequence[torch.Size]) -> Tensor | None:
+        """The error this rank still owes bucket ``key``, laid out flat (None if nothing)."""
+        feedback = self.powersgd.feedback if key in self.low_rank_keys else self.feedback
+        shapes = [torch.Size(s) for s in shapes]
+        out, found = torch.zeros(sum(s.numel() for s in shapes)), False
+        for i, (shape, o) in enumerate(zip(shapes, offsets_of(shapes))):
+            r = feedback.residuals.get(tensor_key(key, i))
+            if r is not None and r.numel() == shape.numel():
+                out[o : o + shape.numel()] = r.reshape(-1).float()
+                found = True
+        return out if found else None
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plans and per-layer residuals (they differ across ranks), after settling the step."""
+        self.settle()
+        return {
+            "plans": {k: list(v) for k, v in self.plans.items()},
+            "feedback": self.feedback.state_dict(),
+            "powersgd": None if self.powersgd is None else self.powersgd.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self.open_step.finish()
+        self.feedback.load_state_dict(state["feedback"])
+        self.low_rank_keys = set()
+        for key, plan in state["plans"].items():
+            self.set_plan(key, plan)
+        self._family = {key: key in self.low_rank_keys for key in self.plans}
+        if state["powersgd"] is not None and self.powersgd is not None:
+            self.powersgd.load_state_dict(state["powersgd"])
+
+
+def low_rank_error(codec, x: Tensor, shape: torch.Size, *, step: int, key: Hashable) -> float:
+    """``||M - P Q^T||^2`` of one power iteration of ``codec`` (PowerSGD) on ``x`` viewed as its
+    matrix, from a ``Q`` drawn from ``(codec.seed, step, key)``; 0 where the layer travels dense."""
+    if not codec.compresses(shape):
+        return 0.0
+    n, m = matrix_view_shape(shape)
+    mat = x.reshape(n, m).float()
+    gen = seeded_generator(codec.seed, step, key)
+    q = torch.randn(m, codec.effective_rank(n, m), generator=gen)
+    p = orthogonalize(product(mat, q))
+    approx = p @ product(mat.T, p).T
+    return float(torch.linalg.vector_norm((mat - approx).double())) ** 2

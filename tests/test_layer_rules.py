@@ -1,0 +1,275 @@
+"""Decision rules of the per-layer schedules on synthetic inputs, against hand-computed or
+brute-force answers: the knapsack, the link estimator, LEGACY's table, Kimad's budget, EDGC's
+controller."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradzip.choice import parse_compressor
+from gradzip.compressors import build
+from gradzip.control import knapsack
+from gradzip.control.edgc import EDGCConfig, EDGCController, entropy, map_entropy_change_to_rank, predict_rank
+from gradzip.control.figures import BucketFigures, LayerFigures, WindowFigures
+from gradzip.control.kimad import KimadConfig, KimadController
+from gradzip.control.legacy import LegacyController
+from gradzip.control.link import Link, LinkEstimator, fit
+from gradzip.control.schedules import layer_controller
+
+# -- the knapsack -----------------------------------------------------------------------------
+
+
+def _brute(errors, weights, capacity):
+    best = None
+    for choice in itertools.product(*(range(len(e)) for e in errors)):
+        w = sum(weights[i][c] for i, c in enumerate(choice))
+        if w > capacity:
+            continue
+        e = sum(errors[i][c] for i, c in enumerate(choice))
+        if best is None or e < best - 1e-12:
+            best = e
+    return best
+
+
+layers = st.lists(
+    st.lists(st.tuples(st.integers(0, 12), st.floats(0, 100, allow_nan=False)), min_size=1, max_size=4),
+    min_size=1, max_size=5,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(layers, st.integers(0, 40))
+def test_knapsack_matches_brute_force(cands, capacity):
+    weights = [[w for w, _ in layer] for layer in cands]
+    errors = [[e for _, e in layer] for layer in cands]
+    choice = knapsack.solve(errors, weights, capacity)
+    best = _brute(errors, weights, capacity)
+    if best is None:
+        assert choice is None
+        return
+    assert choice is not None and len(choice) == len(cands)
+    assert sum(weights[i][c] for i, c in enumerate(choice)) <= capacity
+    assert sum(errors[i][c] for i, c in enumerate(choice)) == pytest.approx(best, abs=1e-9)
+
+
+def test_knapsack_by_hand_and_errors():
+    # two layers: dense (10 units, error 0) or compressed (1 unit, errors 5 and 1); 11 units fit
+    # one dense layer: the layer whose compression hurts more (error 5) stays dense.
+    assert knapsack.solve([[0, 5], [0, 1]], [[10, 1], [10, 1]], 11) == [0, 1]
+    assert knapsack.solve([[0, 5], [0, 1]], [[10, 1], [10, 1]], 1) is None
+    assert knapsack.solve([], [], 0) == []
+    with pytest.raises(ValueError, match="capacity"):
+        knapsack.solve([[0]], [[0]], -1)
+    with pytest.raises(ValueError, match="weights"):
+        knapsack.solve([[0]], [[1.5]], 3)
+    weights, cap = knapsack.discretise([[1000.0, 10.0]], budget=100.0, units=10)
+    assert cap == 10 and weights == [[100, 1]]
+
+
+# -- the link -----------------------------------------------------------------------------------
+
+
+def test_link_fit_recovers_latency_and_bandwidth_from_sizes_far_apart():
+    link = Link(latency_s=0.002, bytes_per_s=12.5e6)  # 100 Mbit/s, 2 ms per collective
+    rows = [(1, b, link.seconds(b, 1)) for b in (800, 2e5, 3e6)] + [(2, 5e6, link.seconds(5e6, 2))]
+    got = fit(rows)
+    assert got.latency_s == pytest.approx(0.002, rel=1e-9)
+    assert got.bytes_per_s == pytest.approx(12.5e6, rel=1e-9)
+    # one payload size only: latency and bandwidth cannot be told apart, and fit says so
+    assert fit([(1, 1e5, 0.01), (1, 1e5, 0.011)]) is None
+
+
+def test_link_estimator_follows_a_drop_and_a_recovery_at_the_same_speed():
+    fast, slow = Link(0.001, 125e6), Link(0.001, 2.5e6)  # 1 Gbit/s, then 20 Mbit/s
+
+    def batch(link, payload):
+        # one window: the figures' own all_reduce (800 bytes) and the step's exchange
+        return [(1, 800, link.seconds(800, 1)), (3, payload, link.seconds(payload, 3))]
+
+    est = LinkEstimator(half_life=0.5, keep=8)
+    for _ in range(4):
+        est.add(batch(fast, 4e6))  # dense
+    assert est.link.bytes_per_s == pytest.approx(125e6, rel=1e-6)
+    assert est.link.latency_s == pytest.approx(0.001, rel=1e-6)
+    readings = []
+    for _ in range(3):  # the link drops; a codec now sends 40 kB, a payload the fit never saw
+        readings.append(est.add(batch(slow, 4e4)).bytes_per_s)
+    down = next(i for i, r in enumerate(readings) if abs(r / 2.5e6 - 1) < 0.25)
+    assert down <= 2 and readings[-1] == pytest.approx(2.5e6, rel=0.25)
+    readings = []
+    for _ in range(3):  # the link recovers while the small payload still runs
+        readings.append(est.add(batch(fast, 4e4)).bytes_per_s)
+    up = next(i for i, r in enumerate(readings) if abs(r / 125e6 - 1) < 0.25)
+    assert up <= down and readings[-1] == pytest.approx(125e6, rel=0.25)
+    state = est.state_dict()
+    again = LinkEstimator(half_life=0.5, keep=8)
+    again.load_state_dict(state)
+    assert again.link == est.link and again.add(batch(fast, 4e4)) == est.add(batch(fast, 4e4))
+
+
+def test_link_estimator_keeps_a_fitted_latency_through_one_size():
+    est = LinkEstimator()
+    link = Link(0.004, 1e7)
+    est.add([(1, 1000, link.seconds(1000, 1)), (1, 1e6, link.seconds(1e6, 1))])
+    est.add([(1, 1e6, link.seconds(1e6, 1) * 2 - 0.004)])  # bandwidth halves, one size only
+    assert est.link.latency_s == pytest.approx(0.004, rel=1e-6)
+    assert math.isfinite(est.link.bytes_per_s) and est.link.bytes_per_s < 1e7
+
+
+# -- LEGACY's table -----------------------------------------------------------------------------
+
+def test_legacy_table_lookup_by_hand():
+    # two thresholds (three size groups) by two phases of a 100-step run, Top-K ratios
+    ctl = layer_controller("legacy", {"splits": "1000/100000", "policy": "0.9/0.1/0.02|0.1/0.02/0.001"}, total_steps=100)
+    assert [ctl.group(n) for n in (10, 999, 1000, 99_999, 100_000, 10**7)] == [0, 0, 1, 1, 2, 2]
+    assert [ctl.phase(t) for t in (0, 49, 50, 99, 500)] == [0, 0, 1, 1, 1]
+    shapes = [torch.Size(s) for s in [(20,), (40, 50), (400, 500)]]  # 20, 2,000 and 200,000 elements
+    early = ctl.layer_plan(0, shapes, torch.float32, 10)
+    late = ctl.layer_plan(0, shapes, torch.float32, 60)
+    # a 20-element layer at ratio 0.9 sends more than its raw bytes (18 values and indices): dense
+    assert early == ("none", "topk:ratio=0.1", "topk:ratio=0.02")
+    assert late == ("topk:ratio=0.1", "topk:ratio=0.02", "topk:ratio=0.001")
+    # the reference code's defaults: 1% below 10,000 elements, 0.1% above, one phase
+    default = LegacyController.from_params({})
+    assert default.layer_plan(0, [torch.Size((5000,)), torch.Size((100, 100))], torch.float32, 10**6) == (
+        "topk", "topk:ratio=0.001")  # topk's own default ratio is 0.01
+    ranks = layer_controller("legacy", {"codec": "powersgd", "policy": "8/2"})  # any compressor: here a rank
+    assert ranks.layer_plan(0, [torch.Size((50, 50)), torch.Size((500, 500))], torch.float32, 0) == (
+        "powersgd:approx_rank=8", "powersgd:approx_rank=2")
+    # the next window starts with the next phase
+    assert ctl.decide(WindowFigures(1, 6, 2, 0.0)).window_steps == 44
+    with pytest.raises(ValueError, match="total_steps"):
+        layer_controller("legacy", {"policy": "0.1/0.01|0.01/0.001"})
+    with pytest.raises(ValueError, match="ratio"):
+        parse_compressor("legacy:policy=0.1/2")
+
+
+# -- Kimad --------------------------------------------------------------------------------------
+
+SHAPES = [torch.Size((1000,)), torch.Size((1000,))]
+
+
+def _kimad_window(errors, *, rate, latency=0.0, probed=True):
+    """One step: dense 8 kB exchange of the two layers at ``rate``, the figure all_reduce of 800
+    bytes, and per layer the squared error of each level (levels 0.1 then 0.01)."""
+    layers = [LayerFigures(s, list(e) if probed else [], 1.0) for s, e in zip(SHAPES, errors)]
+    bucket = BucketFigures(key=0, numel=2000, itemsize=4, current=0, payload_bytes=8000, sent_bytes=8000,
+                           communicate_s=0.0, collectives=1, gradient_sum_norm=0.0, layers=layers)
+    return WindowFigures(1, 2, 2, 0.0, [bucket], in_flight_s=latency + 8000 / rate,
+                         figures_s=latency + 800 / rate, figures_bytes=800.0)
+
+
+def test_kimad_splits_the_budget_to_the_layer_that_loses_least():
+    ctl = KimadController(KimadConfig(levels="0.1/0.01", target_ms=11, hysteresis=0.1))
+    ctl.layer_plan(0, SHAPES, torch.float32, 0)
+    # 2 ranks: a layer sends 4,000 bytes dense, 600 at ratio 0.1 (100 fp32 values and 100 int16
+    # indices, all_gathered), 60 at 0.01. Layer 0 loses more than layer 1 at every level.
+    errors = [(5.0, 40.0), (1.0, 2.0)]
+    # 500 kB/s for 11 ms: a 5,500-byte budget: one layer dense (the one that would lose more),
+    # the other at 0.1 (error 1 against 5 the other way round)
+    plan = ctl.decide(_kimad_window(errors, rate=5e5))
+    assert "re-planned" in plan.note
+    assert ctl.layer_plan(0, SHAPES, torch.float32, 1) == ("none", "topk:ratio=0.1")
+    # the link drops tenfold: 550 bytes: only both at 0.01 (120 bytes) fits; then it recovers.
+    # The estimate is within 25% after 4 steps and the plan follows, both ways alike.
+    for rate, expected in ((5e4, ("topk", "topk")), (5e5, ("none", "topk:ratio=0.1"))):
+        for steps in range(1, 9):
+            ctl.decide(_kimad_window(errors, rate=rate, probed=False))
+            if steps == 4:
+                assert ctl.link.link.bytes_per_s == pytest.approx(rate, rel=0.25)
+            if ctl.layer_plan(0, SHAPES, torch.float32, 0) == expected:
+                break
+        assert steps <= 5, (rate, steps)
+    # noise within the hysteresis keeps the plan
+    assert "kept" in ctl.decide(_kimad_window(errors, rate=5.2e5, probed=False)).note
+    # Kimad (not +): one level for every layer, the gentlest that fits
+    uniform = KimadController(KimadConfig(levels="0.1/0.01", target_ms=11, layerwise=False))
+    uniform.layer_plan(0, SHAPES, torch.float32, 0)
+    uniform.decide(_kimad_window(errors, rate=5e5))
+    assert uniform.layer_plan(0, SHAPES, torch.float32, 1) == ("topk:ratio=0.1", "topk:ratio=0.1")
+    state = ctl.state_dict()
+    again = KimadController(KimadConfig(levels="0.1/0.01", target_ms=11, hysteresis=0.1))
+    again.load_state_dict(state)
+    again.layer_plan(0, SHAPES, torch.float32, 0)
+    for rate in (5e4, 5e4, 5e4):
+        assert again.decide(_kimad_window(errors, rate=rate, probed=False)).note == ctl.decide(
+            _kimad_window(errors, rate=rate, probed=False)).note
+    assert again.plans == ctl.plans
+
+
+# -- EDGC -----------------------------------------------------------------------------------------
+
+
+def test_edgc_controller_on_a_scripted_entropy_series():
+    # windows of 4 samples; first two windows' means 10 and 8: the largest change is 2
+    series = [10.0] * 4 + [8.0] * 4
+    ranks: list[int] = []
+    kw = dict(min_rank=8, max_rank=32, samples_per_window=4, step=4)
+    assert map_entropy_change_to_rank(series[:7], ranks, **kw) == 32  # under two windows: r_max
+    ranks.clear()
+    # change 2 of 2 maps to 32; the first mapping moves at most 4 from 32
+    assert map_entropy_change_to_rank(series, ranks, **kw) == 32
+    series += [7.5] * 4  # change 0.5 of 2: 8 + 24 * 0.25 = 14; a step of at most 4: 28
+    assert map_entropy_change_to_rank(series, ranks, **kw) == 28
+    series += [7.5] * 4  # change 0: 8; from 28: 24
+    assert map_entropy_change_to_rank(series, ranks, **kw) == 24
+    series += [7.4] * 4  # change 0.1 of 2: 8 + 1.2 = 9.2 -> 9 -> even 8; from 24: 20
+    assert map_entropy_change_to_rank(series, ranks, **kw) == 20
+    series += [6.4] * 4  # change 1 of 2: 20: stays
+    assert map_entropy_change_to_rank(series, ranks, **kw) == 20
+    assert ranks == [32, 28, 24, 20, 20]
+    first: list[int] = []  # a first mapping far below r_max moves only rank_step down
+    assert map_entropy_change_to_rank([10.0] * 4 + [8.0] * 4 + [8.0] * 4, first, **kw) == 28
+
+
+def _psgd(rank: int) -> str:
+    return build(f"powersgd:approx_rank={rank}").spec  # rank 4 is powersgd's default: "powersgd"
+
+
+def test_edgc_probe_and_warmup_rules():
+    # the rank-time line: dense 100 ms; ranks 2, 4, 8, 16 take 40, 60, 90, 130 ms: 100 ms at rank 10 -> 8
+    assert predict_rank({0: 0.1, 2: 0.04, 4: 0.06, 8: 0.09, 16: 0.13}, 0.1, cap=1000) == 8
+    assert predict_rank({0: 0.1, 2: 0.04, 4: 0.05}, 0.1, cap=1000) == 12  # extrapolated: rank 14 -> 12
+    assert predict_rank({0: 0.1, 2: 0.2}, 0.1, cap=1000) == 4  # nothing pays: the least, 4
+    shapes = [torch.Size((64, 64)), torch.Size((64,))]
+    ctl = EDGCController(EDGCConfig(window=20, sample_every=5, warmup_steps=30, probe_steps=3))
+    ctl.layer_plan(0, shapes, torch.float32, 0)
+
+    def window(exchange_s, start, end, errors=None, samples=()):
+        layers = [LayerFigures(s, list(e), 1.0) for s, e in zip(shapes, errors or [[], []])]
+        bucket = BucketFigures(key=0, numel=4160, itemsize=4, current=0, payload_bytes=0, sent_bytes=0,
+                               communicate_s=0, collectives=1, gradient_sum_norm=0, layers=layers)
+        return WindowFigures(start, end, 2, 0.0, [bucket], exchange_s=exchange_s, entropy=list(samples))
+
+    ctl.decide(window(0.1, 1, 6, samples=[5.0]))  # dense baseline
+    assert ctl.layer_plan(0, shapes, torch.float32, 6) == ("powersgd:approx_rank=2", "none")
+    for t, rank in ((0.04, 4), (0.06, 8), (0.09, 16)):
+        ctl.decide(window(t, 6, 9))
+        assert ctl.layer_plan(0, shapes, torch.float32, 9) == (_psgd(rank), "none")
+    plan = ctl.decide(window(0.13, 9, 12))  # slower than dense: r_max = 8, then warm-up dense
+    assert ctl.max_rank == 8 and plan.probe_next and ctl.layer_plan(0, shapes, torch.float32, 12) == ("none", "none")
+    assert ctl.probe_specs(0, shapes) == [[_psgd(8)], []]
+    ctl.decide(window(0.1, 12, 15, errors=[[4.0], []]))  # the rank-8 error: 2
+    assert ctl.probe_specs(0, shapes) == [[_psgd(2)], []]
+    ctl.decide(window(0.1, 15, 35, errors=[[9.0], []]))  # the rank-2 error 3 > 2: warm-up goes on
+    assert ctl.phase == "warmup"
+    plan = ctl.decide(window(0.1, 35, 55, errors=[[1.0], []]))  # 1 < 2, and past warmup_steps
+    assert ctl.phase == "compress" and ctl.layer_plan(0, shapes, torch.float32, 55) == (_psgd(8), "none")
+    assert plan.window_steps == 20
+    state = ctl.state_dict()
+    again = EDGCController(EDGCConfig(window=20, sample_every=5, warmup_steps=30, probe_steps=3))
+    again.load_state_dict(state)
+    assert again.state_dict() == state
+
+
+def test_edgc_entropy_is_the_reference_codes_estimate():
+    x = torch.arange(16, dtype=torch.float32)  # stride 4: 0, 4, 8, 12 in 4 bins: uniform, log 4
+    assert entropy(x, stride=4, bins=4) == pytest.approx(math.log(4))
+    assert entropy(torch.ones(10)) == 0.0
+    assert entropy(torch.tensor([1.0, float("nan"), 3.0]), stride=1, bins=2) == pytest.approx(math.log(2))
