@@ -182,6 +182,7 @@ class PowerSGDReducer:
         int8 = factor_dtype == torch.int8
         levels = int8_levels(world_size) if int8 else 0
         out = torch.empty_like(flat)
+        device = grad.device
 
         # Step 1: error-compensated matrices and their Q.
         with self.metrics.timed("compress_s", key):
@@ -377,12 +378,12 @@ class PowerSGDReducer:
             return out.view(grad.shape)
 
         if int8 and matrices:
-            first = self.queue.submit(launch_p, after=self.queue.submit(launch_p_scale))
-            return self.queue.submit(launch_q, after=self.queue.submit(launch_q_scale, after=first)).then(finish)
-        first = self.queue.submit(launch_p)
+            first = self.queue.submit(launch_p, after=self.queue.submit(launch_p_scale, device=device), device=device)
+            return self.queue.submit(launch_q, after=self.queue.submit(launch_q_scale, after=first, device=device), device=device).then(finish)
+        first = self.queue.submit(launch_p, device=device)
         if not matrices:
             return first.then(finish)
-        return self.queue.submit(launch_q, after=first).then(finish)
+        return self.queue.submit(launch_q, after=first, device=device).then(finish)
 
     @staticmethod
     def _decode(p: Tensor, q_mean: Tensor, out: Tensor) -> None:
@@ -444,7 +445,7 @@ class PowerSGDReducer:
             self.ledger.mark_nonfinite(step)
             return nonfinite.marker_like(tensor)
 
-        return self.queue.submit(lambda: self._all_reduce(key, tensor)).then(finish)
+        return self.queue.submit(lambda: self._all_reduce(key, tensor), device=tensor.device).then(finish)
 
     def probe(self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None) -> dict[str, Any]:
         """One local power iteration on ``grad`` (as one rank alone would run it): no collective,

@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from gradzip.comm import nonfinite
+from gradzip.comm import devices, nonfinite
 from gradzip.comm.queue import CollectiveQueue, completed
 from gradzip.comm.routes import COLLECTIVES, REGISTRY, check_collective, choose_collective
 from gradzip.comm.traffic import dense_probe
@@ -302,7 +302,7 @@ class CompressedReducer:
 
     def hold(self, key: Hashable, grad: Tensor, step: int) -> Future:
         """Keep ``grad`` for the next fused all_reduce; its future completes when that one does."""
-        item = Held(key, grad, step, Future())
+        item = Held(key, grad, step, devices.new_future(grad.device))
         with self._lock:
             self._held.append(item)
             self._held_bytes += wire.nbytes([grad])

@@ -200,8 +200,8 @@ class TwoPhaseAllReduce:
                     out[start : start + size] = self.compressor.decompress(payload, like=out[start : start + size])
             return out.view(grad.shape)
 
-        scattered = self.queue.submit(launch_scatter)
-        return self.queue.submit(launch_gather, after=scattered).then(finish)
+        scattered = self.queue.submit(launch_scatter, device=grad.device)
+        return self.queue.submit(launch_gather, after=scattered, device=grad.device).then(finish)
 
     def _mean_template(self, key: Hashable, chunk: int, size: int, step: int, like: Tensor) -> Payload:
         """The decode context of chunk ``chunk``'s mean for a codec that draws it from

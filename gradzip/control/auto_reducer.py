@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from gradzip.comm import nonfinite
+from gradzip.comm.devices import collective_device
 from gradzip.comm.powersgd import PowerSGDReducer
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.comm.reducer import CompressedReducer
@@ -260,7 +261,9 @@ class AutoReducer:
                                p["collectives"], p["relative_error"]]
         period = statistics.median(self._periods) if self._periods else 0.0
         values.append(period)
-        stats = torch.tensor(values, dtype=torch.float64)
+        # On the device the group's collectives take (CUDA for NCCL): the decision reads the
+        # reduced figures on the host anyway, once per window.
+        stats = torch.tensor(values, dtype=torch.float64).to(collective_device(self.group))
 
         def launch() -> Future:
             work = dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
@@ -269,7 +272,7 @@ class AutoReducer:
         # Under DDP every collective of the previous step has completed before this step's
         # first bucket is hooked, so this one launches at once and the wait is one small
         # all_reduce, issued where all ranks meet anyway.
-        self.queue.submit(launch).wait()
+        self.queue.submit(launch, device=stats.device).wait()
         window = self._unpack(stats.tolist(), order, probed)
         plan = self.controller.decide(window)
         self.last_plan = plan

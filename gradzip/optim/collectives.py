@@ -55,7 +55,7 @@ def mean_all_reduce(
         work = dist.all_reduce(out, group=group, async_op=True)
         return metrics.track(work.get_future(), (key,))
 
-    queue.submit(launch).wait()
+    queue.submit(launch, device=flat.device).wait()
     return out, not nonfinite.received_marker([out])
 
 
@@ -87,7 +87,7 @@ def gather_payloads(
         work = dist.all_gather_single(recv, send, group=group, async_op=True)
         return metrics.track(work.get_future(), (key,))
 
-    queue.submit(launch).wait()
+    queue.submit(launch, device=send.device).wait()
     rows = recv.view(world_size, payload)
     payloads = [wire.from_bytes(rows[r], tensors) for r in range(world_size)]
     finite = all(nonfinite.is_finite(t) for p in payloads for t in p)

@@ -90,4 +90,4 @@ class AllGather(Route):
                     return reducer.nonfinite_result(grad, step)
                 return mean_of_payloads(codec, payloads, grad)
 
-        return reducer.queue.submit(launch).then(decode)
+        return reducer.queue.submit(launch, device=grad.device).then(decode)

@@ -94,4 +94,4 @@ class AllReduce(Route):
                     return reducer.nonfinite_result(grad, step)
                 return codec.decompress(Payload(box["tensors"], box["ctx"]), like=grad)
 
-        return reducer.queue.submit(launch).then(decode)
+        return reducer.queue.submit(launch, device=grad.device).then(decode)

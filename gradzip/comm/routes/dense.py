@@ -86,7 +86,7 @@ class DenseAllReduce(Route):
             fut.value()  # re-raises a failed collective
             return reducer.nonfinite_result(tensor, step) if nonfinite.received_marker([tensor]) else tensor
 
-        return reducer.queue.submit(launch).then(finish)
+        return reducer.queue.submit(launch, device=grad.device).then(finish)
 
 
 class FusedAllReduce(DenseAllReduce):
@@ -141,4 +141,4 @@ class FusedAllReduce(DenseAllReduce):
                 h.future.set_result(flat[offset : offset + h.grad.numel()].view(h.grad.shape).clone())
                 offset += h.grad.numel()
 
-        reducer.queue.submit(launch).add_done_callback(deliver)
+        reducer.queue.submit(launch, device=flat.device).add_done_callback(deliver)
