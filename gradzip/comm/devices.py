@@ -72,7 +72,8 @@ def settle_parts(value: Any) -> Any:
     """The value of a finished future with the futures of ``collect_all`` replaced by their
     values: each part is waited on (which makes the current stream wait for its CUDA events), so
     the tensors they hold can be read, and handed on, in stream order."""
-    if isinstance(value, list) and value and all(isinstance(v, Future) for v in value):
+    # collect_all hands back torch._C.Future objects, the base class of torch.futures.Future.
+    if isinstance(value, list) and value and all(isinstance(v, torch._C.Future) for v in value):
         return [part.wait() for part in value]
     return value
 

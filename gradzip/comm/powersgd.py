@@ -41,6 +41,7 @@ from gradzip.comm.queue import CollectiveQueue, completed
 from gradzip.comm.traffic import allreduce_bytes, dense_probe
 from gradzip.compressors.base import seeded_generator
 from gradzip.compressors.kernels import wire
+from gradzip.compressors.kernels.placement import to_device
 from gradzip.compressors.lowrank import PowerSGD, from_codes, int8_levels, matrix_view_shape, to_codes
 from gradzip.feedback import ErrorFeedback
 from gradzip.metrics import QualityAccumulator, StepMetrics, quality_figures
@@ -134,8 +135,9 @@ class PowerSGDReducer:
         return _Layout(offsets, shapes, compressed, uncompressed)
 
     def _initial_q(self, key: Hashable, m: int, r: int, step: int, device: torch.device) -> Tensor:
+        # Drawn on the host on purpose (the same Q on every device), copied without blocking.
         gen = seeded_generator(self.compressor.seed, step, key)
-        return torch.randn(m, r, generator=gen, dtype=torch.float32).to(device)
+        return to_device(torch.randn(m, r, generator=gen, dtype=torch.float32), device)
 
     def reduce(
         self,
