@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from gradzip.comm import nonfinite
+from gradzip.comm import compat, nonfinite
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.comm.traffic import ChunkPlan, plan_chunks
 from gradzip.compressors import Compressor, Payload
@@ -185,7 +185,7 @@ class TwoPhaseAllReduce:
         def launch_gather() -> Future:
             send = self._reduce_own_chunk(key, flat, plan, rank, step, own, recv_chunks)
             if len(set(plan.payload_nbytes)) == 1:
-                work = dist.all_gather_single(recv_means, send, group=self.group, async_op=True)
+                work = compat.all_gather_single(recv_means, send, group=self.group, async_op=True)
             else:
                 work = dist.all_to_all_single(
                     recv_means, send.repeat(world_size), output_split_sizes=list(plan.payload_nbytes),

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradzip.comm import nonfinite
+from gradzip.comm import compat, nonfinite
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.comm.traffic import allgather_bytes, allreduce_bytes
 from gradzip.compressors.kernels import wire
@@ -84,7 +84,7 @@ def gather_payloads(
     recv = torch.empty(world_size * payload, dtype=torch.uint8, device=send.device)
 
     def launch():
-        work = dist.all_gather_single(recv, send, group=group, async_op=True)
+        work = compat.all_gather_single(recv, send, group=group, async_op=True)
         return metrics.track(work.get_future(), (key,))
 
     queue.submit(launch, device=send.device).wait()

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from gradzip.comm import nonfinite
+from gradzip.comm import compat, nonfinite
 from gradzip.comm.routes.base import Cost, Round, Route, raw_nbytes
 from gradzip.comm.traffic import allgather_bytes
 from gradzip.comm.twophase import mean_of_payloads
@@ -80,7 +80,7 @@ class AllGather(Route):
                     tensors = nonfinite.mark(tensors, box["ok"])
                 send = wire.to_bytes(tensors)
             reducer.record_quality(key, grad, box)
-            work = dist.all_gather_single(recv, send, group=reducer.group, async_op=True)
+            work = compat.all_gather_single(recv, send, group=reducer.group, async_op=True)
             return reducer.metrics.track(work.get_future(), (key,))
 
         def decode(fut: Future) -> Tensor:
