@@ -186,7 +186,9 @@ def _uniform_decode_params(steps: int, work: torch.dtype) -> Kernel:
 
     def params(low: Tensor, high: Tensor, prescale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         low_w, high_w = low.to(work) * prescale, high.to(work) * prescale
-        return low_w, (high_w - low_w) / steps, high_w
+        # Divided by a tensor: CUDA divides by a Python number as a multiplication by its
+        # reciprocal, which can differ from the CPU's (and the native loop's) division.
+        return low_w, (high_w - low_w) / torch.full((), steps, dtype=work, device=low.device), high_w
 
     return Kernel(params, "uniform_decode_params")
 
