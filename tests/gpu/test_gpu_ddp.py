@@ -68,7 +68,7 @@ def test_every_codec_trains_through_the_hook(nccl_group, name, dtype):
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
     for x in _batches(4, dtype=dtype):
         grads = _step_grads(ddp, x)
-        assert all(g.is_cuda and g.dtype == dtype and g.isfinite().all() for g in grads), name
+        assert all(g.device == DEVICE and g.dtype == dtype and g.isfinite().all() for g in grads), name
         figures = state.metrics.pop()
         assert figures["payload_bytes"] > 0 and figures["buckets"], name
         opt.step()
@@ -117,8 +117,10 @@ def _rank_r_batches(count: int, rank: int) -> list[torch.Tensor]:
 
 def test_powersgd_recovers_a_low_rank_gradient_as_pytorchs_hook_does(nccl_group):
     """One linear layer fed ``r`` samples has a gradient of rank at most ``r``: PowerSGD at rank
-    ``r`` returns it exactly (to fp32 rounding) whatever its starting Q. gradzip's reducer and
-    PyTorch's powerSGD_hook must both do so on the same inputs, and so agree with each other."""
+    ``r`` returns it exactly (to fp32 rounding) from any starting Q, on its first compressed step
+    (no residual yet). gradzip's reducer and PyTorch's powerSGD_hook, both starting at step 2
+    after two dense steps, must both do so on the same inputs. (Later steps are not exact: the
+    error-feedback residual adds the directions of earlier gradients.)"""
     rank = 4
 
     def layer() -> torch.nn.Module:
@@ -126,25 +128,27 @@ def test_powersgd_recovers_a_low_rank_gradient_as_pytorchs_hook_does(nccl_group)
             torch.manual_seed(9)
             return torch.nn.Linear(512, 384, bias=False).to(DEVICE)
 
-    ours = _ddp(layer(), gradzip.CompressionState(f"powersgd:approx_rank={rank}"), gradzip.compression_hook)
+    ours = _ddp(layer(), gradzip.CompressionState(f"powersgd:approx_rank={rank},start_step=2"), gradzip.compression_hook)
     torch_state = torch_powersgd.PowerSGDState(
         process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=2, min_compression_rate=1,
     )
     theirs = _ddp(layer(), torch_state, torch_powersgd.powerSGD_hook)
     dense = DDP(layer(), device_ids=[0])
-    for step, x in enumerate(_rank_r_batches(5, rank)):
+    for step, x in enumerate(_rank_r_batches(3, rank)):
         (a,), (b,), (d,) = _step_grads(ours, x), _step_grads(theirs, x), _step_grads(dense, x)
-        if step < 2:  # PyTorch's hook starts compressing at its start_powerSGD_iter
+        if step < 2:  # both send the gradient dense before their start step
+            assert torch.equal(a, d) and torch.equal(b, d), f"step {step}: a dense step differs from DDP's"
             continue
         scale = d.norm()
-        assert (a - d).norm() <= 1e-4 * scale, f"step {step}: gradzip's PowerSGD lost a rank-{rank} gradient"
-        assert (b - d).norm() <= 1e-4 * scale, f"step {step}: PyTorch's powerSGD_hook lost a rank-{rank} gradient"
+        assert (a - d).norm() <= 1e-5 * scale, "gradzip's PowerSGD lost a rank-4 gradient"
+        assert (b - d).norm() <= 1e-5 * scale, "PyTorch's powerSGD_hook lost a rank-4 gradient"
 
 
 def test_powersgd_approximates_a_full_rank_gradient_as_well_as_pytorchs_hook(nccl_group):
-    """A full-rank gradient: after warm-up both rank-4 approximations (with error feedback and
-    warm start) lose a similar share of it; gradzip's may not be clearly worse."""
-    ours = _ddp(_mlp(4), gradzip.CompressionState("powersgd:approx_rank=4"), gradzip.compression_hook)
+    """A full-rank gradient: both rank-4 approximations (with error feedback and warm start, both
+    compressing from step 2) lose a similar share of it (about 0.3 of its norm on this model, on
+    the CPU); gradzip's may not be clearly worse."""
+    ours = _ddp(_mlp(4), gradzip.CompressionState("powersgd:approx_rank=4,start_step=2"), gradzip.compression_hook)
     torch_state = torch_powersgd.PowerSGDState(
         process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2, min_compression_rate=1,
     )
