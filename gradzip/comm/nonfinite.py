@@ -28,8 +28,8 @@ its result by 1 or NaN; the flag is copied to pinned host memory without blockin
 (:meth:`StepLedger.note`) and read when the step is settled, at the start of the next step, by
 when the device has long finished it. A rank whose gradient is not finite then encodes its
 gradient as it is instead of zeros (the codecs run on it; what they send is NaN-marked and the
-step's residuals are put back). The multi-round reducers, the two-phase route and FSDP's routes
-check on the host (:func:`is_finite`, :func:`received_marker`).
+step's residuals are put back). The two-phase route does the same; the multi-round reducers and
+FSDP's routes check on the host (:func:`is_finite`, :func:`received_marker`).
 """
 
 from __future__ import annotations
