@@ -3,6 +3,8 @@
 - ``<!-- codec-table -->`` in a page becomes the table of every registered codec, from
   :func:`gradzip.compressors.catalog.codec_rows` (the rows ``gradzip list`` prints), so the
   page cannot drift from the code.
+- ``<!-- host-reads-table -->`` becomes the table of what each codec's path through a hook still
+  reads on the host on CUDA (its ``host_reads`` declaration, which tests check on meta tensors).
 - ``benchmarks/results/<study>/`` lives beside the scripts that produce it, outside ``docs/``.
   Its files join the site under ``benchmarks/results/...``, so a page links to a study with the
   same relative path (``../benchmarks/results/<study>/README.md``) that works in the repository.
@@ -18,6 +20,7 @@ from mkdocs.structure.files import File, Files, InclusionLevel
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 MARKER = "<!-- codec-table -->"
+HOST_READS_MARKER = "<!-- host-reads-table -->"
 
 
 def codec_table() -> str:
@@ -50,6 +53,19 @@ def codec_table() -> str:
     return "\n".join(lines)
 
 
+def host_reads_table() -> str:
+    """What each registered codec reads on the host on CUDA, as a Markdown table."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from gradzip.compressors import REGISTRY
+
+    lines = ["| codec | reads on the host on CUDA (each read waits for the device) |", "|---|---|"]
+    for name in sorted(REGISTRY):
+        reads = REGISTRY[name].host_reads
+        lines.append(f"| `{name}` | {reads if reads else 'nothing'} |")
+    return "\n".join(lines)
+
+
 def on_files(files: Files, config) -> Files:
     """Add every file of ``benchmarks/results/`` to the site (pages for its Markdown)."""
     docs_dir = Path(config["docs_dir"]).resolve()
@@ -75,4 +91,6 @@ def on_files(files: Files, config) -> Files:
 def on_page_markdown(markdown: str, page, config, files) -> str:
     if MARKER in markdown:
         markdown = markdown.replace(MARKER, codec_table())
+    if HOST_READS_MARKER in markdown:
+        markdown = markdown.replace(HOST_READS_MARKER, host_reads_table())
     return markdown

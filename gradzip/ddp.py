@@ -255,7 +255,7 @@ def verified_reduce(
     world_size = dist.get_world_size(state.process_group)
     dense = grad.div(world_size)
     dense_fut = state.queue.submit(
-        lambda: dist.all_reduce(dense, group=state.process_group, async_op=True).get_future()
+        lambda: dist.all_reduce(dense, group=state.process_group, async_op=True).get_future(), device=dense.device
     )
     compressed = state.reducer.reduce(key, grad, step=step, shapes=shapes, flush=flush)
 

@@ -5,11 +5,13 @@ inherited by spawned ranks); ``tests/test_fused.py`` turns compilation on and ch
 compiled kernel bit for bit against its eager run.
 
 Every test gets exactly one tier marker: ``unit`` (one process, fast), ``slow`` (one process,
-seconds per test), ``dist`` (spawns gloo ranks) or ``e2e`` (runs the CLI, or a stand-in, in child
-processes). A test's tier is the one it is marked
+seconds per test), ``dist`` (spawns gloo ranks), ``e2e`` (runs the CLI, or a stand-in, in child
+processes) or ``gpu`` (needs CUDA and NCCL: the modules under ``tests/gpu/``, skipped where torch
+sees no GPU). A test's tier is the one it is marked
 with (on itself, its class or its module's ``pytestmark``). In a module where no test is marked,
-every test takes the module's default: ``e2e`` if the module starts Python child processes
-(``subprocess``, ``sys.executable``), ``dist`` if it spawns ranks (``run_ranks``), else ``unit``.
+every test takes the module's default: ``gpu`` under ``tests/gpu/``, ``e2e`` if the module starts
+Python child processes (``subprocess``, ``sys.executable``), ``dist`` if it spawns ranks
+(``run_ranks``), else ``unit``.
 In a module where some test is marked, an unmarked test is ``unit``. A ``unit`` or ``slow`` test
 that starts a process fails with a message naming the marker it needs.
 """
@@ -43,10 +45,12 @@ TIERS = {
     "slow": "one process, seconds per test: torch.compile of the codec kernels, the main job's model, long loops",
     "dist": "spawns gloo ranks on this machine (gradzip.testing.run_ranks)",
     "e2e": "runs the gradzip CLI, or a stand-in for it, end to end in child processes",
+    "gpu": "needs CUDA and NCCL (tests/gpu/); skipped where torch sees no GPU",
 }
 _MODULE_DEFAULTS = (("e2e", re.compile(r"\bsubprocess\b|\bsys\.executable\b")), ("dist", re.compile(r"\brun_ranks\b")))
 _TIER = pytest.StashKey[str]()
 _INDUCTOR_DIR = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "_inductor")
+_GPU_DIR = Path(__file__).resolve().parent / "gpu"
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -59,6 +63,8 @@ def _marked_tiers(item: pytest.Item) -> list[str]:
 
 
 def _module_default(path: Path) -> str:
+    if _GPU_DIR in Path(path).resolve().parents:
+        return "gpu"
     source = path.read_text(encoding="utf-8")
     return next((tier for tier, pattern in _MODULE_DEFAULTS if pattern.search(source)), "unit")
 
@@ -79,6 +85,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if not tiers:
             item.add_marker(tier)
         item.stash[_TIER] = tier
+        if tier == "gpu" and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device (tests/gpu run on a GPU machine)"))
 
 
 @pytest.fixture(autouse=True)

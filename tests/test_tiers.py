@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import _module_default
+from conftest import _GPU_DIR, _module_default
 
 # this module mentions subprocess and sys.executable, so without a marker it would be e2e
 pytestmark = pytest.mark.unit
@@ -24,6 +24,12 @@ def test_a_module_without_markers_takes_the_tier_of_what_it_starts(tmp_path):
         path = tmp_path / f"test_{i}.py"
         path.write_text(source)
         assert _module_default(path) == tier, source
+
+
+def test_modules_under_tests_gpu_take_the_gpu_tier_whatever_they_start():
+    # decided by the folder alone (the file is not read)
+    assert _module_default(_GPU_DIR / "test_not_written.py") == "gpu"
+    assert _module_default(_GPU_DIR.parent / "test_wire.py") == "unit"
 
 
 def test_a_unit_test_that_starts_a_process_fails_naming_the_marker_it_needs():

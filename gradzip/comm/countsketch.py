@@ -126,7 +126,7 @@ class CountSketchReducer(SettlingReducer):
                 support = wire.unpack_bits(bitmap, 1, numel).bool() if packed else bitmap.bool()
                 return codec.decode(support, box["table"], step=step, key=key, like=grad)
 
-        return self.queue.submit(launch).then(finish)
+        return self.queue.submit(launch, device=grad.device).then(finish)
 
     def _reduce_dense(self, key: Hashable, grad: Tensor, world_size: int, step: int) -> Future:
         """Before ``start_step``, or where the payload would not be smaller: the plain mean."""
@@ -151,4 +151,4 @@ class CountSketchReducer(SettlingReducer):
             self.ledger.mark_nonfinite(step)
             return nonfinite.marker_like(tensor)
 
-        return self.queue.submit(launch).then(finish)
+        return self.queue.submit(launch, device=grad.device).then(finish)

@@ -18,6 +18,18 @@ The contract every reducer keeps (tested for every registered codec on real gloo
    still overflows by rounding (an inf, never a NaN, as every summand is finite) is saturated,
    and an error-compensated gradient that overflows where the gradient itself is finite is
    saturated too.
+
+On a device other than the CPU (CUDA) the single-round reducer keeps this contract without
+reading anything on the host inside the hook (:func:`input_check`, :func:`mark`,
+:func:`mark_if_nonfinite`, :func:`received`, :func:`poison_where`): a rank's finiteness is a 0-d bool on the device; its
+payload's floating tensors are multiplied by 1 (exact, every value kept, -0.0 too) or NaN; the
+receiver saturates infs in place, computes a 0-d "some rank sent the marker" flag and multiplies
+its result by 1 or NaN; the flag is copied to pinned host memory without blocking
+(:meth:`StepLedger.note`) and read when the step is settled, at the start of the next step, by
+when the device has long finished it. A rank whose gradient is not finite then encodes its
+gradient as it is instead of zeros (the codecs run on it; what they send is NaN-marked and the
+step's residuals are put back). The two-phase route does the same; the multi-round reducers and
+FSDP's routes check on the host (:func:`is_finite`, :func:`received_marker`).
 """
 
 from __future__ import annotations
@@ -43,6 +55,26 @@ def is_finite(t: Tensor) -> bool:
     return math.isfinite(float(low)) and math.isfinite(float(high))
 
 
+def on_host(t: Tensor) -> bool:
+    """Whether checks on ``t`` are read on the host (CPU tensors: free there) rather than kept
+    on its device."""
+    return t.device.type == "cpu"
+
+
+def finite_flag(t: Tensor) -> Tensor:
+    """Whether every element of ``t`` is finite, as a 0-d bool on ``t``'s device (no host read)."""
+    if t.numel() == 0 or not t.is_floating_point():
+        return torch.ones((), dtype=torch.bool, device=t.device)
+    low, high = torch.aminmax(t)
+    return torch.isfinite(low) & torch.isfinite(high)
+
+
+def one_or_nan(ok: Tensor, dtype: torch.dtype) -> Tensor:
+    """A 0-d ``dtype`` tensor on ``ok``'s device: 1 where ``ok``, else NaN (a factor that keeps
+    every value exactly, or marks all of them)."""
+    return torch.where(ok, 1.0, float("nan")).to(dtype)
+
+
 def saturate(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     """``t`` clamped to the finite range of ``dtype`` (default ``t.dtype``); NaN stays NaN."""
     limit = torch.finfo(dtype or t.dtype).max
@@ -66,6 +98,67 @@ def checked_input(grad: Tensor, compensated: Tensor) -> tuple[Tensor, bool]:
     if compensated is not grad and is_finite(grad):
         return saturate(compensated), True
     return compensated, False
+
+
+def input_check(grad: Tensor, compensated: Tensor) -> tuple[Tensor, bool | Tensor]:
+    """:func:`checked_input` for the single-round reducer, on any device.
+
+    On the host it is :func:`checked_input`. On a device, ``ok`` is a 0-d bool (whether ``grad``
+    is finite) and ``compensated``, where it is the reducer's own tensor (not ``grad``), is
+    saturated in place (a finite gradient plus its residual may overflow); the caller encodes it
+    either way and marks the payload with :func:`mark`.
+
+    Returns:
+        ``(tensor to compress, ok)``; ``ok`` is a bool on the host (False: encode zeros and
+        mark them), a 0-d bool tensor on a device.
+    """
+    if on_host(grad):
+        return checked_input(grad, compensated)
+    if compensated is not grad:
+        saturate_(compensated)
+    return compensated, finite_flag(grad)
+
+
+def mark(tensors: tuple[Tensor, ...], ok: Tensor, *, inplace: bool = False) -> tuple[Tensor, ...]:
+    """``tensors`` with every floating part multiplied by :func:`one_or_nan` of the 0-d device
+    flag ``ok``: unchanged (exactly) where it is true, all NaN where it is false; new tensors,
+    or the same ones changed in place with ``inplace`` (tensors of the caller's own)."""
+    return tuple(
+        (t.mul_(one_or_nan(ok, t.dtype)) if inplace else t * one_or_nan(ok, t.dtype)) if t.is_floating_point() else t
+        for t in tensors
+    )
+
+
+def mark_if_nonfinite(out: Tensor, source: Tensor) -> Tensor:
+    """Fill ``out`` (a tensor of the caller's own, about to be sent) with the NaN marker if
+    ``source`` holds inf or NaN: on the host by a check and a fill, on a device by multiplying
+    ``out`` in place by 1 or NaN. Returns ``out``."""
+    if on_host(source):
+        return out if is_finite(source) else out.fill_(float("nan"))
+    return out.mul_(one_or_nan(finite_flag(source), out.dtype))
+
+
+def received(tensors: Iterable[Tensor]) -> bool | Tensor:
+    """:func:`received_marker` on any device: on the host a bool; on a device a 0-d bool (some
+    floating tensor holds NaN), with infs saturated in place, and nothing read on the host."""
+    tensors = list(tensors)
+    if all(on_host(t) for t in tensors):
+        return received_marker(tensors)
+    bad = None
+    for t in tensors:
+        if t.numel() == 0 or not t.is_floating_point():
+            continue
+        low, high = torch.aminmax(t)
+        found = torch.isnan(low) | torch.isnan(high)
+        bad = found if bad is None else bad | found
+        saturate_(t)
+    return torch.zeros((), dtype=torch.bool, device=tensors[0].device) if bad is None else bad
+
+
+def poison_where(t: Tensor, bad: Tensor) -> Tensor:
+    """``t`` (a reducer's own result) multiplied in place by NaN where the 0-d ``bad`` is true,
+    by 1 (no change) elsewhere."""
+    return t.mul_(one_or_nan(~bad, t.dtype))
 
 
 def has_float(tensors: Iterable[Tensor]) -> bool:
@@ -107,7 +200,9 @@ class MarkerSlot(Compressor):
     def __init__(self, inner: Compressor) -> None:
         self.inner = inner
         self.params = inner.params
-        for attr in ("name", "aggregatable", "unbiased", "needs_shared_seed", "error_feedback", "multi_round", "start_step"):
+        for attr in (
+            "name", "aggregatable", "unbiased", "needs_shared_seed", "error_feedback", "multi_round", "start_step", "host_reads"
+        ):
             setattr(self, attr, getattr(inner, attr))
 
     @property
@@ -154,17 +249,47 @@ class StepLedger:
     """The steps in which some bucket carried the NaN marker.
 
     One ledger is shared by every reducer of a hook (an auto hook holds several), so that a
-    step skipped for one bucket is put back in the reducers of all the others too.
+    step skipped for one bucket is put back in the reducers of all the others too. Reducers on
+    a device note a 0-d flag instead (:meth:`note`); it is read when the step's fate is asked.
     """
 
     def __init__(self) -> None:
         self.nonfinite: set[int] = set()
+        self.pending: dict[int, list[_HostFlag]] = {}
 
     def mark_nonfinite(self, step: int) -> None:
         self.nonfinite.add(step)
 
+    def note(self, step: int, bad: Tensor) -> None:
+        """Record a 0-d device flag (true: some rank sent the marker) for ``step``, copied to the
+        host without blocking."""
+        self.pending.setdefault(step, []).append(_HostFlag(bad))
+
     def finite(self, step: int) -> bool:
+        for flag in self.pending.pop(step, ()):
+            if flag.read():
+                self.nonfinite.add(step)
         return step not in self.nonfinite
+
+
+class _HostFlag:
+    """A 0-d device bool on its way to the host: a non-blocking copy into pinned memory and an
+    event after it (CUDA), so that reading it later waits for that copy only, not the stream."""
+
+    def __init__(self, flag: Tensor) -> None:
+        self.event = None
+        if flag.device.type == "cuda":
+            self.value = torch.empty((), dtype=torch.bool, pin_memory=True)
+            self.value.copy_(flag, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.value = flag
+
+    def read(self) -> bool:
+        if self.event is not None:
+            self.event.synchronize()
+        return bool(self.value)
 
 
 class OpenStep:

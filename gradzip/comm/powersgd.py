@@ -41,6 +41,7 @@ from gradzip.comm.queue import CollectiveQueue, completed
 from gradzip.comm.traffic import allreduce_bytes, dense_probe
 from gradzip.compressors.base import seeded_generator
 from gradzip.compressors.kernels import wire
+from gradzip.compressors.kernels.placement import to_device
 from gradzip.compressors.lowrank import PowerSGD, from_codes, int8_levels, matrix_view_shape, to_codes
 from gradzip.feedback import ErrorFeedback
 from gradzip.keys import tensor_key
@@ -145,8 +146,9 @@ class PowerSGDReducer:
         return _Layout(offsets, shapes, compressed, uncompressed, [c or self.compressor for c in codecs])
 
     def _initial_q(self, key: Hashable, m: int, r: int, step: int, device: torch.device) -> Tensor:
+        # Drawn on the host on purpose (the same Q on every device), copied without blocking.
         gen = seeded_generator(self.compressor.seed, step, key)
-        return torch.randn(m, r, generator=gen, dtype=torch.float32).to(device)
+        return to_device(torch.randn(m, r, generator=gen, dtype=torch.float32), device)
 
     def reduce(
         self,
@@ -193,6 +195,7 @@ class PowerSGDReducer:
         int8 = factor_dtype == torch.int8
         levels = int8_levels(world_size) if int8 else 0
         out = torch.empty_like(flat)
+        device = grad.device
 
         # Step 1: error-compensated matrices and their Q.
         with self.metrics.timed("compress_s", key):
@@ -397,12 +400,12 @@ class PowerSGDReducer:
             return out.view(grad.shape)
 
         if int8 and matrices:
-            first = self.queue.submit(launch_p, after=self.queue.submit(launch_p_scale))
-            return self.queue.submit(launch_q, after=self.queue.submit(launch_q_scale, after=first)).then(finish)
-        first = self.queue.submit(launch_p)
+            first = self.queue.submit(launch_p, after=self.queue.submit(launch_p_scale, device=device), device=device)
+            return self.queue.submit(launch_q, after=self.queue.submit(launch_q_scale, after=first, device=device), device=device).then(finish)
+        first = self.queue.submit(launch_p, device=device)
         if not matrices:
             return first.then(finish)
-        return self.queue.submit(launch_q, after=first).then(finish)
+        return self.queue.submit(launch_q, after=first, device=device).then(finish)
 
     def _dense_piece(self, key: Hashable, piece: Tensor, step: int) -> Tensor:
         """A layer sent uncompressed: with the residual a lower rank left it (a per-layer plan
@@ -474,7 +477,7 @@ class PowerSGDReducer:
             self.ledger.mark_nonfinite(step)
             return nonfinite.marker_like(tensor)
 
-        return self.queue.submit(lambda: self._all_reduce(key, tensor)).then(finish)
+        return self.queue.submit(lambda: self._all_reduce(key, tensor), device=tensor.device).then(finish)
 
     def probe(self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None) -> dict[str, Any]:
         """One local power iteration on ``grad`` (as one rank alone would run it): no collective,

@@ -6,6 +6,12 @@ reach the process group in a different order on different ranks: gloo then misma
 hangs (this is what breaks PyTorch's ``powerSGD_hook`` on gloo with several buckets). Here every
 round is queued when its bucket is hooked, in hook order (identical on all ranks), and launched
 strictly first in, first out, each round only once the round it depends on has completed.
+
+On CUDA (NCCL) the queue keeps stream order as well (see :mod:`gradzip.comm.devices`): a task
+submitted with its tensors' ``device`` records where the submitter's stream stood, and its launch
+waits for that (it may run later, from another future's callback on another stream); its result
+future carries the device, so whoever waits on it (DDP) waits for the collective and the work
+after it, and the parts of a ``collect_all`` are joined on a side stream, not the caller's.
 """
 
 from __future__ import annotations
@@ -13,9 +19,12 @@ from __future__ import annotations
 import threading
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
+import torch
 from torch.futures import Future
+
+from gradzip.comm import devices
 
 Launch = Callable[[], Future]
 
@@ -24,7 +33,9 @@ Launch = Callable[[], Future]
 class _Task:
     launch: Launch
     after: Future | None
-    result: Future = field(default_factory=Future)
+    device: torch.device | None
+    ready: devices.ReadyMark
+    result: Future
 
 
 class CollectiveQueue:
@@ -34,7 +45,9 @@ class CollectiveQueue:
     thread drains the queue) when every earlier task has been launched and ``f`` has completed.
     ``launch`` does its local compute, issues one collective and returns its future; the result
     future completes with that future's value. If ``after`` or the launch fails, the result
-    future carries the exception and the queue moves on.
+    future carries the exception and the queue moves on. ``device`` (the device of the
+    tensors the launch reads and the collective writes) makes the result future a CUDA future
+    there; None or a CPU device gives a plain one.
     """
 
     def __init__(self) -> None:
@@ -45,9 +58,9 @@ class CollectiveQueue:
         self._draining = False
         self._again = False
 
-    def submit(self, launch: Launch, *, after: Future | None = None) -> Future:
+    def submit(self, launch: Launch, *, after: Future | None = None, device: torch.device | None = None) -> Future:
         """Queue ``launch`` behind every task submitted before it; returns its result future."""
-        task = _Task(launch, after)
+        task = _Task(launch, after, device, devices.ReadyMark(device), devices.new_future(device))
         with self._lock:
             self._tasks.append(task)
         if after is not None:
@@ -116,7 +129,8 @@ class CollectiveQueue:
     def _start(task: _Task) -> None:
         try:
             if task.after is not None:
-                task.after.wait()  # done already; re-raises its exception
+                task.after.wait()  # done already; re-raises its exception (on CUDA: stream order too)
+            task.ready.wait()
             fut = task.launch()
         except Exception as exc:  # noqa: BLE001 - handed to the waiter, not swallowed
             task.result.set_exception(exc)
@@ -124,15 +138,19 @@ class CollectiveQueue:
 
         def _forward(done: Future) -> None:
             try:
-                task.result.set_result(done.value())
+                value = done.value()
+                if devices.is_cuda(task.device) and isinstance(value, list):
+                    # collect_all's future has no devices: its callback runs on the caller's
+                    # stream, which must not wait for the collectives; join them on a side one.
+                    with torch.cuda.stream(devices.side_stream(task.device)):
+                        task.result.set_result(devices.settle_parts(value))
+                    return
+                task.result.set_result(devices.settle_parts(value))
             except Exception as exc:  # noqa: BLE001
                 task.result.set_exception(exc)
 
         fut.add_done_callback(_forward)
 
 
-def completed(value) -> Future:
-    """A future that is already done with ``value``."""
-    fut: Future = Future()
-    fut.set_result(value)
-    return fut
+#: a future already done with a value (see :func:`gradzip.comm.devices.completed`)
+completed = devices.completed

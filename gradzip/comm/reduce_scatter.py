@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradzip.comm import nonfinite
+from gradzip.comm import compat, nonfinite
 from gradzip.comm.powersgd import PowerSGDReducer
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.comm.routes import REGISTRY, choose_shard_route
@@ -275,7 +275,7 @@ class CompressedReduceScatter(ReduceScatterBase):
         """One reduce-scatter applying ``op`` (see :func:`wire_op`)."""
         kind, factor = op_kind(op, group.size())
         input, op = wire_op(input, op, kind, factor, group.size())
-        self.timed_collective(lambda: dist.reduce_scatter_single(output, input, op=op, group=group))
+        self.timed_collective(lambda: compat.reduce_scatter_single(output, input, op=op, group=group))
 
     def encode(self, chunk: Tensor, j: int, step: int, sendable: bool) -> Payload:
         """:func:`encode_chunk` with this module's codec, residuals and name."""

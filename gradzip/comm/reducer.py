@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +42,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from gradzip.comm import nonfinite
+from gradzip.comm import devices, nonfinite
 from gradzip.comm.queue import CollectiveQueue, completed
 from gradzip.comm.routes import COLLECTIVES, REGISTRY, check_collective, choose_collective
 from gradzip.comm.traffic import dense_probe
@@ -222,13 +222,25 @@ class CompressedReducer:
         self.ledger.mark_nonfinite(step)
         return nonfinite.marker_like(like)
 
+    def deliver(self, bad: bool | Tensor, step: int, like: Tensor, decode: Callable[[], Tensor]) -> Tensor:
+        """A route's result from what :func:`gradzip.comm.nonfinite.received` found: on the host,
+        the all-NaN result if some rank marked the bucket, else ``decode()``; on a device,
+        ``decode()`` marked NaN where the 0-d flag ``bad`` is true, the flag noted for the step
+        (:mod:`gradzip.comm.nonfinite`). ``decode()`` must return a tensor of the reducer's own."""
+        if isinstance(bad, bool):
+            return self.nonfinite_result(like, step) if bad else decode()
+        self.ledger.note(step, bad)
+        return nonfinite.poison_where(decode(), bad)
+
     def encode(self, key: Hashable, grad: Tensor, step: int, box: dict[str, Any]) -> Payload:
         """Compensate, compress, update the residual; returns the payload (its bytes checked),
-        NaN-marked if ``grad`` holds inf or NaN. On monitored steps leaves what the quality
-        check needs in ``box``."""
+        NaN-marked if ``grad`` holds inf or NaN (known on the host). On a device the payload is
+        returned as encoded and ``box["ok"]`` holds the 0-d finiteness flag for the route to mark
+        what it sends with (:func:`gradzip.comm.nonfinite.mark`). On monitored steps leaves what
+        the quality check needs in ``box``."""
         compensated = grad if self.feedback is None else self.feedback.compensate(key, grad, step=step)
-        compensated, sendable = nonfinite.checked_input(grad, compensated)
-        if not sendable:
+        compensated, sendable = nonfinite.input_check(grad, compensated)
+        if sendable is False:
             # Codecs need not accept inf or NaN: encode zeros for the payload's shapes, then mark it.
             return nonfinite.marked(self.compressor.compress(torch.zeros_like(compensated), step=step, key=key))
         payload = self.compressor.compress(compensated, step=step, key=key)
@@ -244,6 +256,8 @@ class CompressedReducer:
             # After an update at this step the residual is exactly compensated - decoded.
             updated = self.feedback is not None and step >= self.feedback.start_step
             box["quality"] = (compensated, decoded, payload, updated)
+        if sendable is not True:
+            box["ok"] = sendable  # a device flag: the route marks the tensors it sends (nonfinite.mark)
         return payload
 
     def record_quality(self, key: Hashable, grad: Tensor, box: dict[str, Any]) -> None:
@@ -302,7 +316,7 @@ class CompressedReducer:
 
     def hold(self, key: Hashable, grad: Tensor, step: int) -> Future:
         """Keep ``grad`` for the next fused all_reduce; its future completes when that one does."""
-        item = Held(key, grad, step, Future())
+        item = Held(key, grad, step, devices.new_future(grad.device))
         with self._lock:
             self._held.append(item)
             self._held_bytes += wire.nbytes([grad])

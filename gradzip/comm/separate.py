@@ -170,4 +170,4 @@ class SeparateReducer(SettlingReducer):
                     offset += m * r
             return out.view(grad.shape)
 
-        return self.queue.submit(launch).then(finish)
+        return self.queue.submit(launch, device=grad.device).then(finish)

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from gradzip.comm import nonfinite
+from gradzip.comm import compat, nonfinite
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.comm.traffic import ChunkPlan, plan_chunks
 from gradzip.compressors import Compressor, Payload
@@ -71,7 +71,12 @@ def mean_of_payloads(compressor: Compressor, payloads: list[Payload], like: Tens
     single-process reference (:func:`gradzip.comm.reference.simulate_ranks`) matches bit for bit.
 
     Decoded payloads are finite, so a sum that is not overflowed near the dtype's maximum: it is
-    then redone dividing each term first, and what still rounds past the maximum is saturated."""
+    then redone dividing each term first, and what still rounds past the maximum is saturated.
+    On a device that check would be read on the host: there the decoded payloads are summed in
+    fp64 (where no sum of fp32, fp16 or bf16 values overflows; fp64 terms are divided first),
+    divided and saturated at ``like``'s range, equal to the host's result to rounding."""
+    if not nonfinite.on_host(like):
+        return _device_mean(compressor, payloads, like)
     total = compressor.decompress(payloads[0], like=like).clone()
     for payload in payloads[1:]:
         total += compressor.decompress(payload, like=like)
@@ -81,6 +86,20 @@ def mean_of_payloads(compressor: Compressor, payloads: list[Payload], like: Tens
             total += compressor.decompress(payload, like=like).div(len(payloads))
         return nonfinite.saturate_(total)
     return total.div_(len(payloads))
+
+
+def _device_mean(compressor: Compressor, payloads: list[Payload], like: Tensor) -> Tensor:
+    """:func:`mean_of_payloads` with nothing read on the host (see there)."""
+    count = len(payloads)
+    if like.dtype == torch.float64:
+        total = compressor.decompress(payloads[0], like=like).div(count)
+        for payload in payloads[1:]:
+            total += compressor.decompress(payload, like=like).div(count)
+        return nonfinite.saturate_(total)
+    total = compressor.decompress(payloads[0], like=like).to(torch.float64)
+    for payload in payloads[1:]:
+        total += compressor.decompress(payload, like=like)
+    return nonfinite.saturate(total.div_(count), like.dtype).to(like.dtype)
 
 
 class TwoPhaseAllReduce:
@@ -166,7 +185,7 @@ class TwoPhaseAllReduce:
         def launch_gather() -> Future:
             send = self._reduce_own_chunk(key, flat, plan, rank, step, own, recv_chunks)
             if len(set(plan.payload_nbytes)) == 1:
-                work = dist.all_gather_single(recv_means, send, group=self.group, async_op=True)
+                work = compat.all_gather_single(recv_means, send, group=self.group, async_op=True)
             else:
                 work = dist.all_to_all_single(
                     recv_means, send.repeat(world_size), output_split_sizes=list(plan.payload_nbytes),
@@ -182,6 +201,7 @@ class TwoPhaseAllReduce:
             with self.metrics.timed("decompress_s", key):
                 out = torch.empty_like(flat)
                 offset = 0
+                flags = []  # on a device: whether each chunk's mean carried the marker
                 for j, (start, size) in enumerate(zip(plan.offsets, plan.sizes)):
                     if size == 0:
                         continue
@@ -194,14 +214,21 @@ class TwoPhaseAllReduce:
                         # ctx (Random-K's positions) follows the key, and every rank derives it.
                         ctx = self.compressor.compress(out.new_zeros(size), step=step, key=mean_key(key, j)).ctx
                     payload = Payload(wire.from_bytes(part, template.tensors), ctx)
-                    if nonfinite.received_marker(payload.tensors):
+                    bad = nonfinite.received(payload.tensors)
+                    if bad is True:
                         self.ledger.mark_nonfinite(step)
                         return nonfinite.marker_like(grad)
+                    if bad is not False:
+                        flags.append(bad)
                     out[start : start + size] = self.compressor.decompress(payload, like=out[start : start + size])
+                if flags:
+                    bad = torch.stack(flags).any()
+                    self.ledger.note(step, bad)
+                    nonfinite.poison_where(out, bad)
             return out.view(grad.shape)
 
-        scattered = self.queue.submit(launch_scatter)
-        return self.queue.submit(launch_gather, after=scattered).then(finish)
+        scattered = self.queue.submit(launch_scatter, device=grad.device)
+        return self.queue.submit(launch_gather, after=scattered, device=grad.device).then(finish)
 
     def _mean_template(self, key: Hashable, chunk: int, size: int, step: int, like: Tensor) -> Payload:
         """The decode context of chunk ``chunk``'s mean for a codec that draws it from
@@ -214,17 +241,17 @@ class TwoPhaseAllReduce:
         """Steps 1-2; fills ``own`` with the chunk payloads and returns them as one byte buffer
         (NaN-marked payloads if ``flat`` holds inf or NaN)."""
         compensated = flat if self.feedback is None else self.feedback.compensate(key, flat, step=step)
-        compensated, sendable = nonfinite.checked_input(flat, compensated)
-        if not sendable:
+        compensated, sendable = nonfinite.input_check(flat, compensated)
+        if sendable is False:
             compensated = torch.zeros_like(compensated)  # codecs need not accept inf or NaN
-        decoded = torch.zeros_like(compensated) if self.feedback is not None and sendable else None
+        decoded = torch.zeros_like(compensated) if self.feedback is not None and sendable is not False else None
         for j, (start, size) in enumerate(zip(plan.offsets, plan.sizes)):
             if size == 0:
                 own.append(None)
                 continue
             chunk = compensated[start : start + size]
             payload = self.compressor.compress(chunk, step=step, key=chunk_key(key, j))
-            if not sendable:
+            if sendable is False:
                 payload = nonfinite.marked(payload)
             assert payload.nbytes == plan.payload_nbytes[j], (
                 f"{self.compressor.name}: chunk payload of {payload.nbytes} bytes, formula says {plan.payload_nbytes[j]}"
@@ -234,6 +261,8 @@ class TwoPhaseAllReduce:
                 decoded[start : start + size] = self.compressor.decompress(payload, like=chunk)
         if decoded is not None:
             self.feedback.update(key, compensated, decoded, step=step)
+        if isinstance(sendable, Tensor):  # on a device: the marker where the bucket is not finite
+            return wire.to_bytes(t for p in own if p is not None for t in nonfinite.mark(p.tensors, sendable))
         return wire.to_bytes(t for p in own if p is not None for t in p.tensors)
 
     def _reduce_own_chunk(
@@ -250,7 +279,8 @@ class TwoPhaseAllReduce:
         with self.metrics.timed("decompress_s", key):
             rows = recv_chunks.view(world_size, -1)
             payloads = [Payload(wire.from_bytes(rows[i], template.tensors), template.ctx) for i in range(world_size)]
-            if any(nonfinite.received_marker(p.tensors) for p in payloads):
+            bad = nonfinite.received([t for p in payloads for t in p.tensors])
+            if bad is True:
                 # Some rank's bucket was not finite: pass the marker on to every rank in round 2.
                 self.ledger.mark_nonfinite(step)
                 blank = self.compressor.compress(like.zero_(), step=step, key=mean_key(key, rank))
@@ -262,6 +292,9 @@ class TwoPhaseAllReduce:
             payload = self.compressor.compress(compensated, step=step, key=mean_key(key, rank))
             if server is not None:
                 server.update(key, compensated, self.compressor.decompress(payload, like=compensated), step=step)
+            if isinstance(bad, Tensor):  # on a device: pass the marker on where some rank sent it
+                self.ledger.note(step, bad)
+                return wire.to_bytes(nonfinite.mark(payload.tensors, ~bad))
             return wire.to_bytes(payload.tensors)
 
     def state_dict(self) -> dict[str, Any]:

@@ -60,6 +60,10 @@ class Compressor(ABC):
     own_reducer: ClassVar[str | None] = None
     #: set from ``own_reducer`` for every subclass
     multi_round: ClassVar[bool] = False
+    #: on a CUDA device, what its path through a hook reads on the host (each read waits for
+    #: the device, which stalls the backward pass behind it); empty where it reads nothing
+    #: (tests run those on meta tensors, which have no values to read)
+    host_reads: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

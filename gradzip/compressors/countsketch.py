@@ -18,6 +18,7 @@ from torch import Tensor
 from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload, check_int, check_ratio, kept_count, seeded_generator
 from gradzip.compressors.kernels import wire
+from gradzip.compressors.kernels.placement import to_device
 
 #: the Mersenne prime of the hash family ``((a i + b) mod p)``: ``a i`` stays below 2^62 in int64
 _PRIME = (1 << 31) - 1
@@ -42,7 +43,7 @@ class Hashes:
 
     def cells(self, index: Tensor) -> tuple[Tensor, Tensor]:
         """Columns (``rows x len(index)`` int64) and signs (fp32, +-1) of the coordinates ``index``."""
-        coeffs = self.coeffs.to(index.device)
+        coeffs = to_device(self.coeffs, index.device)  # drawn on the host: the same on every device
         i = index.reshape(1, -1)
         cols = ((coeffs[:, 0:1] * i + coeffs[:, 1:2]) % _PRIME) % self.cols
         signs = (((coeffs[:, 2:3] * i + coeffs[:, 3:4]) % _PRIME) & 1).to(torch.float32).mul_(2).sub_(1)
@@ -149,6 +150,7 @@ class CountSketch(Compressor):
     """
 
     name = "countsketch"
+    host_reads = "the kept coordinates (a nonzero), the peeling rounds of the decode and the non-finite checks"
     aggregatable = True
     unbiased = False
     needs_shared_seed = True

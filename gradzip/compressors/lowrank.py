@@ -101,6 +101,7 @@ class PowerSGD(Compressor):
     """
 
     name = "powersgd"
+    host_reads = "overflow checks of the factor products, the peak of P before QR and the non-finite checks"
     aggregatable = True
     error_feedback = True
     own_reducer = "gradzip.comm.powersgd:PowerSGDReducer"

@@ -72,12 +72,13 @@ class Natural(Compressor):
         flat = x.reshape(-1).contiguous()
         numel = flat.numel()
         if numel == 0:
-            return Payload((torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=self.exponent_dtype(flat.dtype))))
+            empty = torch.empty(0, dtype=torch.uint8, device=flat.device)
+            return Payload((empty, torch.empty(0, dtype=self.exponent_dtype(flat.dtype), device=flat.device)))
         encode = _natural_encoder(flat.dtype)
         signs, exponent = encode_rows(
             encode,
             (flat,),
-            hash_key(self.seed, step, key),
+            hash_key(self.seed, step, key, flat.device),
             group=BLOCK,
             out_bits=(1, _exponent_bits(flat.dtype)),
             with_positions=True,

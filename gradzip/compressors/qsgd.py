@@ -63,6 +63,7 @@ class QSGD(Compressor):
     """
 
     name = "qsgd"
+    host_reads = "the range of the bucket scales, which picks fp32 or fp64 arithmetic"
     unbiased = True
 
     def __init__(self, *, bits: int = 4, bucket: int = 512, norm: str = "max", seed: int = 0) -> None:
@@ -106,7 +107,7 @@ class QSGD(Compressor):
         if numel == 0:
             empty = torch.empty(0, dtype=torch.uint8, device=flat.device)
             return Payload((empty, empty, torch.empty(0, dtype=self.scale_dtype(flat.dtype), device=flat.device)))
-        keys = hash_key(self.seed, step, key)
+        keys = hash_key(self.seed, step, key, flat.device)
         bucket = clamped_group(self.bucket, numel)
         if flat.dtype == torch.float32 and self.norm == "max":
             # fp32 arithmetic assumed: scales, parameters and codes in one loop over the

@@ -19,6 +19,7 @@ from torch import Tensor
 from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload, check_int, seeded_generator
 from gradzip.compressors.kernels import wire
+from gradzip.compressors.kernels.placement import to_device
 from gradzip.compressors.lowrank import matrix_view_shape
 
 #: rows of the projection drawn at a time: A is never held whole, so its memory stays
@@ -32,7 +33,8 @@ def projection_blocks(
 ) -> Iterator[tuple[int, Tensor]]:
     """The projection ``A`` (``n x r``, fp32, i.i.d. ``N(0, 1/r)``) in row blocks.
 
-    ``E[A A^T] = I_n``, which makes ``G A A^T`` an unbiased estimate of ``G``.
+    ``E[A A^T] = I_n``, which makes ``G A A^T`` an unbiased estimate of ``G``. Drawn on the host
+    on purpose (the same ``A`` on every device) and copied to ``device`` without blocking.
 
     Yields:
         ``(start, block)``: rows ``start .. start + len(block)`` of ``A``, each block
@@ -42,7 +44,7 @@ def projection_blocks(
     for index, start in enumerate(range(0, n, BLOCK_ROWS)):
         rows = min(BLOCK_ROWS, n - start)
         gen = seeded_generator(seed, step, (key, index))
-        yield start, torch.randn(rows, r, generator=gen, dtype=torch.float32).mul_(scale).to(device)
+        yield start, to_device(torch.randn(rows, r, generator=gen, dtype=torch.float32).mul_(scale), device)
 
 
 def project(mat: Tensor, seed: int, step: int, key: Hashable, r: int) -> Tensor:
@@ -152,6 +154,7 @@ class Separate(Compressor):
     """
 
     name = "separate"
+    host_reads = "overflow checks of the projections and the non-finite checks"
     aggregatable = True
     unbiased = True
     needs_shared_seed = True

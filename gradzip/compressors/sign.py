@@ -22,7 +22,8 @@ from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload, check_int, clamped_group
 from gradzip.compressors.kernels import native, wire
 from gradzip.compressors.kernels.fused import BLOCK, decode_rows, encode_rows, reduce_rows
-from gradzip.compressors.kernels.sums import ordered_sums, total_with_tail
+from gradzip.compressors.kernels.placement import scalar
+from gradzip.compressors.kernels.sums import ordered_sums, row_sums, total_tensor, total_with_tail
 
 #: elements summed per step (1 MiB of fp32: stays in cache)
 SUM_CHUNK = 1 << 18
@@ -43,6 +44,8 @@ def mean_magnitude(flat: Tensor) -> Tensor:
     numel = flat.numel()
     if numel == 0:
         return flat.new_zeros(1)
+    if flat.device.type != "cpu":
+        return _device_mean_magnitude(flat)
     (total,) = ordered_sums(flat, ("abs",))
     if math.isinf(total):
         # fp64 magnitudes near the top of its range: their sum overflows even in fp64, so each
@@ -53,6 +56,22 @@ def mean_magnitude(flat: Tensor) -> Tensor:
         )
         return torch.tensor(mean, dtype=torch.float64).clamp(max=torch.finfo(flat.dtype).max).to(flat.dtype).reshape(1)
     return _mean_of(total, numel, flat.dtype)
+
+
+def _device_mean_magnitude(flat: Tensor) -> Tensor:
+    """:func:`mean_magnitude` with nothing read on the host: the same sum in the same order (so
+    the same bits as on the CPU); for fp64 input the sum of magnitudes divided by ``n`` first
+    is formed too and taken where the plain one overflows (the CPU adds those chunks in another
+    order: equal to rounding)."""
+    numel = flat.numel()
+    total = total_tensor(row_sums(flat, "abs"))
+    # A device tensor as divisor: CUDA divides by a Python number as a multiplication by its
+    # reciprocal, which can differ from the CPU's division in the last bit.
+    mean = total / scalar(numel, torch.float64, flat.device)
+    if flat.dtype == torch.float64:
+        divided = total_tensor(row_sums(flat.abs().div_(numel), "plain"))
+        mean = torch.where(torch.isinf(total), divided, mean)
+    return mean.clamp(max=torch.finfo(flat.dtype).max).to(flat.dtype).reshape(1)
 
 
 def _mean_of(total: float, numel: int, dtype: torch.dtype) -> Tensor:
@@ -74,7 +93,16 @@ def group_mean_magnitudes(flat: Tensor, group: int) -> Tensor:
         return flat.new_zeros(0)
     wide = torch.float64 if flat.dtype == torch.float64 else torch.float32
 
+    if flat.device.type != "cpu":
+        # No finiteness check read on the host: fp64 sums of fp32, fp16 or bf16 magnitudes
+        # cannot overflow, and fp64 values are divided first. The sums' order is the device's.
+        wide = torch.float64
+
     def row_means(rows: Tensor) -> tuple[Tensor]:
+        if rows.device.type != "cpu":
+            if rows.dtype == torch.float64:
+                return (rows.abs().div(rows.shape[1]).sum(1),)
+            return (rows.abs().sum(1, dtype=wide) / rows.shape[1],)
         mean = rows.abs().sum(1, dtype=wide) / rows.shape[1]
         if not bool(torch.isfinite(mean).all()):
             # Divided before summing: fp64 holds an fp32 sum, but not one of fp64 values near its top.

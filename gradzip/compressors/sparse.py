@@ -23,6 +23,7 @@ from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload, check_int, check_ratio, kept_count, seeded_generator
 from gradzip.compressors.kernels import fused, native, wire
 from gradzip.compressors.kernels.elementwise import flatnonzero, greater_equal, sparse_flatnonzero, top_positions
+from gradzip.compressors.kernels.placement import to_device
 from gradzip.compressors.values import check_number, shown
 
 #: elements handled per step of the candidate scan (1 MiB of fp32: stays in cache)
@@ -48,7 +49,8 @@ def candidates_at_least(flat: Tensor, threshold: float, *, expected: int = 0) ->
     One pass over ``flat``: on fp32 CPU tensors the native loop (:func:`gradzip.compressors.
     native.at_least`) writes positions and values as it finds them; otherwise in cache-sized
     chunks, ``abs`` and the comparison writing into two small scratch buffers that stay in
-    cache (values None: :func:`largest_among` gathers them).
+    cache (values None: :func:`largest_among` gathers them); on a device one ``nonzero``, which
+    waits for the device on the host.
 
     Args:
         flat: 1-D floating tensor.
@@ -56,6 +58,10 @@ def candidates_at_least(flat: Tensor, threshold: float, *, expected: int = 0) ->
         expected: about how many will pass (room made for them up front).
     """
     numel = flat.numel()
+    if flat.device.type != "cpu":
+        # One nonzero over the whole tensor: each reads its count on the host (a wait for the
+        # device), so the chunked scan below would wait once per chunk.
+        return torch.nonzero(flat.abs() >= threshold).view(-1), None
     if numel > SCAN_CHUNK:
         found = native.at_least(flat, threshold, expected=expected + expected // 4)
         if found is not None:
@@ -223,11 +229,13 @@ class TopK(Sparsifier):
     reducer gathers payloads. Used with error feedback. Deterministic: exactly the ``k``
     largest magnitudes are kept (ties broken arbitrarily).
 
-    Selection without a full ``torch.topk``: a threshold estimated from a random sample, set a
-    few standard deviations low so that at least ``k`` elements pass; one scan collects those
-    candidates (about ``k`` of them); an exact top-k among the candidates picks the ``k``. A
-    threshold that lets fewer than ``k`` through is lowered and the scan repeated, so the
-    result is exact whatever the sample.
+    Selection on the CPU without a full ``torch.topk``: a threshold estimated from a random
+    sample, set a few standard deviations low so that at least ``k`` elements pass; one scan
+    collects those candidates (about ``k`` of them); an exact top-k among the candidates picks
+    the ``k``. A threshold that lets fewer than ``k`` through is lowered and the scan repeated,
+    so the result is exact whatever the sample. On other devices ``torch.topk``, which CUDA
+    runs as a radix select (no sort) without reading anything on the host; the scan's
+    ``nonzero`` would wait for the device. Both keep the same set (ties aside).
 
     Args:
         ratio: kept fraction in (0, 1]; ``k = clamp(round(ratio * numel), 1, numel)``.
@@ -250,7 +258,9 @@ class TopK(Sparsifier):
 
     def select(self, flat: Tensor, k: int, *, step: int, key: Hashable) -> tuple[Tensor, Tensor | None]:
         numel = flat.numel()
-        if numel <= EXACT_TOPK_NUMEL or 8 * k > numel:
+        if numel <= EXACT_TOPK_NUMEL or 8 * k > numel or flat.device.type != "cpu":
+            # On CUDA torch.topk is a radix select (no sort) and reads nothing on the host; the
+            # sampled threshold's scan would (its nonzero waits for the device).
             return torch.topk(flat.abs(), k, sorted=False).indices, None
         # The sample positions only steer speed, never the result: any fixed seed will do.
         generator = seeded_generator(0, step, key, device=flat.device)
@@ -299,6 +309,7 @@ class DGC(Sparsifier):
     """
 
     name = "dgc"
+    host_reads = "the sampled threshold and the count of candidates (a nonzero), as the authors' code does"
     error_feedback = True
 
     def __init__(self, *, ratio: float = 0.01, seed: int = 0) -> None:
@@ -348,6 +359,7 @@ class Threshold(Sparsifier):
     """
 
     name = "threshold"
+    host_reads = "the count of candidates (a nonzero)"
     error_feedback = True
 
     def __init__(self, *, tau: float = 1e-3, max_ratio: float = 0.01) -> None:
@@ -420,7 +432,8 @@ class RandomK(Compressor):
         Positions drawn with replacement until ``k`` are distinct, then a uniformly random
         ``k`` of the distinct ones: the law is invariant under relabelling the positions, so
         every ``k``-subset is equally likely, at ``O(k log k)`` cost instead of a permutation
-        of all ``numel``.
+        of all ``numel``. Drawn on the host on purpose (the same positions on every device, so
+        CUDA ranks agree with the CPU reference) and copied to ``device`` without blocking.
         """
         k = self.values_numel(numel)
         if k == numel:
@@ -428,7 +441,7 @@ class RandomK(Compressor):
         generator = seeded_generator(self.seed, step, key)
         if 4 * k >= numel:
             chosen = torch.randperm(numel, generator=generator)[:k]
-            return chosen.sort().values.to(device)
+            return to_device(chosen.sort().values, device)
         distinct = torch.empty(0, dtype=torch.int64)
         draws = k + k * k // numel + 16
         while distinct.numel() < k:
@@ -439,7 +452,7 @@ class RandomK(Compressor):
             keep = torch.ones(distinct.numel(), dtype=torch.bool)
             keep[torch.randperm(distinct.numel(), generator=generator)[:excess]] = False
             distinct = distinct[keep]
-        return distinct.to(device)
+        return to_device(distinct, device)
 
     def compress(self, x: Tensor, *, step: int = 0, key: Hashable = 0) -> Payload:
         """Args: x of any shape. Returns: ``Payload((values (k,),), ctx=indices)`` (indices stay local)."""

@@ -21,6 +21,7 @@ from gradzip.compressors.kernels.fused import (
     encode_rows,
     reduce_rows,
 )
+from gradzip.compressors.kernels.placement import scalar
 from gradzip.compressors.kernels.sums import ordered_sums
 from gradzip.compressors.quant import (
     compute_dtype,
@@ -73,6 +74,7 @@ class TernGrad(Compressor):
     """
 
     name = "terngrad"
+    host_reads = "the standard deviation (the clipping bound) and whether an element reached the bound"
 
     def __init__(self, *, clip: float = 2.5, seed: int = 0) -> None:
         super().__init__(clip=clip, seed=seed)
@@ -97,16 +99,17 @@ class TernGrad(Compressor):
                 sigma = float(torch.std(flat.to(torch.float64), correction=0))
             if 0 < self.clip * sigma < torch.finfo(work).max:
                 bound = self.clip * sigma
-        bound = torch.tensor(bound, dtype=work)
+        finite_bound = math.isfinite(bound)
+        bound = scalar(bound, work, flat.device)
         if numel == 0:
-            return Payload((torch.empty(0, dtype=torch.uint8, device=flat.device), torch.zeros(1, dtype=work)))
-        keys = hash_key(self.seed, step, key)
+            return Payload((torch.empty(0, dtype=torch.uint8, device=flat.device), torch.zeros(1, dtype=work, device=flat.device)))
+        keys = hash_key(self.seed, step, key, flat.device)
         encode = _terngrad_encoder(work)
         # The scaler, max of the clipped magnitudes, is the clipping bound or max |g|, whichever
         # is smaller: the bound as soon as one |g| reaches it, which a gradient's tail does. So
         # the codes are computed for the bound, with max |g| per row from the same loop, and
         # recomputed for max |g| only when no element reached the bound.
-        if bool(torch.isfinite(bound)):
+        if finite_bound:
             codes, row_max = encode_rows(
                 encode,
                 (flat,),
@@ -194,7 +197,7 @@ def _terngrad_decoder(work: torch.dtype, out: torch.dtype) -> Callable[..., Tens
     """TernGrad's decoding loop: ``(2-bit codes, s) -> s * {0, +1, -1}[code]`` in ``out``."""
 
     def decode(code: Tensor, scaler: Tensor) -> Tensor:
-        zero = torch.zeros((), dtype=work)
+        zero = torch.zeros((), dtype=work, device=code.device)
         values = torch.where(code == 1, scaler, torch.where(code == 2, -scaler, zero))
         return values.to(out)
 

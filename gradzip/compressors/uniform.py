@@ -19,6 +19,7 @@ from gradzip.compressors.kernels.fused import (
     min_max_rows,
     reduce_rows,
 )
+from gradzip.compressors.kernels.placement import scalar
 from gradzip.compressors.quant import (
     ROUNDINGS,
     check_choice,
@@ -71,6 +72,7 @@ class Uniform(Compressor):
     """
 
     name = "uniform"
+    host_reads = "the range of the group extremes, which picks fp32 or fp64 arithmetic and a prescale"
 
     def __init__(self, *, bits: int = 8, group: int = 64, rounding: str = "nearest", seed: int = 0) -> None:
         super().__init__(bits=bits, group=group, rounding=rounding, seed=seed)
@@ -117,13 +119,13 @@ class Uniform(Compressor):
         extremes = native.min_max(flat, group)
         low, high = extremes if extremes is not None else reduce_rows(min_max_rows, flat, group=group)
         work, prescale = self._frame(low, high, flat.dtype)
-        prescale_w = torch.tensor(prescale, dtype=work)
+        prescale_w = scalar(prescale, work, flat.device)
         stochastic = self.rounding == "stochastic"
         fp32 = work == flat.dtype == torch.float32
         group_params = native.uniform_params(low, high, prescale, self.steps, stochastic) if fp32 else None
         if group_params is None:
             group_params = _uniform_params(self.steps, work, self.rounding)(low, high, prescale_w)
-        params = (prescale_w, *group_params, *hash_key(self.seed, step, key))
+        params = (prescale_w, *group_params, *hash_key(self.seed, step, key, flat.device))
         (codes,) = encode_rows(
             _uniform_encoder(self.steps, work, self.rounding),
             (flat,),
@@ -145,9 +147,9 @@ class Uniform(Compressor):
         fp32 = work == like.dtype == torch.float32
         group_params = native.uniform_decode_params(low, high, prescale, self.steps) if fp32 else None
         if group_params is None:
-            group_params = _uniform_decode_params(self.steps, work)(low, high, torch.tensor(prescale, dtype=work))
+            group_params = _uniform_decode_params(self.steps, work)(low, high, scalar(prescale, work, low.device))
         decode = _uniform_decoder(work, like.dtype)
-        params = (*group_params, torch.tensor(1 / prescale, dtype=work))
+        params = (*group_params, scalar(1 / prescale, work, low.device))
         fast = native.uniform_decoder(self.bits) if fp32 else None
         return decode_rows(
             decode, ((packed, self.bits),), params, group=clamped_group(self.group, numel), numel=numel, native=fast
@@ -184,7 +186,9 @@ def _uniform_decode_params(steps: int, work: torch.dtype) -> Kernel:
 
     def params(low: Tensor, high: Tensor, prescale: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         low_w, high_w = low.to(work) * prescale, high.to(work) * prescale
-        return low_w, (high_w - low_w) / steps, high_w
+        # Divided by a tensor: CUDA divides by a Python number as a multiplication by its
+        # reciprocal, which can differ from the CPU's (and the native loop's) division.
+        return low_w, (high_w - low_w) / torch.full((), steps, dtype=work, device=low.device), high_w
 
     return Kernel(params, "uniform_decode_params")
 

@@ -45,6 +45,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from gradzip.comm import nonfinite
+from gradzip.comm.devices import collective_device
 from gradzip.comm.powersgd import PowerSGDReducer
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.comm.reducer import CompressedReducer
@@ -314,7 +315,9 @@ class AutoReducer:
         # A link probe, when the controller asked for one: zeros that make this all_reduce
         # carry that many bytes (read back by nobody; its time reads the bandwidth).
         values += [0.0] * (self._probe_bytes // 8)
-        stats = torch.tensor(values, dtype=torch.float64)
+        # On the device the group's collectives take (CUDA for NCCL): the decision reads the
+        # reduced figures on the host anyway, once per window.
+        stats = torch.tensor(values, dtype=torch.float64).to(collective_device(self.group))
 
         def launch() -> Future:
             work = dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
@@ -324,7 +327,7 @@ class AutoReducer:
         # first bucket is hooked, so this one launches at once and the wait is one small
         # all_reduce, issued where all ranks meet anyway.
         began = time.perf_counter()
-        self.queue.submit(launch).wait()
+        self.queue.submit(launch, device=stats.device).wait()
         window = self._unpack(stats.tolist(), order, probed, len(sampled))
         self._figures_s = time.perf_counter() - began
         self._figures_bytes = float(allreduce_bytes(stats.numel() * stats.element_size(), window.world_size))

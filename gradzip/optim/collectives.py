@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradzip.comm import nonfinite
+from gradzip.comm import compat, nonfinite
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.comm.traffic import allgather_bytes, allreduce_bytes
 from gradzip.compressors.kernels import wire
@@ -55,7 +55,7 @@ def mean_all_reduce(
         work = dist.all_reduce(out, group=group, async_op=True)
         return metrics.track(work.get_future(), (key,))
 
-    queue.submit(launch).wait()
+    queue.submit(launch, device=flat.device).wait()
     return out, not nonfinite.received_marker([out])
 
 
@@ -84,10 +84,10 @@ def gather_payloads(
     recv = torch.empty(world_size * payload, dtype=torch.uint8, device=send.device)
 
     def launch():
-        work = dist.all_gather_single(recv, send, group=group, async_op=True)
+        work = compat.all_gather_single(recv, send, group=group, async_op=True)
         return metrics.track(work.get_future(), (key,))
 
-    queue.submit(launch).wait()
+    queue.submit(launch, device=send.device).wait()
     rows = recv.view(world_size, payload)
     payloads = [wire.from_bytes(rows[r], tensors) for r in range(world_size)]
     finite = all(nonfinite.is_finite(t) for p in payloads for t in p)

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from gradzip.comm import nonfinite
+from gradzip.comm import compat, nonfinite
 from gradzip.comm.routes.base import Cost, Round, Route, raw_nbytes
 from gradzip.comm.traffic import allgather_bytes
 from gradzip.comm.twophase import mean_of_payloads
@@ -75,9 +75,12 @@ class AllGather(Route):
         def launch() -> Future:
             with reducer.metrics.timed("compress_s", key):
                 box["payload"] = reducer.encode(key, grad, step, box)
-                send = wire.to_bytes(box["payload"].tensors)
+                tensors = box["payload"].tensors
+                if "ok" in box:  # on a device: the NaN marker where this rank's bucket is not finite
+                    tensors = nonfinite.mark(tensors, box["ok"])
+                send = wire.to_bytes(tensors)
             reducer.record_quality(key, grad, box)
-            work = dist.all_gather_single(recv, send, group=reducer.group, async_op=True)
+            work = compat.all_gather_single(recv, send, group=reducer.group, async_op=True)
             return reducer.metrics.track(work.get_future(), (key,))
 
         def decode(fut: Future) -> Tensor:
@@ -86,8 +89,7 @@ class AllGather(Route):
                 template = box["payload"]
                 rows = recv.view(world_size, -1)
                 payloads = [Payload(wire.from_bytes(rows[r], template.tensors), template.ctx) for r in range(world_size)]
-                if any(nonfinite.received_marker(p.tensors) for p in payloads):
-                    return reducer.nonfinite_result(grad, step)
-                return mean_of_payloads(codec, payloads, grad)
+                bad = nonfinite.received([t for p in payloads for t in p.tensors])
+                return reducer.deliver(bad, step, grad, lambda: mean_of_payloads(codec, payloads, grad))
 
-        return reducer.queue.submit(launch).then(decode)
+        return reducer.queue.submit(launch, device=grad.device).then(decode)

@@ -82,6 +82,8 @@ class AllReduce(Route):
             with reducer.metrics.timed("compress_s", key):
                 payload = reducer.encode(key, grad, step, box)
                 box["ctx"], box["tensors"] = payload.ctx, predivide(payload, world_size)
+                if "ok" in box:  # on a device: the NaN marker where this rank's bucket is not finite
+                    box["tensors"] = nonfinite.mark(box["tensors"], box["ok"], inplace=True)
             reducer.record_quality(key, grad, box)
             works = [dist.all_reduce(t, group=reducer.group, async_op=True).get_future() for t in box["tensors"]]
             fut = works[0] if len(works) == 1 else torch.futures.collect_all(works)
@@ -90,8 +92,8 @@ class AllReduce(Route):
         def decode(fut: Future) -> Tensor:
             fut.value()  # re-raises a failed collective
             with reducer.metrics.timed("decompress_s", key):
-                if nonfinite.received_marker(box["tensors"]):
-                    return reducer.nonfinite_result(grad, step)
-                return codec.decompress(Payload(box["tensors"], box["ctx"]), like=grad)
+                bad = nonfinite.received(box["tensors"])
+                # The decode is built from the received tensors, the reducer's own: markable in place.
+                return reducer.deliver(bad, step, grad, lambda: codec.decompress(Payload(box["tensors"], box["ctx"]), like=grad))
 
-        return reducer.queue.submit(launch).then(decode)
+        return reducer.queue.submit(launch, device=grad.device).then(decode)

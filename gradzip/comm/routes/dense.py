@@ -76,17 +76,15 @@ class DenseAllReduce(Route):
         tensor = torch.empty_like(grad)
 
         def launch() -> Future:
-            torch.div(grad, world_size, out=tensor)
-            if not nonfinite.is_finite(grad):
-                tensor.fill_(float("nan"))
+            nonfinite.mark_if_nonfinite(torch.div(grad, world_size, out=tensor), grad)
             work = dist.all_reduce(tensor, group=reducer.group, async_op=True)
             return reducer.metrics.track(work.get_future(), (key,))
 
         def finish(fut: Future) -> Tensor:
             fut.value()  # re-raises a failed collective
-            return reducer.nonfinite_result(tensor, step) if nonfinite.received_marker([tensor]) else tensor
+            return reducer.deliver(nonfinite.received([tensor]), step, tensor, lambda: tensor)
 
-        return reducer.queue.submit(launch).then(finish)
+        return reducer.queue.submit(launch, device=grad.device).then(finish)
 
 
 class FusedAllReduce(DenseAllReduce):
@@ -118,8 +116,7 @@ class FusedAllReduce(DenseAllReduce):
 
         def launch() -> Future:
             torch.cat([h.grad.reshape(-1) for h in held], out=flat).div_(world_size)
-            if not nonfinite.is_finite(flat):
-                flat.fill_(float("nan"))  # the marker, for every bucket of this fused message
+            nonfinite.mark_if_nonfinite(flat, flat)  # the marker, for every bucket of this fused message
             work = dist.all_reduce(flat, group=reducer.group, async_op=True)
             return reducer.metrics.track(work.get_future(), tuple(h.key for h in held))
 
@@ -130,15 +127,13 @@ class FusedAllReduce(DenseAllReduce):
                 for h in held:
                     h.future.set_exception(exc)
                 return
-            if nonfinite.received_marker([flat]):
-                for h in held:
-                    h.future.set_result(reducer.nonfinite_result(h.grad, h.step))
-                return
+            bad = nonfinite.received([flat])
             offset = 0
             for h in held:
                 # A copy, not a view: DDP reads a hook's result with as_strided from the start of
                 # its storage, so a view at an offset would hand every bucket the first one's values.
-                h.future.set_result(flat[offset : offset + h.grad.numel()].view(h.grad.shape).clone())
+                part = flat[offset : offset + h.grad.numel()]
+                h.future.set_result(reducer.deliver(bad, h.step, h.grad, lambda part=part, h=h: part.view(h.grad.shape).clone()))
                 offset += h.grad.numel()
 
-        reducer.queue.submit(launch).add_done_callback(deliver)
+        reducer.queue.submit(launch, device=flat.device).add_done_callback(deliver)

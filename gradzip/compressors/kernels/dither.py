@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from gradzip.compressors.base import seed_hash
+from gradzip.compressors.kernels.placement import scalar
 
 
 def _int32(value: int) -> int:
@@ -30,10 +31,11 @@ def _int32(value: int) -> int:
 _MIX1, _MIX2 = _int32(0x7FEB352D), _int32(0x846CA68B)
 
 
-def hash_key(seed: int, step: int, key: Hashable) -> tuple[Tensor, Tensor]:
-    """The two 32-bit words of :func:`seed_hash` for ``(seed, step, key)``, 0-d int32 tensors."""
+def hash_key(seed: int, step: int, key: Hashable, device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """The two 32-bit words of :func:`seed_hash` for ``(seed, step, key)``, 0-d int32 tensors on
+    ``device`` (filled there: a compiled kernel takes every input from its own device)."""
     h = seed_hash(seed, step, key)
-    return torch.tensor(_int32(h), dtype=torch.int32), torch.tensor(_int32(h >> 32), dtype=torch.int32)
+    return scalar(_int32(h), torch.int32, device), scalar(_int32(h >> 32), torch.int32, device)
 
 
 def hashed_dither(positions: Tensor, key_low: Tensor, key_high: Tensor) -> Tensor:

@@ -2,15 +2,19 @@
 
 A quantizer written as torch operations makes five to ten passes over its tensor (scale,
 dither, round, clamp, cast, pack, and back), each about as costly as ``x.abs()``. Compiled by
-inductor (CPU C++ code generation) the same function runs as one loop per output. A
-:class:`Kernel` wraps such a function: on the first call for a combination of input dtypes it
-compiles it (dynamic shapes, so bucket sizes do not recompile) and records the time in
-:data:`compile_seconds`; where compilation is unavailable or fails, or ``GRADZIP_COMPILE=0``, it
-runs the same function eagerly.
+inductor the same function runs as one loop per output: C++ on the CPU, Triton on CUDA. A
+:class:`Kernel` wraps such a function: on the first call for a device type and combination of
+input dtypes it compiles it (dynamic shapes, so bucket sizes do not recompile) and records the
+time in :data:`compile_seconds`; where compilation is unavailable or fails (for that device type
+and those dtypes: the choice is made once for each), on other devices, or with
+``GRADZIP_COMPILE=0``, it runs the same function eagerly (:data:`choices` says which).
 
-Both paths compute the same operations in the same order (inductor keeps IEEE semantics: no
-fast-math, no FMA contraction), so their results are bit-identical (the tests compare them);
-the kernels hold no sum whose order could differ: reductions are maxima and minima only.
+On the CPU both paths compute the same operations in the same order (inductor keeps IEEE
+semantics: no fast-math, no FMA contraction), so their results are bit-identical (the tests
+compare them); the kernels hold no sum whose order could differ: reductions are maxima and
+minima only. Triton may contract a multiply and an add into one fused multiply-add, which
+rounds once instead of twice: compiled CUDA codes can then differ from eager ones where a value
+sits on a rounding boundary (tests/gpu bound how often).
 """
 
 from __future__ import annotations
@@ -27,12 +31,17 @@ import torch
 from torch import Tensor
 
 from gradzip.compressors.kernels import wire
+from gradzip.compressors.kernels.placement import scalar
 
 #: environment variable: ``0`` runs every kernel eagerly (the default compiles)
 ENV = "GRADZIP_COMPILE"
 
-#: seconds spent on each kernel's first call per input dtypes (compilation included)
+#: seconds spent on each kernel's first call per device type and input dtypes (compilation included)
 compile_seconds: dict[str, float] = {}
+#: the path each kernel took per device type and input dtypes: ``compiled`` or ``eager``
+choices: dict[str, str] = {}
+#: device types whose kernels compile (inductor's C++ for the CPU, Triton for CUDA)
+COMPILED_DEVICES = ("cpu", "cuda")
 
 _lock = threading.Lock()
 
@@ -61,13 +70,14 @@ class Kernel:
         )
         self.name = name
         self.compiled: Callable[..., object] | None = None
-        self.failed = False
+        self.failed: set[tuple] = set()
         self.ready: set[tuple] = set()
 
     def __call__(self, *args: Tensor):
-        if self.failed or not enabled() or any(a.device.type != "cpu" for a in args):
+        device = args[0].device.type
+        key = (device, *(a.dtype for a in args))
+        if key in self.failed or not enabled() or device not in COMPILED_DEVICES:
             return self.fn(*args)
-        key = tuple(a.dtype for a in args)
         for a in args:
             # The row count varies with the bucket; columns (the group) and constants do not.
             if a.dim() >= 1 and a.shape[0] > 1:
@@ -76,7 +86,7 @@ class Kernel:
             try:
                 return self.compiled(*args)
             except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to eager
-                return self._fall_back(exc, args)
+                return self._fall_back(exc, key, args)
         with _lock:
             try:
                 if self.compiled is None:
@@ -84,16 +94,22 @@ class Kernel:
                 start = time.perf_counter()
                 out = self.compiled(*args)
             except Exception as exc:  # noqa: BLE001
-                return self._fall_back(exc, args)
-            compile_seconds[f"{self.name}[{','.join(str(d).removeprefix('torch.') for d in key)}]"] = (
-                time.perf_counter() - start
-            )
+                return self._fall_back(exc, key, args)
+            compile_seconds[self._label(key)] = time.perf_counter() - start
+            choices[self._label(key)] = "compiled"
             self.ready.add(key)
             return out
 
-    def _fall_back(self, exc: Exception, args: tuple[Tensor, ...]):
-        self.failed = True
-        warnings.warn(f"gradzip: compiling {self.name} failed ({type(exc).__name__}: {exc}); running it eagerly", stacklevel=3)
+    def _label(self, key: tuple) -> str:
+        device, *dtypes = key
+        return f"{self.name}[{device}:{','.join(str(d).removeprefix('torch.') for d in dtypes)}]"
+
+    def _fall_back(self, exc: Exception, key: tuple, args: tuple[Tensor, ...]):
+        self.failed.add(key)
+        choices[self._label(key)] = "eager"
+        warnings.warn(
+            f"gradzip: compiling {self._label(key)} failed ({type(exc).__name__}: {exc}); running it eagerly", stacklevel=3
+        )
         return self.fn(*args)
 
 
@@ -101,10 +117,10 @@ class Kernel:
 BLOCK = 1 << 13
 
 
-def warm_up(codec, dtype: torch.dtype = torch.float32) -> float:
-    """Run a copy of ``codec`` once on a ``dtype`` tensor of 2**19 + 37 elements (2 MB in fp32:
-    above the sizes below which codecs skip their kernels, several rows and a short tail), so
-    that the kernels it uses compile now rather than on its first real bucket.
+def warm_up(codec, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> float:
+    """Run a copy of ``codec`` once on a ``dtype`` tensor of 2**19 + 37 elements on ``device``
+    (2 MB in fp32: above the sizes below which codecs skip their kernels, several rows and a
+    short tail), so that the kernels it uses compile now rather than on its first real bucket.
 
     Returns:
         the seconds it took (compilation included); 0.0 when compilation is off.
@@ -112,7 +128,7 @@ def warm_up(codec, dtype: torch.dtype = torch.float32) -> float:
     if not enabled():
         return 0.0
     start = time.perf_counter()
-    x = torch.randn((1 << 19) + 37, generator=torch.Generator().manual_seed(0)).to(dtype)
+    x = torch.randn((1 << 19) + 37, generator=torch.Generator().manual_seed(0)).to(device=device, dtype=dtype)
     probe = copy.deepcopy(codec)
     probe.decompress(probe.compress(x, step=0, key="warm-up"), like=x)
     return time.perf_counter() - start
@@ -222,10 +238,10 @@ def int_bits(t: Tensor) -> Tensor:
     return t.view(torch.int32) if t.dtype == torch.float32 else t
 
 
-def _first(position: int) -> Tensor:
-    """``position`` modulo 2**32 as a 0-d signed int32 tensor."""
+def _first(position: int, device: torch.device) -> Tensor:
+    """``position`` modulo 2**32 as a 0-d signed int32 tensor on ``device``."""
     position &= 0xFFFFFFFF
-    return torch.tensor(position - (1 << 32) if position >= 1 << 31 else position, dtype=torch.int32)
+    return scalar(position - (1 << 32) if position >= 1 << 31 else position, torch.int32, device)
 
 
 def _row_params(params: tuple[Tensor, ...], first: int, rows: int) -> list[Tensor]:
@@ -432,7 +448,7 @@ def encode_rows(
     main = None
     if rows:
         views = [e[:whole].view(rows, group) for e in elementwise]
-        extra = [_first(0), column_numbers(group, elementwise[0].device)] if with_positions else []
+        extra = [_first(0, elementwise[0].device), column_numbers(group, elementwise[0].device)] if with_positions else []
         row_params = _row_params(params, 0, rows)
         outputs = native(views[0], row_params, 0) if native is not None and aligned else None
         if outputs is None:
@@ -446,7 +462,7 @@ def encode_rows(
     if tail:
         # A short row: eager (the same function, so the same codes), packed as pack_bits does.
         views = [e[whole:].view(1, tail) for e in elementwise]
-        pos = positions(views[0], _first(whole)) if with_positions else None
+        pos = positions(views[0], _first(whole, views[0].device)) if with_positions else None
         rest = [o.reshape(-1) for o in _encode_body(fn, views, _row_params(params, rows, 1), pos, out_bits, False, row_stats)]
     stats = []
     if row_stats is not None:

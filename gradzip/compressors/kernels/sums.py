@@ -51,16 +51,21 @@ def row_sums(flat: Tensor, kind: str, wide: torch.dtype = torch.float64) -> Tens
 
 def total(sums: Tensor) -> float:
     """The pairwise sum of row sums (in their dtype), padded with zeros to a power of two."""
+    return float(total_tensor(sums))
+
+
+def total_tensor(sums: Tensor) -> Tensor:
+    """:func:`total` as a 0-d tensor on the sums' device (nothing read on the host)."""
     count = sums.numel()
     if count == 0:
-        return 0.0
+        return sums.new_zeros(())
     width = 1 << (count - 1).bit_length()
     if width != count:
         sums = torch.cat([sums, sums.new_zeros(width - count)])
     while sums.numel() > 1:
         half = sums.numel() // 2
         sums = sums[:half] + sums[half:]
-    return float(sums[0])
+    return sums[0]
 
 
 def ordered_sums(flat: Tensor, kinds: tuple[str, ...], wide: torch.dtype = torch.float64) -> list[float]:

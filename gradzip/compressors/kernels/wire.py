@@ -12,6 +12,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from gradzip.compressors.kernels.placement import to_device
 from gradzip.compressors.values import shown
 
 PACKABLE_BITS = (1, 2, 4, 8)
@@ -84,7 +85,7 @@ def _unpack_table(bits: int, lut: tuple[int, ...] | None, device: torch.device) 
         lanes = torch.stack([(byte >> (lane * bits)) & ((1 << bits) - 1) for lane in range(8 // bits)], 1)
         if lut is not None:
             lanes = torch.tensor(lut, dtype=torch.int64)[lanes]
-        table = lanes.to(torch.uint8).contiguous().view(_LANE_WORD[bits]).reshape(-1).to(device)
+        table = to_device(lanes.to(torch.uint8).contiguous().view(_LANE_WORD[bits]).reshape(-1), device)
         _UNPACK_TABLES[key] = table
     return table
 

@@ -23,6 +23,7 @@ from gradzip.lab.simulate.calibrate import (
 )
 from gradzip.lab.simulate.collectives import ALGORITHMS
 from gradzip.lab.simulate.exchange import COLLECTIVE_CHOICES, Method
+from gradzip.lab.simulate.gpu_speeds import default_folders, load_results, measured_speeds
 from gradzip.lab.simulate.presets import CLUSTERS, GBYTE, MODELS, get_cluster, model_shapes
 from gradzip.lab.simulate.project import ProjectionRow, Scenario, project, state_note
 from gradzip.lab.simulate.step import STRATEGIES, CodecSpeed
@@ -35,7 +36,7 @@ MAX_TOKENS_PER_GPU = 2**53
 #: options that only the calibration reads, and those that only the projection reads
 CALIBRATION_ONLY = ("bandwidth", "latency_us", "link_efficiency")
 PROJECTION_ONLY = (
-    "model", "gpus", "cluster", "compressors", "strategy", "tokens_per_gpu", "mfu", "compute_s", "codec_gbps",
+    "model", "gpus", "cluster", "compressors", "strategy", "tokens_per_gpu", "mfu", "compute_s", "codec_gbps", "gpu_speeds",
     "grad_dtype", "bucket_cap_mb", "algorithm", "collective", "price_per_gpu_hour", "sweep", "out", "no_plot",
 )
 DEFAULT_COMPRESSORS = "none,fp16,powersgd:approx_rank=4,onebit-adam"
@@ -86,6 +87,8 @@ def check_options(args: argparse.Namespace) -> None:
     link_efficiency(args.link_efficiency)
     if args.codec_gbps is not None and args.codec_gbps.strip() != "measure":
         codec_speeds([], args.codec_gbps)  # the rates' form; which codecs they name is read later
+    if args.gpu_speeds is not None and args.gpu_speeds.strip() != "none" and not Path(args.gpu_speeds).exists():
+        raise ValueError(f"--gpu-speeds must be a JSON file or folder of benchmarks/gpu/run.sh, or none; got {shown(args.gpu_speeds)}")
     given = [f"--{name.replace('_', '-')}" for name in CALIBRATION_ONLY if getattr(args, name) is not None]
     if given and not args.calibrate:
         raise ValueError(
@@ -116,6 +119,20 @@ def link_efficiency(text: str | None) -> float | str | None:
     if not 0 < value <= 1:
         raise ValueError(message)
     return value
+
+
+def gpu_speeds(methods: list[Method], scenario: Scenario, where: str | None) -> dict[str, CodecSpeed]:
+    """``--gpu-speeds``: codec speeds measured on a GPU (:mod:`gradzip.lab.simulate.gpu_speeds`),
+    from a JSON file or a folder of them; None searches ``benchmarks/results/gpu``; ``none``
+    turns them off.
+
+    Raises:
+        ValueError: naming ``--gpu-speeds`` for a file that is not the benchmark's.
+    """
+    if where is not None and where.strip() == "none":
+        return {}
+    paths = default_folders() if where is None else [Path(where)]  # checked by check_options
+    return measured_speeds(methods, scenario.cluster.gpu, scenario.grad_dtype, load_results(paths))
 
 
 def codec_speeds(methods: list[Method], codec_gbps: str | None) -> dict[str, CodecSpeed]:
@@ -313,7 +330,8 @@ def run(args: argparse.Namespace) -> int:
     methods = [Method(spec) for spec in split_specs(args.compressors)]
     out = writable_folder(args.out, "--out")  # after the specs, so that a bad one leaves no folder
     sweep = sorted(set(_positive_ints(args.sweep, "--sweep", MAX_GPUS)) | {args.gpus})
-    speeds = codec_speeds(methods, args.codec_gbps)
+    # Explicit rates win over measured ones, measured ones over the preset's assumption.
+    speeds = {**gpu_speeds(methods, scenario, args.gpu_speeds), **codec_speeds(methods, args.codec_gbps)}
     rows = project(scenario, methods, args.gpus, speeds)
     setup = describe(scenario, args.gpus, rows)
     table = format_table(rows)
@@ -360,6 +378,12 @@ def add_parser(sub) -> None:
         "--codec-gbps", default=None,
         help="codec throughput, GB/s of dense gradient, for every codec; 'measure' times them on this CPU "
         "(default: the cluster preset's assumption)",
+    )
+    p.add_argument(
+        "--gpu-speeds", default=None,
+        help="codec speeds measured by benchmarks/gpu/run.sh: a JSON file or a folder of them, or 'none' "
+        "(default: benchmarks/results/gpu/*.json where present, else the cluster preset's assumption; "
+        "--codec-gbps wins over both)",
     )
     p.add_argument("--grad-dtype", default="fp32", choices=sorted(GRAD_DTYPES), help="gradient dtype (default fp32)")
     p.add_argument("--bucket-cap-mb", type=float, default=25.0, help="DDP bucket cap, MiB (default 25)")
