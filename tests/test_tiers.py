@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import importlib.util
 import multiprocessing
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from conftest import _GPU_DIR, _module_default
+
+
+def _root_conftest():
+    # by path: a plain "import conftest" finds whichever conftest.py was imported first (tests/gpu has one)
+    spec = importlib.util.spec_from_file_location("_gradzip_root_conftest", Path(__file__).with_name("conftest.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_ROOT = _root_conftest()
+_GPU_DIR, _module_default = _ROOT._GPU_DIR, _ROOT._module_default
 
 # this module mentions subprocess and sys.executable, so without a marker it would be e2e
 pytestmark = pytest.mark.unit
