@@ -264,6 +264,10 @@ class AutoReducer:
             if self.window_start < previous < last:
                 self._periods.append(now - self._step_first_s)
         self._step, self._step_first_s = step, now
+        if step == self.window_start == 1:
+            # The first window's figures start here, not at construction (step 0 is left out).
+            self._totals_at_start = {k: dict(v) for k, v in self.metrics.totals.items()}
+            self._in_flight_at_start = self.metrics.in_flight_total_s
         mark = self._exchange_total()
         if previous is not None and step == previous + 1 and self._exchange_mark is not None:
             if self.window_start < previous:  # the window's first step carries a switch

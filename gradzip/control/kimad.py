@@ -166,8 +166,11 @@ class KimadController(LayerSchedule):
         head = f"link {link.mbit:,.1f} Mbit/s, {link.latency_s * 1e3:.2f} ms per collective, budget {budget / 1e6:,.3f} MB"
         if not refreshed and self.budget is not None and _within(budget, self.budget, self.cfg.hysteresis):
             return Plan({}, 1, {}, f"{head}: within {self.cfg.hysteresis:.0%} of the plan's; kept", probe_next, quiet=True)
+        before = {k: self.plans.get(k) for k in keys}
         self._solve(keys, budget, window.world_size)
         self.budget = budget
+        if all(self.plans[k] == before[k] for k in keys):
+            return Plan({}, 1, {}, f"{head}: re-planned, unchanged", probe_next, quiet=True)
         reasons = {k: f"bucket {k}: {_summary(self.plans[k])}" for k in keys}
         return Plan({}, 1, reasons, f"{head}: re-planned", probe_next)
 
