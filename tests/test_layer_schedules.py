@@ -90,8 +90,11 @@ def test_layered_exchange_and_schedules_on_ranks(world_size):
             for key in SHAPES:
                 assert all(torch.equal(h[step][1][key], histories[0][step][1][key]) for h in histories), (name, step)
         assert all(r[name + " decided"] == results[0][name + " decided"] for r in results)
-        seen = {tuple(sorted(h[0].items())) for h in histories[0]}
-        assert len(seen) >= 2, f"{name} never changed its plan in {STEPS} steps"
+        if name != "kimad":  # Kimad plans from the measured link, so whether it re-plans here depends on
+            # the machine's timing; its re-planning on a drop and a recovery is tested on scripted figures
+            # (test_layer_rules); here every rank must plan alike, whatever the link read
+            seen = {tuple(sorted(h[0].items())) for h in histories[0]}
+            assert len(seen) >= 2, f"{name} never changed its plan in {STEPS} steps"
     # LEGACY: the 100-element threshold and the phase at step 12, by hand
     legacy = results[0]["legacy"]
     assert legacy[0][0][0] == ("topk:ratio=0.1", "topk:ratio=0.5", "topk:ratio=0.1")
