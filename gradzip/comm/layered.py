@@ -40,12 +40,12 @@ from torch.futures import Future
 from gradzip.comm import nonfinite
 from gradzip.comm.powersgd import PowerSGDReducer, orthogonalize, product
 from gradzip.comm.queue import CollectiveQueue, completed
+from gradzip.comm.settling import SettlingReducer
 from gradzip.comm.traffic import allgather_bytes, allreduce_bytes
 from gradzip.comm.twophase import mean_of_payloads
 from gradzip.compressors import Compressor, Payload, build, seeded_generator
 from gradzip.compressors.kernels import wire
 from gradzip.compressors.lowrank import matrix_view_shape
-from gradzip.feedback import ErrorFeedback
 from gradzip.keys import tensor_key
 from gradzip.metrics import QualityAccumulator, StepMetrics
 
@@ -70,7 +70,7 @@ def summed(codec: Compressor) -> bool:
     return all(t.is_floating_point() for t in probe.tensors)
 
 
-class LayeredReducer:
+class LayeredReducer(SettlingReducer):
     """Averages buckets with a codec per layer (see the module docstring).
 
     Call :meth:`set_plan` for a bucket before :meth:`reduce`; a bucket without a plan travels
@@ -83,6 +83,8 @@ class LayeredReducer:
         ledger: the steps whose gradient was not finite, shared by every reducer of one hook.
     """
 
+    feedback_dtype = None  # each layer's residual in its gradient's dtype
+
     def __init__(
         self,
         *,
@@ -91,12 +93,7 @@ class LayeredReducer:
         metrics: StepMetrics | None = None,
         ledger: nonfinite.StepLedger | None = None,
     ) -> None:
-        self.group = group
-        self.queue = queue or CollectiveQueue()
-        self.metrics = metrics or StepMetrics()
-        self.ledger = ledger or nonfinite.StepLedger()
-        self.feedback = ErrorFeedback(deferred=True)
-        self.open_step = nonfinite.OpenStep()
+        super().__init__(None, group=group, queue=queue, metrics=metrics, ledger=ledger)
         self.plans: dict[Hashable, tuple[str, ...]] = {}
         self.low_rank_keys: set[Hashable] = set()
         self._family: dict[Hashable, bool] = {}  # key -> whether its last exchange was low-rank
@@ -204,9 +201,7 @@ class LayeredReducer:
         self._follow(key, shapes)
         if key in self.low_rank_keys:
             return self.powersgd.reduce(key, grad, step=step, shapes=shapes, flush=flush)
-        closed = self.open_step.begin(key, step)
-        if closed is not None:
-            self._settle(self.ledger.finite(closed))
+        self._begin(key, step)
         if grad.numel() == 0:
             return completed(grad.clone())
         return self._launch(key, grad, step, shapes, offsets)
@@ -366,21 +361,12 @@ class LayeredReducer:
 
     # -- steps and state ---------------------------------------------------------------------
 
-    def _settle(self, keep: bool) -> None:
-        if keep:
-            self.feedback.commit()
-        else:
-            self.feedback.discard()
-
     def settle(self) -> None:
-        """End the current step now (see :meth:`gradzip.comm.reducer.CompressedReducer.settle`)."""
-        closed = self.open_step.finish()
-        self._settle(closed is None or self.ledger.finite(closed))
+        """End the current step now (see :meth:`gradzip.comm.settling.SettlingReducer.settle`),
+        the low-rank layers' reducer too."""
+        super().settle()
         if self.powersgd is not None:
             self.powersgd.settle()
-
-    def flush(self) -> None:
-        """Nothing is held back."""
 
     def residual(self, key: Hashable, shapes: Sequence[torch.Size]) -> Tensor | None:
         """The error this rank still owes bucket ``key``, laid out flat (None if nothing)."""
@@ -405,8 +391,7 @@ class LayeredReducer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
-        self.open_step.finish()
-        self.feedback.load_state_dict(state["feedback"])
+        super().load_state_dict(state)
         self.low_rank_keys = set()
         for key, plan in state["plans"].items():
             self.set_plan(key, plan)

@@ -38,12 +38,12 @@ from torch.futures import Future
 
 from gradzip.comm import nonfinite
 from gradzip.comm.queue import CollectiveQueue, completed
+from gradzip.comm.settling import SettlingReducer
 from gradzip.comm.traffic import allreduce_bytes, dense_probe
 from gradzip.compressors.base import seeded_generator
 from gradzip.compressors.kernels import wire
 from gradzip.compressors.kernels.placement import to_device
 from gradzip.compressors.lowrank import PowerSGD, from_codes, int8_levels, matrix_view_shape, to_codes
-from gradzip.feedback import ErrorFeedback
 from gradzip.keys import tensor_key
 from gradzip.metrics import QualityAccumulator, StepMetrics, quality_figures
 
@@ -92,7 +92,7 @@ class _Layout:
     codecs: list[PowerSGD]  # the codec (rank) of each layer
 
 
-class PowerSGDReducer:
+class PowerSGDReducer(SettlingReducer):
     """Averages buckets over ``group`` with PowerSGD and error feedback.
 
     Args:
@@ -113,16 +113,10 @@ class PowerSGDReducer:
         metrics: StepMetrics | None = None,
         ledger: nonfinite.StepLedger | None = None,
     ) -> None:
-        self.compressor = compressor
-        self.group = group
-        self.queue = queue or CollectiveQueue()
-        self.metrics = metrics or StepMetrics()
         # Residual and warm-start updates stay undoable until the step is known to be finite.
-        self.feedback = ErrorFeedback(dtype=torch.float32, deferred=True)
+        super().__init__(compressor, group=group, queue=queue, metrics=metrics, ledger=ledger)
         self.q_memory: dict[Hashable, Tensor] = {}
         self.q_replaced: dict[Hashable, Tensor | None] = {}  # key -> warm start before the step
-        self.ledger = ledger or nonfinite.StepLedger()
-        self.open_step = nonfinite.OpenStep()
         #: per bucket, a codec per layer (a rank per layer; None sends the layer dense), set by
         #: a per-layer plan (:mod:`gradzip.comm.layered`); buckets without one use ``compressor``
         self.layer_codecs: dict[Hashable, list[PowerSGD | None]] = {}
@@ -178,9 +172,7 @@ class PowerSGDReducer:
         Raises:
             ValueError: if ``shapes`` do not add up to ``grad.numel()``.
         """
-        closed = self.open_step.begin(key, step)
-        if closed is not None:
-            self._settle(self.ledger.finite(closed))
+        self._begin(key, step)
         world_size = dist.get_world_size(self.group)
         if grad.numel() == 0:
             return completed(grad.clone())
@@ -432,26 +424,15 @@ class PowerSGDReducer:
             out.copy_(p @ q_mean.T)
 
     def _settle(self, keep: bool) -> None:
-        if keep:
-            self.feedback.commit()
-        else:
-            self.feedback.discard()
+        # the warm-start factors settle with the residuals: kept, or put back as they were
+        super()._settle(keep)
+        if not keep:
             for key, old in self.q_replaced.items():
                 if old is None:
                     self.q_memory.pop(key, None)
                 else:
                     self.q_memory[key] = old
         self.q_replaced = {}
-
-    def settle(self) -> None:
-        """End the current step now: keep the residuals and warm-start factors it changed, or put
-        them back if any bucket of the step was non-finite on some rank (``reduce`` does this
-        when the next step starts, and :meth:`state_dict` before it reads the state)."""
-        closed = self.open_step.finish()
-        self._settle(closed is None or self.ledger.finite(closed))  # changes made outside a step stay
-
-    def flush(self) -> None:
-        """Nothing is held back; see :meth:`reduce`."""
 
     def _all_reduce(self, key: Hashable, tensor: Tensor) -> Future:
         work = dist.all_reduce(tensor, group=self.group, async_op=True)
@@ -548,15 +529,10 @@ class PowerSGDReducer:
     def state_dict(self) -> dict[str, Any]:
         """Residuals and warm-start factors, for checkpoints (they differ across ranks), after
         settling the step in progress."""
-        self.settle()
-        return {
-            "feedback": self.feedback.state_dict(),
-            "q_memory": {k: v.clone() for k, v in self.q_memory.items()},
-        }
+        return {**super().state_dict(), "q_memory": {k: v.clone() for k, v in self.q_memory.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (anything undoable is forgotten)."""
-        self.open_step.finish()
+        super().load_state_dict(state)
         self.q_replaced = {}
-        self.feedback.load_state_dict(state["feedback"])
         self.q_memory = {k: v.clone() for k, v in state["q_memory"].items()}

@@ -1,6 +1,7 @@
-"""The part every single-tensor, error-feedback reducer of its own shares: one deferred residual
-memory per bucket whose updates stay undoable until the step is known to be finite on every rank
-(:mod:`gradzip.comm.nonfinite`), settled when the next step starts or before the state is read."""
+"""The part every reducer with an error memory of its own shares (PowerSGD, SEPARATE, the count
+sketch, the per-layer reducer): one deferred residual memory whose updates stay undoable until
+the step is known to be finite on every rank (:mod:`gradzip.comm.nonfinite`), settled when the
+next step starts or before the state is read."""
 
 from __future__ import annotations
 
@@ -20,13 +21,16 @@ class SettlingReducer:
     """Base of reducers that keep an fp32 error memory and settle it per step.
 
     Args:
-        compressor: the codec's parameters.
+        compressor: the codec's parameters (None for a reducer of several codecs).
         group: the process group (None: the default group).
         queue: the ordered launch queue shared by every reducer of ``group``.
         metrics: where bytes and times go.
         ledger: the steps whose gradient was not finite, shared by every reducer of one hook;
             None for a ledger of this reducer's own.
     """
+
+    #: dtype of the error memory (None: the gradient's own)
+    feedback_dtype: torch.dtype | None = torch.float32
 
     def __init__(
         self,
@@ -42,7 +46,7 @@ class SettlingReducer:
         self.queue = queue or CollectiveQueue()
         self.metrics = metrics or StepMetrics()
         # Error-memory updates stay undoable until the step is known to be finite everywhere.
-        self.feedback = ErrorFeedback(dtype=torch.float32, deferred=True)
+        self.feedback = ErrorFeedback(dtype=self.feedback_dtype, deferred=True)
         self.ledger = ledger or nonfinite.StepLedger()
         self.open_step = nonfinite.OpenStep()
 
