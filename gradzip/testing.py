@@ -41,6 +41,11 @@ def preload(*modules: str) -> None:
     _PRELOAD.extend(m for m in modules if m not in _PRELOAD)
 
 
+#: what gloo says when a peer went away ("Connection closed by peer", "Connection reset by peer",
+#: a broken pipe): the consequence of another rank's failure, not its cause
+_AFTERMATH = ("by peer", "Broken pipe")
+
+
 def _start_method() -> str:
     return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 
@@ -55,6 +60,7 @@ def free_port() -> int:
 def _worker(
     rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, timeout_s: float, env: dict[str, str]
 ) -> None:
+    # ``port``: the parent's TCPStore, listening since before the ranks started (no port race)
     # A forked rank has the fork server's environment, from when it started; the caller's counts.
     os.environ.clear()
     os.environ.update(env)
@@ -62,13 +68,9 @@ def _worker(
     torch.set_num_threads(1)
     result_path = os.path.join(out_dir, f"rank{rank}.pt")
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        timeout = timedelta(seconds=timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         try:
             value = fn(rank, world_size, *args)
         finally:
@@ -98,10 +100,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     method = _start_method()
     if method == "forkserver":
         mp.set_forkserver_preload(_PRELOAD)
+    # the parent owns the rendezvous store on a port the kernel picked: nothing can take it between
+    # choosing and binding, as with a port found free and released
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
     with tempfile.TemporaryDirectory(prefix="gradzip-ranks-") as out_dir:
         ctx = mp.start_processes(
             _worker,
-            args=(world_size, free_port(), out_dir, fn, args, timeout_s, dict(os.environ)),
+            args=(world_size, store.port, out_dir, fn, args, timeout_s, dict(os.environ)),
             nprocs=world_size,
             join=False,
             start_method=method,
@@ -116,13 +121,15 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
                     if proc.is_alive():
                         proc.kill()
                 raise TimeoutError(f"ranks did not finish within {deadline:.0f} s")
-        results = []
+        records = []
         for rank in range(world_size):
             path = os.path.join(out_dir, f"rank{rank}.pt")
-            if not os.path.exists(path):
-                raise RuntimeError(f"rank {rank} exited without a result")
-            record = torch.load(path, weights_only=False)
-            if not record["ok"]:
-                raise RuntimeError(f"rank {rank} failed:\n{record['error']}")
-            results.append(record["value"])
+            exists = os.path.exists(path)
+            records.append(torch.load(path, weights_only=False) if exists else {"ok": False, "error": "exited without a result\n"})
+        failed = [(rank, r["error"]) for rank, r in enumerate(records) if not r["ok"]]
+        if failed:
+            # a rank that raised first makes its peers fail with "closed by peer": its error leads
+            failed.sort(key=lambda item: any(mark in item[1] for mark in _AFTERMATH))
+            raise RuntimeError("".join(f"rank {rank} failed:\n{error}" for rank, error in failed))
+        results = [r["value"] for r in records]
         return results
