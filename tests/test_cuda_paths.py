@@ -7,7 +7,8 @@
   docs' GPU page prints, stays true both ways).
 - The device form of the non-finite contract (``gradzip.comm.nonfinite``: flags kept on the
   device, payloads multiplied by 1 or NaN), forced onto CPU tensors: one rank in-process, and
-  two gloo ranks through the contract test of ``test_nonfinite``.
+  two gloo ranks through the contract test of ``test_nonfinite``; with them, the count sketch's
+  bitmaps combined as on NCCL (one byte each, MAX) against gloo's packed OR.
 - The stream plumbing that does not need a GPU: ``collect_all`` parts joined into values, and
   kernels compiled only for the device types that have a compiler.
 """
@@ -17,11 +18,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from helpers.aggregatable_runs import reduce_steps
 from helpers.host_sync import HostSync, NoHostSync
 from helpers.tiny_run import same
 from test_nonfinite import _nonfinite_worker
 
-from gradzip.comm import devices, make_reducer, nonfinite
+from gradzip.comm import countsketch, devices, make_reducer, nonfinite
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.compressors import REGISTRY, build
 from gradzip.compressors.kernels import fused
@@ -68,7 +70,9 @@ def _hook_step(name: str, options: dict, dtype: torch.dtype, *, step: int) -> No
 @pytest.mark.parametrize("name", sorted(REGISTRY))
 def test_declared_host_reads_match_the_hook_path_on_meta_tensors(fake_group, name):
     codec = build(name)
-    runs = [(options, dtype, step) for options in _routes(codec) for dtype in (torch.float32, torch.bfloat16) for step in (0, 1)]
+    # Step 1 on every route in both dtypes; step 0, before the codec's start step, is dense.
+    routes = _routes(codec)
+    runs = [(options, dtype, 1) for options in routes for dtype in (torch.float32, torch.bfloat16)] + [(routes[0], torch.float32, 0)]
     if not codec.host_reads:
         for options, dtype, step in runs:
             _hook_step(name, options, dtype, step=step)  # raises HostSync naming the op that waits
@@ -139,16 +143,33 @@ def test_device_checks_keep_the_contract_on_one_rank(one_rank, monkeypatch, spec
     assert torch.isfinite(make_reducer(spec, **options).reduce(0, big, step=0).wait()).all()
 
 
+COUNTSKETCH = "countsketch:ratio=0.02,width=3"  # bitmaps a byte each still leave it below the raw bytes
+
+
 def _device_checks_worker(rank: int, world_size: int, specs: list) -> dict:
+    """The contract of test_nonfinite with the device form of the checks; and the count sketch
+    with its bitmaps as NCCL sends them (a byte each, MAX) beside gloo's (packed bits, BOR)."""
+    packed = reduce_steps(rank, world_size, COUNTSKETCH, SHAPES, 3, 1)
+    countsketch.packed_bitmaps = lambda group: False
+    bytewise = reduce_steps(rank, world_size, COUNTSKETCH, SHAPES, 3, 1)
     nonfinite.on_host = lambda t: False  # this spawned process only
-    return _nonfinite_worker(rank, world_size, specs)
+    return {"contract": _nonfinite_worker(rank, world_size, specs), "countsketch": (packed, bytewise)}
 
 
 @pytest.mark.dist
 def test_device_checks_keep_the_contract_across_ranks():
     """Rank 1's inf (step 1) and rank 0's NaN (step 2) reach the other rank through the device
-    flags: all NaN everywhere, state put back, the next step as if they never happened."""
+    flags: all NaN everywhere, state put back, the next step as if they never happened. The
+    count sketch's MAX of byte bitmaps (NCCL's way) gives what the OR of packed bits does."""
     reports = run_ranks(_device_checks_worker, 2, DEVICE_SPECS, timeout_s=300)
+    numel = sum(s.numel() for s in SHAPES)
+    for report in reports:
+        packed, bytewise = report["countsketch"]
+        assert all(torch.equal(a, b) for a, b in zip(packed["outs"], bytewise["outs"], strict=True))
+        codec = build(COUNTSKETCH)
+        assert bytewise["bytes"] == [codec.payload_nbytes(numel, packed=False)] * 3
+        assert packed["bytes"] == [codec.payload_nbytes(numel)] * 3
+    reports = [r["contract"] for r in reports]
     for name, first in reports[0].items():
         for rank, report in enumerate(reports):
             entry = report[name]

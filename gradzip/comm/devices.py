@@ -1,7 +1,7 @@
-"""What runs where: the device a group's collectives take, futures that keep CUDA stream order,
-and copies to a device that do not wait for it.
+"""What runs where: the device a group's collectives take, and futures that keep CUDA stream
+order.
 
-On CPU (gloo) every function here is the plain thing: a ``Future()``, ``t.to(device)``. On CUDA
+On CPU (gloo) every function here gives the plain thing (a ``Future()``, no events). On CUDA
 (NCCL) three rules of ``torch.futures`` and ``torch.cuda`` matter:
 
 - A future carries CUDA stream order only if it was made with ``devices=[...]`` and its value

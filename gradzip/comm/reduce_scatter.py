@@ -59,7 +59,7 @@ from torch import Tensor
 
 from gradzip.comm import compat, nonfinite
 from gradzip.comm.powersgd import PowerSGDReducer
-from gradzip.comm.queue import CollectiveQueue
+from gradzip.comm.queue import CollectiveQueue, completed
 from gradzip.comm.routes import REGISTRY, choose_shard_route
 from gradzip.compressors import Compressor, Payload
 from gradzip.compressors.kernels import wire
@@ -237,9 +237,8 @@ class CompressedReduceScatter(ReduceScatterBase):
         if async_op:
             if _create_work_from_future is None:
                 raise ValueError("async_op=True needs torch's _create_work_from_future; call with async_op=False")
-            fut: torch.futures.Future = torch.futures.Future()
-            fut.set_result(output_tensor)
-            return _create_work_from_future(fut)
+            # Done already; on CUDA the future's event orders the waiter after this call's work.
+            return _create_work_from_future(completed(output_tensor))
         return None
 
     def route(self, chunk_numel: int, dtype: torch.dtype, group: dist.ProcessGroup, *, step: int):

@@ -222,15 +222,19 @@ class CompressedReducer:
         self.ledger.mark_nonfinite(step)
         return nonfinite.marker_like(like)
 
-    def deliver(self, bad: bool | Tensor, step: int, like: Tensor, decode: Callable[[], Tensor]) -> Tensor:
+    def deliver(
+        self, bad: bool | Tensor, step: int, like: Tensor, decode: Callable[[], Tensor], *, all_nan: bool = False
+    ) -> Tensor:
         """A route's result from what :func:`gradzip.comm.nonfinite.received` found: on the host,
         the all-NaN result if some rank marked the bucket, else ``decode()``; on a device,
         ``decode()`` marked NaN where the 0-d flag ``bad`` is true, the flag noted for the step
-        (:mod:`gradzip.comm.nonfinite`). ``decode()`` must return a tensor of the reducer's own."""
+        (:mod:`gradzip.comm.nonfinite`). ``decode()`` must return a tensor of the reducer's own;
+        ``all_nan`` says it is all NaN already wherever some rank sent the marker (a dense sum
+        of tensors the sender filled with NaN), which saves the marking pass."""
         if isinstance(bad, bool):
             return self.nonfinite_result(like, step) if bad else decode()
         self.ledger.note(step, bad)
-        return nonfinite.poison_where(decode(), bad)
+        return decode() if all_nan else nonfinite.poison_where(decode(), bad)
 
     def encode(self, key: Hashable, grad: Tensor, step: int, box: dict[str, Any]) -> Payload:
         """Compensate, compress, update the residual; returns the payload (its bytes checked),

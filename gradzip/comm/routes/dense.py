@@ -82,7 +82,7 @@ class DenseAllReduce(Route):
 
         def finish(fut: Future) -> Tensor:
             fut.value()  # re-raises a failed collective
-            return reducer.deliver(nonfinite.received([tensor]), step, tensor, lambda: tensor)
+            return reducer.deliver(nonfinite.received([tensor]), step, tensor, lambda: tensor, all_nan=True)
 
         return reducer.queue.submit(launch, device=grad.device).then(finish)
 
@@ -133,7 +133,9 @@ class FusedAllReduce(DenseAllReduce):
                 # A copy, not a view: DDP reads a hook's result with as_strided from the start of
                 # its storage, so a view at an offset would hand every bucket the first one's values.
                 part = flat[offset : offset + h.grad.numel()]
-                h.future.set_result(reducer.deliver(bad, h.step, h.grad, lambda part=part, h=h: part.view(h.grad.shape).clone()))
+                h.future.set_result(
+                    reducer.deliver(bad, h.step, h.grad, lambda part=part, h=h: part.view(h.grad.shape).clone(), all_nan=True)
+                )
                 offset += h.grad.numel()
 
         reducer.queue.submit(launch, device=flat.device).add_done_callback(deliver)
