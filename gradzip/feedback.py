@@ -8,7 +8,9 @@ SignSGD" (2019, arXiv 1901.09847); Stich et al. (2018, arXiv 1809.07599).
 
 from __future__ import annotations
 
+import functools
 import math
+import threading
 import warnings
 from collections.abc import Hashable
 from typing import Any
@@ -29,6 +31,17 @@ def check_decay(decay: float) -> float:
     if isinstance(decay, bool) or not isinstance(decay, (int, float)) or not 0.0 < decay <= 1.0:
         raise ValueError(f"feedback_decay must be a number in (0, 1]; got {decay!r}")
     return float(decay)
+
+
+def _locked(method):
+    """Run ``method`` holding its ErrorFeedback's lock."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 class ErrorFeedback:
@@ -55,6 +68,10 @@ class ErrorFeedback:
     Raises:
         ValueError: if ``start_step`` is not an integer >= 0 or ``decay`` is not in (0, 1].
 
+    Thread-safe: a reducer compensates a bucket in DDP's hook (the autograd thread) while the
+    residuals of buckets whose collectives finished are stored from future callbacks (the
+    process group's threads); every method holds the memory's lock.
+
     A parameter-named key absent from the memory takes the residuals of its parameters from the
     keys that held them (:func:`gradzip.keys.regroup`), so a residual never lands on another
     tensor. Any other key whose gradient changes shape restarts at zeros of the new shape, with
@@ -74,7 +91,16 @@ class ErrorFeedback:
         self.follow = follow
         self.residuals: dict[Hashable, Tensor] = {}
         self.replaced: dict[Hashable, Tensor | None] = {}  # deferred mode: key -> residual before the step
+        self._lock = threading.RLock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
+    @_locked
     def compensate(self, key: Hashable, grad: Tensor, *, step: int) -> Tensor:
         """Return ``grad + residual[key]`` as a new tensor (``grad`` is never modified).
 
@@ -118,6 +144,7 @@ class ErrorFeedback:
             residual = self.residuals[key] = residual.view(grad.shape)
         return residual
 
+    @_locked
     def update(self, key: Hashable, compensated: Tensor, decoded: Tensor, *, step: int) -> None:
         """Store ``compensated - decoded`` as the residual of ``key`` (nothing before ``start_step``)."""
         if step < self.start_step:
@@ -133,6 +160,7 @@ class ErrorFeedback:
         else:
             self.residuals[key] = compensated - decoded.to(compensated.dtype)
 
+    @_locked
     def store(self, key: Hashable, residual: Tensor, *, step: int) -> None:
         """Keep ``residual`` itself (not a copy) as the residual of ``key``: for a caller that
         computed ``compensated - decoded`` in place. Nothing is kept before ``start_step``; in
@@ -143,6 +171,7 @@ class ErrorFeedback:
             self.replaced[key] = self.residuals.get(key)
         self.residuals[key] = residual if self.dtype is None else residual.to(self.dtype)
 
+    @_locked
     def drop(self, key: Hashable, *, step: int) -> None:
         """Forget the residual of ``key`` (what it held was just sent whole); in ``deferred``
         mode it is kept for :meth:`discard`. Nothing changes before ``start_step``."""
@@ -152,10 +181,24 @@ class ErrorFeedback:
             self.replaced[key] = self.residuals[key]
         del self.residuals[key]
 
+    @_locked
+    def take(self, key: Hashable) -> Tensor | None:
+        """Remove and return the residual of ``key`` as it is (None if there is none): for a
+        bucket that changes codec, whose new reducer takes the residual over with :meth:`put`."""
+        return self.residuals.pop(key, None)
+
+    @_locked
+    def put(self, key: Hashable, residual: Tensor) -> None:
+        """Keep ``residual`` (in this memory's dtype) as the residual of ``key``, taken over from
+        another memory by :meth:`take`."""
+        self.residuals[key] = residual if self.dtype is None else residual.to(self.dtype)
+
+    @_locked
     def commit(self) -> None:
         """Keep the updates since the last commit (``deferred`` mode): forget the old residuals."""
         self.replaced = {}
 
+    @_locked
     def discard(self) -> None:
         """Undo the updates since the last commit (``deferred`` mode): the residuals are again
         what they were before the step."""
@@ -166,11 +209,13 @@ class ErrorFeedback:
                 self.residuals[key] = old
         self.replaced = {}
 
+    @_locked
     def residual_norm(self, key: Hashable) -> float:
         """L2 norm of the residual of ``key`` (0.0 if none)."""
         residual = self.residuals.get(key)
         return 0.0 if residual is None else float(residual.float().norm())
 
+    @_locked
     def state_dict(self) -> dict[str, Any]:
         """Residuals (cloned) and settings, for checkpoints."""
         return {
@@ -178,6 +223,7 @@ class ErrorFeedback:
             "residuals": {k: v.detach().clone() for k, v in self.residuals.items()},
         }
 
+    @_locked
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         self.start_step = state["start_step"]

@@ -159,12 +159,12 @@ class LayeredReducer(SettlingReducer):
         self.settle()
         source, target = (self.feedback, self.powersgd.feedback) if low else (self.powersgd.feedback, self.feedback)
         for i, shape in enumerate(shapes):
-            residual = source.residuals.pop(tensor_key(key, i), None)
+            residual = source.take(tensor_key(key, i))
             if residual is None or residual.numel() != shape.numel():
                 continue
             view = matrix_view_shape(shape) if low else None
             residual = residual.reshape(view if view is not None else (-1,))
-            target.residuals[tensor_key(key, i)] = residual if target.dtype is None else residual.to(target.dtype)
+            target.put(tensor_key(key, i), residual)
 
     def plan(self, key: Hashable, n_layers: int) -> tuple[str, ...]:
         """The plan of ``key`` (all ``none`` if unset or of another length)."""

@@ -517,7 +517,7 @@ class PowerSGDReducer(SettlingReducer):
         total = sum(s.numel() for s in shapes)
         out, found, offset = None, False, 0
         for i, shape in enumerate(shapes):
-            residual = self.feedback.residuals.pop(tensor_key(key, i), None)
+            residual = self.feedback.take(tensor_key(key, i))
             if residual is not None and residual.numel() == shape.numel():
                 if out is None:
                     out = torch.zeros(total, dtype=residual.dtype, device=residual.device)

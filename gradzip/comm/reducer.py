@@ -315,7 +315,7 @@ class CompressedReducer:
         changes codec. (The two-phase route's server-side residual stays where it is.)"""
         if self.feedback is None:
             return None
-        residual = self.feedback.residuals.pop(key, None)
+        residual = self.feedback.take(key)
         return None if residual is None else residual.reshape(-1)
 
     def hold(self, key: Hashable, grad: Tensor, step: int) -> Future:
