@@ -183,13 +183,7 @@ class AutoReducer:
         if self.shapes.get(key) != shapes and key in self.shapes:
             # DDP rebuilt its buckets: a residual of the old layout means nothing in the new one.
             self.carry.pop(key, None)
-        self.shapes[key] = shapes
-        self._itemsize[key] = grad.element_size()
-        if key not in self._order:
-            self._order.append(key)
-        in_window = self.window_start <= step < self.window_end
-        if in_window:
-            self._seen.add(key)
+        in_window = self._track(key, grad, step, shapes)
         if in_window and self.controller.needs_gradient_sum and nonfinite.is_finite(grad):
             total = self._sums.get(key)
             if total is None or total.shape != grad.shape:
@@ -205,6 +199,19 @@ class AutoReducer:
             grad = (grad.reshape(-1) + carry.to(grad.dtype)).view(grad.shape)
         fut = self.reducers[self.choices.get(key, 0)].reduce(key, grad, step=step, shapes=shapes, flush=flush)
         return self._sample_entropy(fut, step)
+
+    def _track(self, key: Hashable, grad: Tensor, step: int, shapes: list[torch.Size]) -> bool:
+        """Note that bucket ``key`` was hooked at ``step`` (its layout, and that the window saw
+        it, so that its figures go into the window's all_reduce); returns whether ``step`` is in
+        the open window."""
+        self.shapes[key] = shapes
+        self._itemsize[key] = grad.element_size()
+        if key not in self._order:
+            self._order.append(key)
+        in_window = self.window_start <= step < self.window_end
+        if in_window:
+            self._seen.add(key)
+        return in_window
 
     def _sample_entropy(self, fut: Future, step: int) -> Future:
         """At the steps the controller samples, add the entropy of the averaged bucket (the same
