@@ -291,6 +291,10 @@ class CostController(_Base):
         """The current estimate of the link."""
         return self.estimator.link
 
+    def link_estimate(self) -> Link | None:
+        """The current estimate of the link (what the reducer records each window)."""
+        return self.estimator.link
+
     def probe_bytes(self) -> int:
         """A link probe for the next figure all_reduce (see :meth:`LinkEstimator.probe_bytes`)."""
         return self.estimator.probe_bytes()

@@ -24,7 +24,9 @@ gradient does not enter the window's gradient sums.
 Besides the buckets' figures, each window reports what a link estimate needs whatever codec runs
 (:meth:`WindowFigures.link_samples`): the seconds per step with a collective in flight against
 the bytes and collectives of the step, and the seconds of the previous window's own figure
-all_reduce, a sample of the latency at almost no bytes. Schedules that read the gradient's
+all_reduce, a sample of the latency at almost no bytes. A controller that estimates the link
+(``link_estimate``) has its estimate put in :attr:`StepMetrics.link` after every decision, so that
+every step's record carries the estimate in force. Schedules that read the gradient's
 entropy (``entropy_every`` > 0) get the entropy of the averaged result at every such step.
 
 :class:`~gradzip.control.layer_reducer.LayerAutoReducer` runs the per-layer schedules (Kimad,
@@ -346,6 +348,9 @@ class AutoReducer:
         self.last_plan = plan
         self._probe_bytes = getattr(self.controller, "probe_bytes", lambda: 0)()
         self._apply(plan, order, step)
+        link = getattr(self.controller, "link_estimate", lambda: None)()
+        if link is not None:  # in every step's record from here on (StepMetrics.pop)
+            self.metrics.link = {"mbit": link.mbit, "latency_ms": link.latency_s * 1e3, "step": step}
         if not plan.quiet:
             self.metrics.add_event({
                 "kind": "auto", "step": step, "window": [window.start, window.end], "period_s": window.period_s,
