@@ -126,6 +126,31 @@ def test_cost_controller_rejects_a_slower_trial_and_does_not_retry_it():
     assert plan.choices == {0: 0} and "lost a trial" in plan.note
 
 
+def test_cost_controller_judges_a_trial_across_a_link_change_by_its_predicted_cost():
+    # Dense at 1 Gbit/s (4 MB in 33 ms of a 1 s step: PowerSGD's saving is under 5% of it). The
+    # link drops to 20 Mbit/s in the last step of the next window: its period is still the fast
+    # steps' (1.0 s), its link estimate reads the slow step already (88 Mbit/s), and PowerSGD is
+    # tried. On the slow link PowerSGD's steps take 1.02 s: slower than the stale 1.0 s, but the
+    # estimate moved from 88 to 22 Mbit/s (the older fast windows weigh a sixteenth and less), so
+    # the predicted costs judge: PowerSGD 12 ms encoding + 2 ms + 100 kB at 2.75 MB/s = 50.5 ms,
+    # dense 1 ms + 4 MB at 2.75 MB/s = 1460 ms; PowerSGD stays.
+    fast, slow = 125e6, 2.5e6
+    ctl = CostController(AutoConfig(adapt_every=40, trial_steps=8), SPECS)
+    dense_fast = 0.001 + 4e6 / fast
+    assert ctl.decide(_window([_bucket(comm_s=dense_fast)], period_s=1.0, latency_s=0.001)).choices == {0: 0}
+    straddling = (3 * dense_fast + 0.001 + 4e6 / slow) / 4
+    plan = ctl.decide(_window([_bucket(comm_s=straddling)], period_s=1.0, latency_s=0.001))
+    assert plan.choices == {0: 3} and "trial" in plan.note and 80 < ctl.link.mbit < 95
+    trial = _bucket(current=3, comm_s=0.002 + 1e5 / slow, probes=False)
+    plan = ctl.decide(_window([trial], period_s=1.02, latency_s=0.001))
+    assert plan.choices == {0: 3} and plan.note == "trial kept: the link moved from 88 to 22 Mbit/s; predicted 50.5 ms against 1460.1 ms"
+    # on one link the periods judge, as before: the same trial 5% slower than dense is rejected
+    ctl = CostController(AutoConfig(adapt_every=40, trial_steps=8), SPECS)
+    assert ctl.decide(_window([_bucket(comm_s=0.001 + 4e6 / slow)], period_s=1.0, latency_s=0.001)).choices == {0: 3}
+    plan = ctl.decide(_window([trial], period_s=1.05, latency_s=0.001))
+    assert plan.choices == {0: 0} and plan.note == "trial rejected: step period 1050 ms against 1000 ms"
+
+
 def test_cost_controller_tries_no_saving_a_trial_cannot_measure():
     # 1 Gbit/s-like: dense 40 ms on the wire, PowerSGD 12 ms encoding + 1 ms: 27 ms saved
     ctl = CostController(AutoConfig(adapt_every=40, trial_steps=8, trial_margin=0.05), SPECS)
