@@ -27,11 +27,12 @@ Schedules (``--auto-schedule``):
   step; so a recovered link brings the gentler codec back as readily as a slow one takes it
   away, and noise does not flap between them. Every change must win against what runs, and the
   run starts dense, so measured steps are never slower than dense by more than the noise of one
-  comparison. One exception: when the link estimate moved by :data:`LINK_MOVED` or more between
-  the proposal and the end of its trial (the link changed while the window that measured the
-  running period closed), the two periods were measured on different links and say nothing of
-  each other; the trial is then kept if its predicted cost on the current link is below the
-  running choice's.
+  comparison. One exception: when the link estimate changed by a factor of
+  :data:`TRIAL_RELINKED` or more, up or down, between the proposal and the end of its trial (the
+  link changed while the window that measured the running period closed), the two periods were
+  measured on different links and say nothing of each other; the trial is then kept if its
+  predicted cost on the current link is below the running choice's. (A smaller change is within
+  the noise of the estimate on a fast link, where an exchange's seconds are mostly latency.)
 - ``accordion``: Accordion (Agarwal et al., "Adaptive Gradient Communication via Critical
   Learning Regime Identification", MLSys 2021, arXiv 2010.16248): a bucket is in a critical
   regime when the norm of its gradient summed over a window changed by at least
@@ -59,6 +60,8 @@ SCHEDULES = ("cost", "accordion")
 
 #: a link estimate that moved by this fraction (either way) is taken for another link
 LINK_MOVED = 0.25
+#: a trial whose link estimate changed by this factor (up or down) since its proposal ran on another link
+TRIAL_RELINKED = 2.0
 
 FIRST_WINDOW_STEPS = 5
 """Steps of the first window (after step 0): enough for a median step period of three steps
@@ -215,7 +218,7 @@ class CostController(_Base):
             trial, self.trial = self.trial, None
             before, after = self.running_period_s or 0.0, window.period_s
             then = self.trial_bytes_per_s
-            if then > 0 and bandwidth > 0 and _moved(bandwidth, then):
+            if then > 0 and bandwidth > 0 and max(bandwidth / then, then / bandwidth) >= TRIAL_RELINKED:
                 # the running period was measured on another link: the model judges
                 trial_s, running_s = self._cost(trial), self._cost(self.running or {})
                 kept = trial_s < running_s
@@ -311,8 +314,9 @@ class CostController(_Base):
         return self.estimator.link
 
     def probe_bytes(self) -> int:
-        """A link probe for the next figure all_reduce (see :meth:`LinkEstimator.probe_bytes`)."""
-        return self.estimator.probe_bytes()
+        """A link probe for the next figure all_reduce, at least the probed buckets' dense
+        payload (see :meth:`LinkEstimator.probe_bytes`)."""
+        return self.estimator.probe_bytes(self._payload({key: 0 for key in self.probes}))
 
     def state_dict(self) -> dict[str, Any]:
         return {"running": self.running, "running_period_s": self.running_period_s, "trial": self.trial,

@@ -210,8 +210,10 @@ class KimadController(LayerSchedule):
         return strongest if choice is None else choice
 
     def probe_bytes(self) -> int:
-        """A link probe for the next figure all_reduce (see :meth:`LinkEstimator.probe_bytes`)."""
-        return self.link.probe_bytes()
+        """A link probe for the next figure all_reduce, at least the buckets' dense bytes (see
+        :meth:`LinkEstimator.probe_bytes`)."""
+        dense = sum(sum(s.numel() for s in shapes) * dtype.itemsize for shapes, dtype in self.layout.values())
+        return self.link.probe_bytes(dense)
 
     def link_estimate(self) -> Link | None:
         """The current estimate of the link (what the reducer records each window)."""
