@@ -15,8 +15,10 @@ from gradzip.control.auto import (
     AccordionController,
     AutoConfig,
     CostController,
+    make_controller,
     parse_candidates,
 )
+from gradzip.control.auto_reducer import AutoReducer
 from gradzip.control.figures import BucketFigures, CandidateFigures, WindowFigures
 from gradzip.metrics import StepMetrics
 from gradzip.testing import run_ranks
@@ -173,6 +175,25 @@ def test_cost_controller_fast_link_stays_dense():
     plan = ctl.decide(_window([_bucket(comm_s=4e6 / 1e10)]))  # 80 Gbit/s: encoding costs more than it saves
     assert plan.choices == {0: 0} and plan.note == "no change"
     assert "stays none" in plan.reasons[0]
+
+
+def test_the_window_link_sample_is_its_least_disturbed_step(monkeypatch):
+    # Seconds with a collective in flight per step of the first window (steps 1 to 4, decided at
+    # step 5): step 1 opens the window (a switch) and is left out; of the others, a descheduled
+    # rank made two steps 25 and 35 times slower than the 2 ms the link takes. The sample is the
+    # 2 ms step, where the mean over the window would read 56 ms.
+    metrics = StepMetrics()
+    reducer = AutoReducer(["none", "fp16"], make_controller(AutoConfig(adapt_every=4), ["none", "fp16"]),
+                          metrics=metrics)
+    seen = []
+    monkeypatch.setattr(reducer, "_decide", lambda step: seen.append((step, reducer._window_in_flight(4))))
+    for step, flight in zip(range(1, 6), [0.1, 0.05, 0.002, 0.07, 0.0]):
+        reducer._start_step(step)
+        metrics.in_flight_total_s += flight
+    assert [s for s, _ in seen] == [5] and seen[0][1] == pytest.approx(0.002)
+    # a window of one step (Kimad's) has no step after its first: that step's seconds
+    reducer._in_flight, reducer._in_flight_at_start = [], metrics.in_flight_total_s - 0.03
+    assert reducer._window_in_flight(1) == pytest.approx(0.03)
 
 
 def test_schedules():
