@@ -23,18 +23,22 @@ Why these rates make the right choice differ, far from any threshold:
 does. The compression level of a step is its ``compression_ratio`` (dense bytes over payload
 bytes, rank 0's record): light at most 2, strong at least 4.
 
-The link estimate each controller had once settled on the slow link (the record of step
-``RECOVER - 1``) is checked against the ``tbf`` rate within a factor of 1.5: measured, it reads
-14-19 Mbit/s for ``auto`` and 18-25 Mbit/s for Kimad on the 20 Mbit/s link, so a 25% bound would
-not hold every time. On the 4 Gbit/s link the estimates spread from about 0.4 to 7 Gbit/s (an
-exchange of a few ms is mostly scheduling noise on a loaded machine) and are not checked.
+The link estimate once settled on the slow link (the median of those in force from step
+``DROP + 10`` to ``RECOVER - 1``) is checked against the ``tbf`` rate within a factor of 1.5.
+Measured in nine runs on a loaded 2-core machine, that median read 15-22 Mbit/s for ``auto`` and
+20-25 Mbit/s for Kimad (whose single steps read up to 27 Mbit/s): within 25% of the rate every
+time, but with too little margin (23.5% once) for a bound of 25%. On the 4 Gbit/s link the estimates spread
+from about 0.5 to 20 Gbit/s (an exchange of 1 to 5 ms is mostly latency and scheduling noise)
+and are not checked.
 
-Needs root and network namespaces; skipped elsewhere with the reason. Each case takes 30-35 s
-on a loaded 2-core machine, about 20 s of it the trainer's start-up.
+Needs root and network namespaces; skipped elsewhere with the reason. Each case takes about 30 s
+on a loaded 2-core machine, about 18 s of it the trainer's start-up (two ranks importing torch
+and transformers' GPT-2).
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 
 import pytest
@@ -52,7 +56,7 @@ DROP, RECOVER = 10, 24
 STEPS = RECOVER + 13  # the steps past RECOVER + FOLLOW show the choice held
 FOLLOW = 10  # steps within which the compression must follow a change of the link
 LIGHT, STRONG = 2.0, 4.0  # compression ratios
-ESTIMATE_FACTOR = 1.5  # the settled estimate of the slow link against its tbf rate
+ESTIMATE_FACTOR = 1.5  # the settled estimate of the slow link against its tbf rate, either way
 MODEL = dict(n_layer=2, n_embd=128, n_head=2, seq_len=64, batch_size=8, vocab_size=512, eval_every=1000,
              eval_batches=1, threads=1, warmup_steps=2)
 OPTIONS = {
@@ -104,10 +108,10 @@ def test_compression_follows_a_link_that_drops_and_recovers(compressor, tmp_path
     log = _summary(records, drop, recover)
     strong_at = next((s for s in range(drop, STEPS) if ratio[s] >= STRONG), None)
     light_at = next((s for s in range(recover, STEPS) if ratio[s] <= LIGHT), None)
-    slow_est = records[recover - 1]["link"]["mbit"]
+    slow_est = statistics.median(records[s]["link"]["mbit"] for s in range(drop + FOLLOW, recover))
     fast_est = records[-1]["link"]["mbit"]
     print(f"\n{compressor}: drop lands in step {drop}, recovery in step {recover}; strong from step {strong_at}, "
-          f"light again from step {light_at}; estimate {slow_est:.1f} Mbit/s at step {recover - 1} (tbf {SLOW}), "
+          f"light again from step {light_at}; estimate {slow_est:.1f} Mbit/s settled (tbf {SLOW}), "
           f"{fast_est:.0f} Mbit/s at step {STEPS - 1} (tbf {FAST})\n{log}")
 
     # light on the fast link before the drop (once the first decision is made)
@@ -117,6 +121,6 @@ def test_compression_follows_a_link_that_drops_and_recovers(compressor, tmp_path
     # light again by recover + FOLLOW, and held to the end
     assert all(ratio[s] <= LIGHT for s in range(recover + FOLLOW, STEPS)), log
 
-    # the link estimate in force once settled on the slow link, against the tbf rate
+    # the link estimate once settled on the slow link, against the tbf rate
     slow_mbit = parse_bandwidth(SLOW) / 1e6
     assert 1 / ESTIMATE_FACTOR <= slow_est / slow_mbit <= ESTIMATE_FACTOR, log
