@@ -135,11 +135,13 @@ class ErrorFeedback:
     def _regroup(self, key: Hashable, grad: Tensor) -> Tensor | None:
         """The residual of ``key`` laid out from the keys that held its parameters (None if
         none did); kept under ``key`` as the residual from before this step."""
-        moved = [k for k in self.replaced if k != key]
+        before = set(self.residuals)
         residual = regroup(self.residuals, key, follow=self.follow)
         # DDP changes its layout between steps, so no key of the new layout moves a residual
-        # that this step has already replaced (discard could not put it back).
-        assert all(k in self.residuals for k in moved), f"{key!r} took a residual replaced in this step"
+        # that this step has already replaced (discard could not put it back). A key this step
+        # dropped (a layer sent dense) is not in the memory and is not taken.
+        taken = before - set(self.residuals)
+        assert not taken & set(self.replaced), f"{key!r} took a residual replaced in this step"
         if residual is not None and residual.numel() == grad.numel():
             residual = self.residuals[key] = residual.view(grad.shape)
         return residual

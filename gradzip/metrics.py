@@ -162,6 +162,9 @@ class StepMetrics:
         self.totals: dict[Hashable, dict[str, float]] = {}
         #: wall seconds with at least one collective in flight since construction (never reset)
         self.in_flight_total_s = 0.0
+        #: the link as an adaptive reducer last estimated it (``mbit``, ``latency_ms``, ``step``:
+        #: the step it was estimated at), None when nothing estimates it; kept by pop
+        self.link: dict[str, float] | None = None
         self._reset()
 
     def _reset(self) -> None:
@@ -314,7 +317,8 @@ class StepMetrics:
     def pop(self) -> dict[str, Any]:
         """This step's totals (``payload_bytes``, ``dense_bytes``, ``compression_ratio``,
         ``sent_bytes``, ``received_bytes``, times, bucket counts, ``buckets`` with, on monitored
-        steps, ``quality``; ``events``), then reset."""
+        steps, ``quality``; ``events``; ``link`` when an adaptive reducer estimates the link),
+        then reset."""
         with self._lock:
             out = {
                 "payload_bytes": self.payload_bytes,
@@ -330,5 +334,7 @@ class StepMetrics:
                 "buckets": self.buckets,
                 "events": self.events,
             }
+            if self.link is not None:
+                out["link"] = dict(self.link)
             self._reset()
             return out

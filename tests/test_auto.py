@@ -15,8 +15,10 @@ from gradzip.control.auto import (
     AccordionController,
     AutoConfig,
     CostController,
+    make_controller,
     parse_candidates,
 )
+from gradzip.control.auto_reducer import AutoReducer
 from gradzip.control.figures import BucketFigures, CandidateFigures, WindowFigures
 from gradzip.metrics import StepMetrics
 from gradzip.testing import run_ranks
@@ -75,7 +77,7 @@ def test_cost_controller_follows_the_link_back_to_dense():
     assert ctl.probe_bytes() == 0  # 8 ms of 10 on the wire: the exchange itself reads the link
     # On the recovered link PowerSGD's 100 kB take 0.08 ms of 2.08: nearly all latency, which
     # says little of the bandwidth; the controller asks for a probe in the next figure exchange
-    # (eight latencies' worth of bytes at its estimate), and that probe reads the link.
+    # (the dense payload, more than eight latencies' worth at its estimate), which reads the link.
     probe, choice, probes_asked = 0, 3, []
     for _ in range(3):
         running = _bucket(current=choice)
@@ -86,7 +88,7 @@ def test_cost_controller_follows_the_link_back_to_dense():
         probes_asked.append(probe)
         if choice == 0:
             break
-    assert choice == 0 and probes_asked[0] >= 64 << 10  # dense within three windows
+    assert choice == 0 and probes_asked[0] == 4_000_000  # the probe: the dense payload; dense within three windows
     assert ctl.link.bytes_per_s == pytest.approx(fast, rel=0.25)
 
 
@@ -126,6 +128,37 @@ def test_cost_controller_rejects_a_slower_trial_and_does_not_retry_it():
     assert plan.choices == {0: 0} and "lost a trial" in plan.note
 
 
+def test_cost_controller_judges_a_trial_across_a_link_change_by_its_predicted_cost():
+    # Dense at 1 Gbit/s (4 MB in 33 ms of a 1 s step: PowerSGD's saving is under 5% of it). The
+    # link drops to 20 Mbit/s in the last step of the next window: its period is still the fast
+    # steps' (1.0 s), its link estimate reads the slow step already (88 Mbit/s), and PowerSGD is
+    # tried. On the slow link PowerSGD's steps take 1.02 s: slower than the stale 1.0 s, but the
+    # estimate moved from 88 to 22 Mbit/s (the older fast windows weigh a sixteenth and less), a
+    # factor of 4, so the predicted costs judge: PowerSGD 12 ms encoding + 2 ms + 100 kB at 2.75 MB/s = 50.5 ms,
+    # dense 1 ms + 4 MB at 2.75 MB/s = 1460 ms; PowerSGD stays.
+    fast, slow = 125e6, 2.5e6
+    ctl = CostController(AutoConfig(adapt_every=40, trial_steps=8), SPECS)
+    dense_fast = 0.001 + 4e6 / fast
+    assert ctl.decide(_window([_bucket(comm_s=dense_fast)], period_s=1.0, latency_s=0.001)).choices == {0: 0}
+    straddling = (3 * dense_fast + 0.001 + 4e6 / slow) / 4
+    plan = ctl.decide(_window([_bucket(comm_s=straddling)], period_s=1.0, latency_s=0.001))
+    assert plan.choices == {0: 3} and "trial" in plan.note and 80 < ctl.link.mbit < 95
+    trial = _bucket(current=3, comm_s=0.002 + 1e5 / slow, probes=False)
+    plan = ctl.decide(_window([trial], period_s=1.02, latency_s=0.001))
+    assert plan.choices == {0: 3} and plan.note == "trial kept: the link moved from 88 to 22 Mbit/s; predicted 50.5 ms against 1460.1 ms"
+    # on one link the periods judge, as before: the same trial 5% slower than dense is rejected,
+    # and so it is when the estimate moved by less than a factor of 2 (its noise on a fast link)
+    ctl = CostController(AutoConfig(adapt_every=40, trial_steps=8), SPECS)
+    assert ctl.decide(_window([_bucket(comm_s=0.001 + 4e6 / slow)], period_s=1.0, latency_s=0.001)).choices == {0: 3}
+    plan = ctl.decide(_window([trial], period_s=1.05, latency_s=0.001))
+    assert plan.choices == {0: 0} and plan.note == "trial rejected: step period 1050 ms against 1000 ms"
+    ctl = CostController(AutoConfig(adapt_every=40, trial_steps=8), SPECS)
+    assert ctl.decide(_window([_bucket(comm_s=0.001 + 4e6 / slow)], period_s=1.0, latency_s=0.001)).choices == {0: 3}
+    plan = ctl.decide(_window([_bucket(current=3, comm_s=0.002 + 1e5 / (1.9 * slow), probes=False)], period_s=1.05,
+                              latency_s=0.001))
+    assert 1.5 < ctl.link.bytes_per_s / slow < 2 and plan.note.startswith("trial rejected: step period")
+
+
 def test_cost_controller_tries_no_saving_a_trial_cannot_measure():
     # 1 Gbit/s-like: dense 40 ms on the wire, PowerSGD 12 ms encoding + 1 ms: 27 ms saved
     ctl = CostController(AutoConfig(adapt_every=40, trial_steps=8, trial_margin=0.05), SPECS)
@@ -142,6 +175,25 @@ def test_cost_controller_fast_link_stays_dense():
     plan = ctl.decide(_window([_bucket(comm_s=4e6 / 1e10)]))  # 80 Gbit/s: encoding costs more than it saves
     assert plan.choices == {0: 0} and plan.note == "no change"
     assert "stays none" in plan.reasons[0]
+
+
+def test_the_window_link_sample_is_its_least_disturbed_step(monkeypatch):
+    # Seconds with a collective in flight per step of the first window (steps 1 to 4, decided at
+    # step 5): step 1 opens the window (a switch) and is left out; of the others, a descheduled
+    # rank made two steps 25 and 35 times slower than the 2 ms the link takes. The sample is the
+    # 2 ms step, where the mean over the window would read 56 ms.
+    metrics = StepMetrics()
+    reducer = AutoReducer(["none", "fp16"], make_controller(AutoConfig(adapt_every=4), ["none", "fp16"]),
+                          metrics=metrics)
+    seen = []
+    monkeypatch.setattr(reducer, "_decide", lambda step: seen.append((step, reducer._window_in_flight(4))))
+    for step, flight in zip(range(1, 6), [0.1, 0.05, 0.002, 0.07, 0.0]):
+        reducer._start_step(step)
+        metrics.in_flight_total_s += flight
+    assert [s for s, _ in seen] == [5] and seen[0][1] == pytest.approx(0.002)
+    # a window of one step (Kimad's) has no step after its first: that step's seconds
+    reducer._in_flight, reducer._in_flight_at_start = [], metrics.in_flight_total_s - 0.03
+    assert reducer._window_in_flight(1) == pytest.approx(0.03)
 
 
 def test_schedules():

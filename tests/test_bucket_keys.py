@@ -65,6 +65,21 @@ def test_error_feedback_residual_follows_its_parameters_without_a_warning():
     assert torch.equal(feedback.residuals[new], torch.tensor([3.0, 4.0, 1.0, 2.0]))
 
 
+def test_a_layer_dropped_in_a_step_does_not_stop_another_from_starting_its_residual():
+    # A per-layer plan change: layer 1 goes dense (its residual dropped, kept for discard) and,
+    # later in the same step, layer 2 is compressed for the first time (no residual to take).
+    feedback = ErrorFeedback(deferred=True)
+    feedback.update(("param", 1), torch.ones(3), torch.zeros(3), step=0)
+    feedback.commit()
+    feedback.drop(("param", 1), step=1)
+    out = feedback.compensate(("param", 2), torch.full((2,), 5.0), step=1)
+    assert torch.equal(out, torch.full((2,), 5.0))
+    feedback.update(("param", 2), out, torch.zeros(2), step=1)
+    feedback.discard()  # the step is undone: layer 1's residual is back, layer 2 has none
+    assert list(feedback.residuals) == [("param", 1)]
+    assert torch.equal(feedback.residuals[("param", 1)], torch.ones(3))
+
+
 def test_a_per_parameter_residual_joins_a_flat_bucket_and_back():
     # A matrix residual under its tensor key (PowerSGD's layout) is taken whole into a bucket.
     feedback = ErrorFeedback()

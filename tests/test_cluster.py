@@ -6,6 +6,7 @@ Run as a script, this file is the worker that the byte-count test starts in each
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -15,8 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from gradzip.lab.cluster import Cluster, clean, format_bandwidth, leftovers, parse_bandwidth, support_problem
+from gradzip.lab.cluster import (
+    Cluster,
+    ClusterError,
+    clean,
+    format_bandwidth,
+    leftovers,
+    parse_bandwidth,
+    support_problem,
+)
 from gradzip.lab.cluster.netns import list_namespaces
+from gradzip.lab.cluster.schedule import LinkSchedule, RateChange, format_link_schedule, parse_link_schedule
 
 PROBLEM = support_problem() if sys.platform.startswith("linux") else "emulated hosts need Linux"
 needs_netns = pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
@@ -38,6 +48,47 @@ def test_parse_bandwidth():
             parse_bandwidth(bad)
     with pytest.raises(ValueError, match="num_hosts"):
         Cluster(0)
+
+
+def test_parse_link_schedule():
+    changes = parse_link_schedule("40:20mbit, 80:1gbit")
+    assert changes == [RateChange(40, 20_000_000), RateChange(80, 1_000_000_000)]
+    assert format_link_schedule(changes) == "40:20mbit,80:1gbit"
+    for bad, words in (("40-20mbit", "STEP:RATE"), ("", "STEP:RATE"), ("0:20mbit", "steps must be >= 1"),
+                       ("40:20mbit,40:1gbit", "steps must increase"), ("40:fast", "bandwidth")):
+        with pytest.raises(ValueError, match=words) as info:
+            parse_link_schedule(bad)
+        assert "--link-schedule" in str(info.value)
+
+
+def test_link_schedule_changes_the_rate_once_the_step_before_is_recorded(tmp_path):
+    metrics = tmp_path / "metrics.jsonl"
+    written: list[int] = []  # steps whose line is complete in the file
+    calls: list[tuple[int, int]] = []  # (rate, last step written when it was set)
+
+    class Recorder:
+        def set_bandwidth(self, bits):
+            calls.append((bits, written[-1] if written else -1))
+
+    with LinkSchedule(Recorder(), parse_link_schedule("3:20mbit,5:1gbit"), metrics, poll_s=0.001) as schedule:
+        with open(metrics, "w", buffering=1) as f:
+            for step in range(8):
+                line = json.dumps({"step": step, "loss": 1.0})
+                f.write(line[:5])  # a line half written is not read as a step
+                f.flush()
+                time.sleep(0.005)
+                f.write(line[5:] + "\n")
+                written.append(step)
+                time.sleep(0.005)
+        deadline = time.monotonic() + 10
+        while len(schedule.applied) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert schedule.error is None
+    assert [rate for rate, _ in calls] == [20_000_000, 1_000_000_000]
+    # never before step STEP - 1 is recorded, and each records what it saw
+    for (_, seen), applied in zip(calls, schedule.applied):
+        assert seen >= applied.change.step - 1 and applied.recorded_before >= applied.change.step - 1
+        assert applied.first_step == applied.recorded_before + 1 <= seen + 1
 
 
 def _ours(cluster_or_suffix) -> list[str]:
@@ -80,6 +131,18 @@ def test_two_hosts_qdisc_and_allreduce_bytes():
         assert all(p.returncode == 0 for p in procs), outputs
         sent = [a - b for a, b in zip(cluster.tx_bytes(), before)]
 
+        # a new rate while the cluster runs: every host's eth0 and every switch port
+        cluster.set_bandwidth("20mbit")
+        assert all(q["kind"] == "tbf" and q["options"]["rate"] == 20_000_000 // 8 for q in cluster.qdiscs())
+        for host in cluster.hosts:
+            port = subprocess.run(
+                ["tc", "-n", cluster.switch, "qdisc", "show", "dev", f"h{host.index}"],
+                capture_output=True, text=True, check=True,
+            ).stdout  # fmt: skip
+            assert "tbf" in port and "rate 20Mbit" in port
+        with pytest.raises(ValueError, match="bandwidth"):
+            cluster.set_bandwidth("fast")
+
     # all_reduce over 2 ranks (reduce-scatter + all-gather, or a direct exchange) puts exactly
     # numel * 4 bytes of tensor data on each rank's link. On top: Ethernet/IP/TCP headers of at
     # most 66 bytes per 1448-byte segment sent (<= 4.6 %), ACKs for as many bytes received (at
@@ -90,6 +153,8 @@ def test_two_hosts_qdisc_and_allreduce_bytes():
         assert payload <= nbytes <= 1.10 * payload + 256 * 1024, (rank, nbytes, payload)
     assert all(o.strip().endswith("sum=3.0") for o in outputs), outputs
     assert _ours(cluster) == []
+    with pytest.raises(ClusterError, match="running cluster"):
+        cluster.set_bandwidth("1gbit")
 
 
 @pytest.mark.e2e

@@ -113,6 +113,18 @@ def test_link_estimator_follows_a_drop_and_a_recovery_at_the_same_speed():
     assert again.link == est.link and again.add(batch(fast, 4e4)) == est.add(batch(fast, 4e4))
 
 
+def test_link_probe_is_at_least_what_the_caller_names():
+    slow, fast = Link(0.001, 2.5e6), Link(0.001, 2.5e8)  # 20 Mbit/s, then 2 Gbit/s
+    est = LinkEstimator(probe_every=1)
+    est.add([(1, 800, slow.seconds(800, 1)), (1, 4e5, slow.seconds(4e5, 1))])
+    assert est.probe_bytes(4e6) == 0  # 160 ms of 161 on the wire: the exchange reads the link
+    est.add([(1, 800, fast.seconds(800, 1)), (1, 4e4, fast.seconds(4e4, 1))])  # 0.16 ms of 1.16
+    assert est.last_share < 0.25
+    assert est.probe_bytes() == max(64 << 10, int(8 * est.link.latency_s * est.link.bytes_per_s))
+    assert est.probe_bytes(4e6) == 4_000_000  # the dense exchange, as the controllers ask
+    assert est.probe_bytes(1e9) == 8 << 20
+
+
 def test_link_estimator_keeps_a_fitted_latency_through_one_size():
     est = LinkEstimator()
     link = Link(0.004, 1e7)

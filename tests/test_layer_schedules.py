@@ -64,6 +64,8 @@ def _ranks(rank: int, world_size: int) -> dict:
         reducer = _make(name, params, metrics)
         out[name] = _run(reducer, rank, range(STEPS), metrics, uneven=True)
         out[name + " decided"] = [e["step"] for e in metrics.events if e["kind"] == "auto"]
+        if name == "kimad":  # the buckets whose layers' errors reached the controller in a window's figures
+            out["kimad priced"] = sorted(reducer.controller.errors)
     # resume: LEGACY, and EDGC past its probe (r_max given), from a state taken mid-run
     for name, params in (("legacy", SCHEDULES["legacy"]), ("edgc", {**SCHEDULES["edgc"], "max_rank": 4})):
         metrics = StepMetrics()
@@ -95,6 +97,8 @@ def test_layered_exchange_and_schedules_on_ranks(world_size):
             # (test_layer_rules); here every rank must plan alike, whatever the link read
             seen = {tuple(sorted(h[0].items())) for h in histories[0]}
             assert len(seen) >= 2, f"{name} never changed its plan in {STEPS} steps"
+    # every bucket's figures travel in the windows' all_reduce (the per-layer reducer marks them seen)
+    assert all(r["kimad priced"] == sorted(SHAPES) for r in results)
     # LEGACY: the 100-element threshold and the phase at step 12, by hand
     legacy = results[0]["legacy"]
     assert legacy[0][0][0] == ("topk:ratio=0.1", "topk:ratio=0.5", "topk:ratio=0.1")

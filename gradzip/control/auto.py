@@ -27,7 +27,12 @@ Schedules (``--auto-schedule``):
   step; so a recovered link brings the gentler codec back as readily as a slow one takes it
   away, and noise does not flap between them. Every change must win against what runs, and the
   run starts dense, so measured steps are never slower than dense by more than the noise of one
-  comparison.
+  comparison. One exception: when the link estimate changed by a factor of
+  :data:`TRIAL_RELINKED` or more, up or down, between the proposal and the end of its trial (the
+  link changed while the window that measured the running period closed), the two periods were
+  measured on different links and say nothing of each other; the trial is then kept if its
+  predicted cost on the current link is below the running choice's. (A smaller change is within
+  the noise of the estimate on a fast link, where an exchange's seconds are mostly latency.)
 - ``accordion``: Accordion (Agarwal et al., "Adaptive Gradient Communication via Critical
   Learning Regime Identification", MLSys 2021, arXiv 2010.16248): a bucket is in a critical
   regime when the norm of its gradient summed over a window changed by at least
@@ -52,6 +57,11 @@ from gradzip.control.link import Link, LinkEstimator
 from gradzip.keys import label
 
 SCHEDULES = ("cost", "accordion")
+
+#: a link estimate that moved by this fraction (either way) is taken for another link
+LINK_MOVED = 0.25
+#: a trial whose link estimate changed by this factor (up or down) since its proposal ran on another link
+TRIAL_RELINKED = 2.0
 
 FIRST_WINDOW_STEPS = 5
 """Steps of the first window (after step 0): enough for a median step period of three steps
@@ -207,18 +217,26 @@ class CostController(_Base):
         if self.trial is not None:
             trial, self.trial = self.trial, None
             before, after = self.running_period_s or 0.0, window.period_s
-            gentler = self._payload(trial) >= self._payload(self.running or {})
-            bound = before * (1 + self.cfg.trial_margin) if gentler else before * (1 - self.cfg.trial_margin)
-            if before > 0 and after > 0 and after <= bound:
+            then = self.trial_bytes_per_s
+            if then > 0 and bandwidth > 0 and max(bandwidth / then, then / bandwidth) >= TRIAL_RELINKED:
+                # the running period was measured on another link: the model judges
+                trial_s, running_s = self._cost(trial), self._cost(self.running or {})
+                kept = trial_s < running_s
+                verdict = (f"the link moved from {then * 8e-6:,.0f} to {bandwidth * 8e-6:,.0f} Mbit/s; predicted "
+                           f"{trial_s * 1e3:.1f} ms against {running_s * 1e3:.1f} ms")
+            else:
+                gentler = self._payload(trial) >= self._payload(self.running or {})
+                bound = before * (1 + self.cfg.trial_margin) if gentler else before * (1 - self.cfg.trial_margin)
+                kept = before > 0 and after > 0 and after <= bound
+                verdict = f"step period {after * 1e3:.0f} ms against {before * 1e3:.0f} ms"
+            if kept:
                 self.running, self.running_period_s = dict(trial), after
-                note = f"trial kept: step period {after * 1e3:.0f} ms against {before * 1e3:.0f} ms"
-                return Plan(dict(trial), self.cfg.adapt_every, {}, note, probe_next)
-            self.rejected.append((dict(trial), self.trial_bytes_per_s))
+                return Plan(dict(trial), self.cfg.adapt_every, {}, f"trial kept: {verdict}", probe_next)
+            self.rejected.append((dict(trial), bandwidth))
             choices = dict(self.running or {})
             reasons = {k: self._reason(_bucket(window, k), v, "trial slower") for k, v in choices.items()
                        if v != current.get(k)}
-            note = f"trial rejected: step period {after * 1e3:.0f} ms against {before * 1e3:.0f} ms"
-            return Plan(choices, self.cfg.adapt_every, reasons, note, probe_next)
+            return Plan(choices, self.cfg.adapt_every, reasons, f"trial rejected: {verdict}", probe_next)
 
         self.running, self.running_period_s = dict(current), window.period_s
         proposal, reasons = self._propose(window)
@@ -234,7 +252,7 @@ class CostController(_Base):
             return Plan(current, self.cfg.adapt_every, reasons, note, probe_next)
         bandwidth = self.link.bytes_per_s if self.link else 0.0
         for choices, at_bandwidth in self.rejected:
-            if choices == proposal and at_bandwidth > 0 and abs(bandwidth / at_bandwidth - 1) < 0.25:
+            if choices == proposal and at_bandwidth > 0 and not _moved(bandwidth, at_bandwidth):
                 note = "proposal lost a trial before at a similar link rate; no change"
                 return Plan(current, self.cfg.adapt_every, reasons, note, probe_next)
         self.trial, self.trial_bytes_per_s = dict(proposal), bandwidth
@@ -266,7 +284,7 @@ class CostController(_Base):
                     over_budget.append(f"{cand.spec} error {cand.relative_error:.2f}")
                     continue
                 ran_over = self.over_budget.get((b.key, c))
-                if ran_over is not None and ran_over > 0 and abs(link.bytes_per_s / ran_over - 1) < 0.25:
+                if ran_over is not None and ran_over > 0 and not _moved(link.bytes_per_s, ran_over):
                     over_budget.append(f"{cand.spec} ran over it")
                     continue
                 cost = self._candidate_s(cand)
@@ -291,9 +309,14 @@ class CostController(_Base):
         """The current estimate of the link."""
         return self.estimator.link
 
+    def link_estimate(self) -> Link | None:
+        """The current estimate of the link (what the reducer records each window)."""
+        return self.estimator.link
+
     def probe_bytes(self) -> int:
-        """A link probe for the next figure all_reduce (see :meth:`LinkEstimator.probe_bytes`)."""
-        return self.estimator.probe_bytes()
+        """A link probe for the next figure all_reduce, at least the probed buckets' dense
+        payload (see :meth:`LinkEstimator.probe_bytes`)."""
+        return self.estimator.probe_bytes(self._payload({key: 0 for key in self.probes}))
 
     def state_dict(self) -> dict[str, Any]:
         return {"running": self.running, "running_period_s": self.running_period_s, "trial": self.trial,
@@ -308,6 +331,11 @@ class CostController(_Base):
         self.windows_since_probe = state["windows_since_probe"]
         self.estimator.load_state_dict(state["link"])
         self.over_budget = {(k, c): rate for k, c, rate in state["over_budget"]}
+
+
+def _moved(bytes_per_s: float, reference: float) -> bool:
+    """Whether a link estimate is another link than ``reference`` (see :data:`LINK_MOVED`)."""
+    return abs(bytes_per_s / reference - 1) >= LINK_MOVED
 
 
 def _bucket(window: WindowFigures, key: Hashable) -> BucketFigures:

@@ -22,9 +22,11 @@ non-finite gradient in any bucket is put back in every candidate's state, and a 
 gradient does not enter the window's gradient sums.
 
 Besides the buckets' figures, each window reports what a link estimate needs whatever codec runs
-(:meth:`WindowFigures.link_samples`): the seconds per step with a collective in flight against
-the bytes and collectives of the step, and the seconds of the previous window's own figure
-all_reduce, a sample of the latency at almost no bytes. Schedules that read the gradient's
+(:meth:`WindowFigures.link_samples`): the seconds with a collective in flight in the window's
+least-disturbed step against the bytes and collectives of a step, and the seconds of the previous window's own figure
+all_reduce, a sample of the latency at almost no bytes. A controller that estimates the link
+(``link_estimate``) has its estimate put in :attr:`StepMetrics.link` after every decision, so that
+every step's record carries the estimate in force. Schedules that read the gradient's
 entropy (``entropy_every`` > 0) get the entropy of the averaged result at every such step.
 
 :class:`~gradzip.control.layer_reducer.LayerAutoReducer` runs the per-layer schedules (Kimad,
@@ -149,7 +151,9 @@ class AutoReducer:
         self.last_plan: Plan | None = None
         self._in_flight_at_start = 0.0
         self._exchange: list[float] = []  # per step of the window: encode + in flight + decode seconds
+        self._in_flight: list[float] = []  # per step of the window: seconds with a collective in flight
         self._exchange_mark: float | None = None
+        self._in_flight_mark = 0.0
         self._entropy_steps: dict[int, float] = {}
         self._figures_s = 0.0  # the previous window's figure all_reduce
         self._figures_bytes = 0.0
@@ -183,13 +187,7 @@ class AutoReducer:
         if self.shapes.get(key) != shapes and key in self.shapes:
             # DDP rebuilt its buckets: a residual of the old layout means nothing in the new one.
             self.carry.pop(key, None)
-        self.shapes[key] = shapes
-        self._itemsize[key] = grad.element_size()
-        if key not in self._order:
-            self._order.append(key)
-        in_window = self.window_start <= step < self.window_end
-        if in_window:
-            self._seen.add(key)
+        in_window = self._track(key, grad, step, shapes)
         if in_window and self.controller.needs_gradient_sum and nonfinite.is_finite(grad):
             total = self._sums.get(key)
             if total is None or total.shape != grad.shape:
@@ -205,6 +203,19 @@ class AutoReducer:
             grad = (grad.reshape(-1) + carry.to(grad.dtype)).view(grad.shape)
         fut = self.reducers[self.choices.get(key, 0)].reduce(key, grad, step=step, shapes=shapes, flush=flush)
         return self._sample_entropy(fut, step)
+
+    def _track(self, key: Hashable, grad: Tensor, step: int, shapes: list[torch.Size]) -> bool:
+        """Note that bucket ``key`` was hooked at ``step`` (its layout, and that the window saw
+        it, so that its figures go into the window's all_reduce); returns whether ``step`` is in
+        the open window."""
+        self.shapes[key] = shapes
+        self._itemsize[key] = grad.element_size()
+        if key not in self._order:
+            self._order.append(key)
+        in_window = self.window_start <= step < self.window_end
+        if in_window:
+            self._seen.add(key)
+        return in_window
 
     def _sample_entropy(self, fut: Future, step: int) -> Future:
         """At the steps the controller samples, add the entropy of the averaged bucket (the same
@@ -268,11 +279,12 @@ class AutoReducer:
             # The first window's figures start here, not at construction (step 0 is left out).
             self._totals_at_start = {k: dict(v) for k, v in self.metrics.totals.items()}
             self._in_flight_at_start = self.metrics.in_flight_total_s
-        mark = self._exchange_total()
+        mark, flight = self._exchange_total(), self.metrics.in_flight_total_s
         if previous is not None and step == previous + 1 and self._exchange_mark is not None:
             if self.window_start < previous:  # the window's first step carries a switch
                 self._exchange.append(mark - self._exchange_mark)
-        self._exchange_mark = mark
+                self._in_flight.append(flight - self._in_flight_mark)
+        self._exchange_mark, self._in_flight_mark = mark, flight
         if step >= self.window_end:
             self._decide(step)
         if step in self.forced:
@@ -313,7 +325,7 @@ class AutoReducer:
         sampled = self._sampled_steps()
         values += [self._entropy_steps.get(t, 0.0) for t in sampled]
         period = statistics.median(self._periods) if self._periods else 0.0
-        in_flight = (self.metrics.in_flight_total_s - self._in_flight_at_start) / steps
+        in_flight = self._window_in_flight(steps)
         exchange = statistics.fmean(self._exchange) if self._exchange else 0.0
         values += [period, -in_flight, exchange, -self._figures_s]
         # A link probe, when the controller asked for one: zeros that make this all_reduce
@@ -339,6 +351,9 @@ class AutoReducer:
         self.last_plan = plan
         self._probe_bytes = getattr(self.controller, "probe_bytes", lambda: 0)()
         self._apply(plan, order, step)
+        link = getattr(self.controller, "link_estimate", lambda: None)()
+        if link is not None:  # in every step's record from here on (StepMetrics.pop)
+            self.metrics.link = {"mbit": link.mbit, "latency_ms": link.latency_s * 1e3, "step": step}
         if not plan.quiet:
             self.metrics.add_event({
                 "kind": "auto", "step": step, "window": [window.start, window.end], "period_s": window.period_s,
@@ -354,8 +369,20 @@ class AutoReducer:
         self._probes = {}
         self._entropy_steps = {}
         self._exchange = []
+        self._in_flight = []
         self._totals_at_start = {k: dict(v) for k, v in self.metrics.totals.items()}
         self._in_flight_at_start = self.metrics.in_flight_total_s
+
+    def _window_in_flight(self, steps: int) -> float:
+        """Seconds with a collective in flight in the window's least-disturbed step (its steps
+        less the first; the mean over ``steps`` when there are none, a window of one step).
+
+        The least-disturbed step times the link: a rank descheduled while its collective is in
+        flight only adds to the step's seconds (on a loaded machine, tens of ms to an exchange
+        of one)."""
+        if self._in_flight:
+            return min(self._in_flight)
+        return (self.metrics.in_flight_total_s - self._in_flight_at_start) / steps
 
     def _min_window_steps(self) -> int:
         return getattr(self.controller, "min_window_steps", MIN_WINDOW_STEPS)

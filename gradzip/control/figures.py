@@ -94,8 +94,10 @@ class WindowFigures:
         period_s: median seconds from one step's first bucket to the next step's (max over
             ranks), over the window's steps less its first (a switch) and last (the probe).
         buckets: per-bucket figures, in hook order.
-        in_flight_s: wall seconds per step with some collective of the hook in flight (min over
-            ranks: the last rank to arrive waits least).
+        in_flight_s: wall seconds with some collective of the hook in flight in the window's
+            least-disturbed step (the fewest of its steps less its first; a window of one step:
+            that step), min over ranks (the last rank to arrive waits least): a rank descheduled
+            while its collective is in flight only adds to a step's seconds.
         exchange_s: seconds per step of the whole exchange, encoding, collectives in flight and
             decoding (max over ranks), over the window's steps less its first.
         figures_s: seconds of the previous window's figure all_reduce (min over ranks), 0 for

@@ -53,7 +53,7 @@ from gradzip.compressors.values import check_number
 from gradzip.control import knapsack
 from gradzip.control.figures import Plan, WindowFigures
 from gradzip.control.layers import DENSE, Ladder, LayerSchedule, knob_of, levels_text, sent_bytes, settings_from
-from gradzip.control.link import LinkEstimator
+from gradzip.control.link import Link, LinkEstimator
 
 NAME = "kimad"
 
@@ -210,8 +210,14 @@ class KimadController(LayerSchedule):
         return strongest if choice is None else choice
 
     def probe_bytes(self) -> int:
-        """A link probe for the next figure all_reduce (see :meth:`LinkEstimator.probe_bytes`)."""
-        return self.link.probe_bytes()
+        """A link probe for the next figure all_reduce, at least the buckets' dense bytes (see
+        :meth:`LinkEstimator.probe_bytes`)."""
+        dense = sum(sum(s.numel() for s in shapes) * dtype.itemsize for shapes, dtype in self.layout.values())
+        return self.link.probe_bytes(dense)
+
+    def link_estimate(self) -> Link | None:
+        """The current estimate of the link (what the reducer records each window)."""
+        return self.link.link
 
     def state_dict(self) -> dict[str, Any]:
         return {"link": self.link.state_dict(), "errors": {k: [dict(e) for e in v] for k, v in self.errors.items()},

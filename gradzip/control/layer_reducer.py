@@ -92,10 +92,7 @@ class LayerAutoReducer(AutoReducer):
         if step != self._step:
             self._start_step(step)
         shapes = [torch.Size(s) for s in shapes] if shapes is not None else [grad.shape]
-        self.shapes[key] = shapes
-        self._itemsize[key] = grad.element_size()
-        if key not in self._order:
-            self._order.append(key)
+        self._track(key, grad, step, shapes)
         plan = tuple(self.controller.layer_plan(key, shapes, grad.dtype, step))
         if len(plan) != len(shapes):
             raise ValueError(f"the schedule planned {len(plan)} layers for bucket {key!r}, which holds {len(shapes)}")

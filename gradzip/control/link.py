@@ -26,9 +26,14 @@ A strongly compressed exchange can be so small that its time is nearly all laten
 then say little about the bandwidth (and a recovered link would go unseen). Such a batch
 (wire seconds under :data:`MIN_WIRE_SHARE` of its time) counts in proportion to its wire share,
 and :meth:`LinkEstimator.probe_bytes` asks for a probe: the next figure all_reduce is padded to
-about eight latencies' worth of bytes at the current estimate (64 KiB to 8 MiB), which times
-the bandwidth at the cost of that one collective, at most every ``probe_every`` batches (its seconds are in
-every ``auto`` event, ``figures_s``).
+about eight latencies' worth of bytes at the current estimate, and to at least what the caller
+names (the controllers name the dense exchange of their buckets, what the gentlest choice would
+send), 64 KiB to 8 MiB; it times the bandwidth at the cost of that one collective, at most every
+``probe_every`` batches (its seconds are in every ``auto`` event, ``figures_s``). The floor
+matters after a recovery: sized from the slow link's estimate alone, a probe takes a small share
+of a latency on a link that became a hundred times faster, and the estimate climbs only by a
+factor per probe; the dense exchange's bytes on the new link take what the gentlest choice
+would take, which is what the decision needs to know.
 """
 
 from __future__ import annotations
@@ -137,17 +142,17 @@ class LinkEstimator:
             rate = math.exp(sum(x * w for x, w in logs) / sum(w for _, w in logs))
             self.link = Link(latency, rate)
 
-    def probe_bytes(self) -> int:
+    def probe_bytes(self, at_least: float = 0.0) -> int:
         """Bytes for the next figure all_reduce to carry: 0, or, when the last batch's time was
         mostly latency and no probe was asked for in the last ``probe_every`` batches, about
-        eight latencies' worth at the current estimate (within :data:`PROBE_BYTES`) so that its
-        time reads the bandwidth. Call once per batch."""
+        eight latencies' worth at the current estimate and at least ``at_least`` (within
+        :data:`PROBE_BYTES`) so that its time reads the bandwidth. Call once per batch."""
         self.since_probe += 1
         if self.link is None or self.last_share >= MIN_WIRE_SHARE or self.since_probe < self.probe_every:
             return 0
         self.since_probe = 0
         low, high = PROBE_BYTES
-        return int(min(high, max(low, 8 * self.link.latency_s * self.link.bytes_per_s)))
+        return int(min(high, max(low, at_least, 8 * self.link.latency_s * self.link.bytes_per_s)))
 
     def state_dict(self) -> dict[str, Any]:
         return {"batches": [[list(s) for s in b] for b in self.batches], "latency_s": self.latency_s,

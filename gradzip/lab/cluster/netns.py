@@ -8,7 +8,8 @@ Layout of one cluster (suffix ``S`` = owner pid as 6 hex digits + 2 random hex d
 
 Every host's ``eth0`` has a ``tbf`` qdisc at ``bandwidth`` (its egress); the switch-side end of
 each veth has one too (its ingress), so each host sees a full-duplex link of that rate, like a
-NIC on a switch port. ``netem`` is not available in the kernels this runs on, so latency is not
+NIC on a switch port; :meth:`Cluster.set_bandwidth` changes all of them in place while the
+cluster runs. ``netem`` is not available in the kernels this runs on, so latency is not
 emulated. Nothing is created in the root namespace: the hosts reach only each other, and two
 clusters never clash (same addresses, different namespaces). Deleting the switch namespace
 destroys every veth pair.
@@ -244,6 +245,25 @@ class Cluster:
         for sig, handler in self._old_handlers.items():
             signal.signal(sig, handler)
         self._old_handlers.clear()
+
+    def set_bandwidth(self, bandwidth: str | int) -> None:
+        """Change every link's rate to ``bandwidth`` while the cluster runs: the ``tbf`` of each
+        host's ``eth0`` and of each switch port is changed in place (``tc qdisc change``), so
+        connections stay up and packets already queued are kept; a run in progress sees the new
+        rate from its next packets on. Host by host, so for a moment links differ.
+
+        Raises:
+            ValueError: for a malformed ``bandwidth`` (see :func:`parse_bandwidth`).
+            ClusterError: if the cluster is not running or ``tc`` fails.
+        """
+        bits = parse_bandwidth(bandwidth)
+        if self._closed or not self._created:
+            raise ClusterError("set_bandwidth needs a running cluster (inside its with block)")
+        tbf = _tbf_args(bits)
+        for host in self.hosts:
+            _sh(["tc", "-n", host.netns, "qdisc", "change", "dev", host.ifname, "root", "tbf", *tbf])
+            _sh(["tc", "-n", self.switch, "qdisc", "change", "dev", f"h{host.index}", "root", "tbf", *tbf])
+        self.bandwidth_bits = bits
 
     # -- running commands ---------------------------------------------------------------------
     def command(self, host: Host, argv: Sequence[str]) -> list[str]:

@@ -239,6 +239,8 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
         }
         if replica_comm is not None:
             record["replica_payload_bytes"] = replica_comm["payload_bytes"]
+        if "link" in comm:  # an adaptive compressor's estimate of the link
+            record["link"] = comm["link"]
         if (step + 1) % cfg.eval_every == 0 or step == cfg.steps - 1:
             eval_start = time.perf_counter()
             record["val_loss"] = evaluate(model, val, device)

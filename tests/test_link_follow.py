@@ -1,0 +1,126 @@
+"""A link that drops and recovers mid-run, on the emulated cluster: ``auto`` and ``kimad`` move to
+stronger compression within 10 steps of the drop and back within 10 steps of the recovery.
+
+Two emulated hosts, one ``gradzip train`` rank each (gloo over the veths). The ``tbf`` rate of
+every host and switch port is 4 Gbit/s, drops to 20 Mbit/s once step ``DROP - 1`` is recorded,
+and returns to 4 Gbit/s once step ``RECOVER - 1`` is (:class:`LinkSchedule`). The model's
+gradient is 1.9 MB per step.
+
+Why these rates make the right choice differ, far from any threshold:
+
+- at 4 Gbit/s (about 3 Gbit/s through gloo on a 2-core machine) the dense exchange takes about
+  5 ms: Kimad's budget (100 ms at the link rate, tens of MB) holds the dense gradient many times
+  over, so every layer stays dense; for ``auto``, ``qsgd:bits=4``'s encoding and decoding (20 ms
+  on an idle core, several times that on a loaded one) costs more than the 4 ms it would save,
+  and ``fp16`` saves a few ms, under 5% of the step, so it keeps ``none`` or ``fp16`` (light:
+  2x at most);
+- at 20 Mbit/s the dense exchange takes about 0.75 s: Kimad's budget is about 250 kB, so it
+  must compress about 7x; ``auto`` saves most of that with ``qsgd:bits=4`` (6.3x), far more than
+  its encoding costs (``fp16`` would still take 0.38 s).
+
+``auto``'s candidates are ``none``, ``fp16`` and ``qsgd:bits=4``, whose relative errors (about
+0 and 0.09) are far under the error budget of 0.6, so the budget never decides here; the link
+does. The compression level of a step is its ``compression_ratio`` (dense bytes over payload
+bytes, rank 0's record): light at most 2, strong at least 4.
+
+The link estimate once settled on the slow link (the median of those in force from step
+``DROP + 10`` to ``RECOVER - 1``) is checked against the ``tbf`` rate within a factor of 1.5.
+Measured in nine runs on a loaded 2-core machine, that median read 15-22 Mbit/s for ``auto`` and
+20-25 Mbit/s for Kimad (whose single steps read up to 27 Mbit/s): within 25% of the rate every
+time, but with too little margin (23.5% once) for a bound of 25%. On the 4 Gbit/s link the estimates spread
+from about 0.5 to 20 Gbit/s (an exchange of 1 to 5 ms is mostly latency and scheduling noise)
+and are not checked.
+
+Needs root and network namespaces; skipped elsewhere with the reason. Each case takes about 30 s
+on a loaded 2-core machine, about 18 s of it the trainer's start-up (two ranks importing torch
+and transformers' GPT-2).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+import pytest
+from helpers.tiny_run import write_corpus
+
+from gradzip.lab.cluster import Cluster, parse_bandwidth, support_problem
+from gradzip.lab.cluster.schedule import LinkSchedule, parse_link_schedule
+from gradzip.lab.compare.runner import Emulated, launch_run, train_command
+
+PROBLEM = support_problem() if sys.platform.startswith("linux") else "emulated hosts need Linux"
+needs_netns = pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
+
+FAST, SLOW = "4gbit", "20mbit"
+DROP, RECOVER = 10, 24
+STEPS = RECOVER + 13  # the steps past RECOVER + FOLLOW show the choice held
+FOLLOW = 10  # steps within which the compression must follow a change of the link
+LIGHT, STRONG = 2.0, 4.0  # compression ratios
+ESTIMATE_FACTOR = 1.5  # the settled estimate of the slow link against its tbf rate, either way
+MODEL = dict(n_layer=2, n_embd=128, n_head=2, seq_len=64, batch_size=8, vocab_size=512, eval_every=1000,
+             eval_batches=1, threads=1, warmup_steps=2)
+OPTIONS = {
+    "auto": ["--adapt-every", "4", "--auto-candidates", "none;fp16;qsgd:bits=4"],
+    "kimad": [],
+}
+
+
+def _run(compressor: str, tmp_path):
+    from gradzip.lab.train.data import Corpus
+
+    data = write_corpus(tmp_path / "corpus.txt")
+    Corpus.load(data, MODEL["vocab_size"])  # tokenized once here, so the two ranks find it cached
+    out = tmp_path / compressor
+    argv = train_command(compressor, out_dir=out, steps=STEPS, seed=0, collective_timeout_s=120, no_exchange=False,
+                         options={**MODEL, "data": data}) + OPTIONS[compressor]  # fmt: skip
+    changes = parse_link_schedule(f"{DROP}:{SLOW},{RECOVER}:{FAST}")
+    with Cluster(2, FAST) as cluster, LinkSchedule(cluster, changes, out / "metrics.jsonl") as schedule:
+        result = launch_run(compressor, argv, world_size=2, out_dir=out, network=Emulated(cluster), run_index=0,
+                            timeout_s=240)  # fmt: skip
+    return result, schedule
+
+
+def _summary(records, drop: int, recover: int) -> str:
+    """One line per step: ratio and estimate, for the failure message and the log."""
+    lines = []
+    for r in records:
+        link = r.get("link")
+        est = f"{link['mbit']:8.1f} Mbit/s (step {link['step']})" if link else "-"
+        mark = " <- drop" if r["step"] == drop else " <- recovery" if r["step"] == recover else ""
+        lines.append(f"step {r['step']:2d}: ratio {r['compression_ratio']:5.2f}, step {r['step_s'] * 1e3:6.0f} ms, "
+                     f"estimate {est}{mark}")
+    return "\n".join(lines)
+
+
+@pytest.mark.e2e
+@needs_netns
+@pytest.mark.parametrize("compressor", ["auto", "kimad"])
+def test_compression_follows_a_link_that_drops_and_recovers(compressor, tmp_path):
+    result, schedule = _run(compressor, tmp_path)
+    assert result.status == "ok", result.error
+    assert schedule.error is None, schedule.error
+    assert [a.change.step for a in schedule.applied] == [DROP, RECOVER]
+    # the first step that can have run at each new rate (the change lands during it or the next)
+    drop, recover = (a.first_step for a in schedule.applied)
+    records = result.records
+    assert [r["step"] for r in records] == list(range(STEPS))
+    ratio = {r["step"]: r["compression_ratio"] for r in records}
+    log = _summary(records, drop, recover)
+    strong_at = next((s for s in range(drop, STEPS) if ratio[s] >= STRONG), None)
+    light_at = next((s for s in range(recover, STEPS) if ratio[s] <= LIGHT), None)
+    slow_est = statistics.median(records[s]["link"]["mbit"] for s in range(drop + FOLLOW, recover))
+    fast_est = records[-1]["link"]["mbit"]
+    print(f"\n{compressor}: drop lands in step {drop}, recovery in step {recover}; strong from step {strong_at}, "
+          f"light again from step {light_at}; estimate {slow_est:.1f} Mbit/s settled (tbf {SLOW}), "
+          f"{fast_est:.0f} Mbit/s at step {STEPS - 1} (tbf {FAST})\n{log}")
+
+    # light on the fast link before the drop (once the first decision is made)
+    assert all(ratio[s] <= LIGHT for s in range(drop - 3, drop)), log
+    # strong by drop + FOLLOW, and held until the recovery
+    assert all(ratio[s] >= STRONG for s in range(drop + FOLLOW, recover)), log
+    # light again by recover + FOLLOW, and held to the end
+    assert all(ratio[s] <= LIGHT for s in range(recover + FOLLOW, STEPS)), log
+
+    # the link estimate once settled on the slow link, against the tbf rate
+    slow_mbit = parse_bandwidth(SLOW) / 1e6
+    assert 1 / ESTIMATE_FACTOR <= slow_est / slow_mbit <= ESTIMATE_FACTOR, log
