@@ -176,7 +176,11 @@ def _nonfinite_worker(rank: int, world_size: int, specs: list[tuple[str, dict]])
 @pytest.mark.parametrize("world_size", [3])
 def test_reducers_agree_on_nonfinite_and_keep_state(world_size):
     specs = reducer_specs()
-    reports = run_ranks(_nonfinite_worker, world_size, specs, timeout_s=400)
+    check_contract(run_ranks(_nonfinite_worker, world_size, specs, timeout_s=400))
+
+
+def check_contract(reports: list[dict]) -> None:
+    """Assert what every rank's ``_nonfinite_worker`` report must show, and that ranks agree."""
     for name, first in reports[0].items():
         for rank, report in enumerate(reports):
             entry = report[name]
