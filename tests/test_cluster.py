@@ -96,6 +96,17 @@ def _ours(cluster_or_suffix) -> list[str]:
     return [n for n in list_namespaces() if f"-{suffix}-" in n]
 
 
+def _switch_ports(cluster: Cluster) -> list[str]:
+    """``tc qdisc show`` of the switch port towards each host, as tc prints it."""
+    return [
+        subprocess.run(
+            ["tc", "-n", cluster.switch, "qdisc", "show", "dev", f"h{host.index}"], capture_output=True, text=True,
+            check=True,
+        ).stdout
+        for host in cluster.hosts
+    ]
+
+
 def _dead(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -112,11 +123,7 @@ def test_two_hosts_qdisc_and_allreduce_bytes():
         # tbf on each host's egress and on the switch port towards it (its ingress), 12.5 MB/s
         for qdisc in cluster.qdiscs():
             assert qdisc["kind"] == "tbf" and qdisc["options"]["rate"] == 100_000_000 // 8
-        for host in cluster.hosts:
-            port = subprocess.run(
-                ["tc", "-n", cluster.switch, "qdisc", "show", "dev", f"h{host.index}"],
-                capture_output=True, text=True, check=True,
-            ).stdout  # fmt: skip
+        for port in _switch_ports(cluster):
             assert "tbf" in port and "rate 100Mbit" in port
 
         before = cluster.tx_bytes()
@@ -134,11 +141,7 @@ def test_two_hosts_qdisc_and_allreduce_bytes():
         # a new rate while the cluster runs: every host's eth0 and every switch port
         cluster.set_bandwidth("20mbit")
         assert all(q["kind"] == "tbf" and q["options"]["rate"] == 20_000_000 // 8 for q in cluster.qdiscs())
-        for host in cluster.hosts:
-            port = subprocess.run(
-                ["tc", "-n", cluster.switch, "qdisc", "show", "dev", f"h{host.index}"],
-                capture_output=True, text=True, check=True,
-            ).stdout  # fmt: skip
+        for port in _switch_ports(cluster):
             assert "tbf" in port and "rate 20Mbit" in port
         with pytest.raises(ValueError, match="bandwidth"):
             cluster.set_bandwidth("fast")
