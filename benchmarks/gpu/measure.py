@@ -273,16 +273,13 @@ def measure_hooks(args, device: torch.device, report: dict) -> None:
     gen = torch.Generator().manual_seed(0)
     batch = torch.randn(16, args.width, generator=gen).to(device)
     models: dict[str, DDP] = {}
-    one_bucket_rows: set[str] = set()
+    one_bucket = {name for name in GLOO_ONE_BUCKET if device.type != "cuda"}
     hooks = _hook_states()
     for name, (state, hook) in hooks.items():
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(0)
             layers = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width, bias=False) for _ in range(args.layers)])
-        one_bucket = device.type != "cuda" and name in GLOO_ONE_BUCKET
-        cap = 1e6 if one_bucket else args.bucket_mb
-        if one_bucket:
-            one_bucket_rows.add(name)
+        cap = 1e6 if name in one_bucket else args.bucket_mb
         ddp = DDP(layers.to(device), device_ids=[device.index] if device.type == "cuda" else None, bucket_cap_mb=cap)
         ddp.register_comm_hook(state, hook)
         models[name] = ddp
@@ -316,7 +313,7 @@ def measure_hooks(args, device: torch.device, report: dict) -> None:
         if times[name]:
             backward = statistics.median(times[name])
             row["backward_s"] = backward
-            if name in one_bucket_rows:
+            if name in one_bucket:
                 row["bucket_mb"], row["buckets"] = None, 1
                 row["note"] = "one bucket on gloo (see GLOO_ONE_BUCKET): no per-bucket figure"
             elif noop is not None and buckets:
