@@ -207,7 +207,7 @@ class CostController(_Base):
         self.windows_since_probe = 0 if probed else self.windows_since_probe + 1
         self.estimator.add(window.link_samples())
         current = {b.key: b.current for b in window.buckets}
-        bandwidth = self.link.bytes_per_s if self.link else 0.0
+        bandwidth = self.estimator.link.bytes_per_s if self.estimator.link else 0.0
         for b in window.buckets:
             # the running codec's error on what it was handed: over the budget, it is set aside
             if b.candidates is not None and b.current and b.candidates[b.current].relative_error > self.cfg.max_error:
@@ -250,7 +250,7 @@ class CostController(_Base):
             note = (f"predicted saving {saving_s * 1e3:.1f} ms under {self.cfg.trial_margin:.0%} of the "
                     f"{window.period_s * 1e3:.0f} ms step; no change")
             return Plan(current, self.cfg.adapt_every, reasons, note, probe_next)
-        bandwidth = self.link.bytes_per_s if self.link else 0.0
+        bandwidth = self.estimator.link.bytes_per_s if self.estimator.link else 0.0
         for choices, at_bandwidth in self.rejected:
             if choices == proposal and at_bandwidth > 0 and not _moved(bandwidth, at_bandwidth):
                 note = "proposal lost a trial before at a similar link rate; no change"
@@ -260,18 +260,18 @@ class CostController(_Base):
 
     def _candidate_s(self, cand: CandidateFigures) -> float:
         """Predicted seconds of one bucket's exchange with ``cand``: encode, decode, wire."""
-        assert self.link is not None
-        return cand.compress_s + cand.decompress_s + self.link.seconds(cand.sent_bytes, cand.collectives)
+        assert self.estimator.link is not None
+        return cand.compress_s + cand.decompress_s + self.estimator.link.seconds(cand.sent_bytes, cand.collectives)
 
     def _cost(self, choices: dict[Hashable, int]) -> float:
         """Predicted seconds per step of the probed buckets' exchanges under ``choices``."""
-        if self.link is None:
+        if self.estimator.link is None:
             return 0.0
         return sum(self._candidate_s(self.probes[k][c]) for k, c in choices.items() if k in self.probes)
 
     def _propose(self, window: WindowFigures) -> tuple[dict[Hashable, int], dict[Hashable, str]]:
         choices, reasons = {}, {}
-        link = self.link
+        link = self.estimator.link
         for b in window.buckets:
             cands = self.probes.get(b.key)
             if cands is None or link is None:
@@ -303,11 +303,6 @@ class CostController(_Base):
             choices[b.key] = best
             reasons[b.key] = self._reason(b, best, why)
         return choices, reasons
-
-    @property
-    def link(self) -> Link | None:
-        """The current estimate of the link."""
-        return self.estimator.link
 
     def link_estimate(self) -> Link | None:
         """The current estimate of the link (what the reducer records each window)."""
