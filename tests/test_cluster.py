@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -65,10 +66,14 @@ def test_link_schedule_changes_the_rate_once_the_step_before_is_recorded(tmp_pat
     metrics = tmp_path / "metrics.jsonl"
     written: list[int] = []  # steps whose line is complete in the file
     calls: list[tuple[int, int]] = []  # (rate, last step written when it was set)
+    # a line's end and its entry in ``written`` happen under this lock, so the recorder never
+    # reads ``written`` behind a line the schedule has already seen in the file
+    line_end = threading.Lock()
 
     class Recorder:
         def set_bandwidth(self, bits):
-            calls.append((bits, written[-1] if written else -1))
+            with line_end:
+                calls.append((bits, written[-1] if written else -1))
 
     with LinkSchedule(Recorder(), parse_link_schedule("3:20mbit,5:1gbit"), metrics, poll_s=0.001) as schedule:
         with open(metrics, "w", buffering=1) as f:
@@ -77,8 +82,9 @@ def test_link_schedule_changes_the_rate_once_the_step_before_is_recorded(tmp_pat
                 f.write(line[:5])  # a line half written is not read as a step
                 f.flush()
                 time.sleep(0.005)
-                f.write(line[5:] + "\n")
-                written.append(step)
+                with line_end:
+                    f.write(line[5:] + "\n")
+                    written.append(step)
                 time.sleep(0.005)
         deadline = time.monotonic() + 10
         while len(schedule.applied) < 2 and time.monotonic() < deadline:
