@@ -68,10 +68,6 @@ def check_options(args: argparse.Namespace) -> None:
     Raises:
         ValueError: naming the option and its allowed range.
     """
-    try:
-        model_shapes(args.model)
-    except ValueError as exc:
-        raise ValueError(f"--{exc}") from None
     check_int(args.gpus, name="--gpus", low=1, high=MAX_GPUS)
     _positive_ints(args.sweep, "--sweep", MAX_GPUS)
     check_int(args.tokens_per_gpu, name="--tokens-per-gpu", low=1, high=MAX_TOKENS_PER_GPU)
@@ -102,6 +98,12 @@ def check_options(args: argparse.Namespace) -> None:
             f"{', '.join(unused)} appl{'ies' if len(unused) == 1 else 'y'} only without --calibrate, "
             "which reads the model, codecs and world size from the runs"
         )
+    # last: it builds the model's shapes (transformers on the meta device), seconds where the
+    # checks above take microseconds
+    try:
+        model_shapes(args.model)
+    except ValueError as exc:
+        raise ValueError(f"--{exc}") from None
 
 
 def link_efficiency(text: str | None) -> float | str | None:
