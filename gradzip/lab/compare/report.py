@@ -88,6 +88,8 @@ def write_report(out: Path, rows: Sequence[dict[str, Any]], setup: dict[str, Any
         f"run; training options: {setup['train_options'] or 'defaults'}.",
         f"- Machine: {setup['cpu_count']} CPU cores shared by all {setup['world_size']} workers "
         "(compute alone is measured on the same workers in the `limit` row).",
+        *([f"- Link schedule: `{setup['link_schedule']}` (STEP:RATE) in every run, each run starting at "
+             f"{setup['bandwidth']}; the changes as made are listed below."] if setup.get("link_schedule") else []),
         f"- Command: `{setup['command']}`",
         f"- Target validation loss: {_num(target['target_loss'], '.4f', 'none')} ({target['target_source']}).",
         "",
@@ -96,6 +98,17 @@ def write_report(out: Path, rows: Sequence[dict[str, Any]], setup: dict[str, Any
         table(rows, wire=emulated),
         "",
     ]
+    if setup.get("link_schedule"):
+        lines += ["## Link changes", "",
+                  "Per run, each change of the link's rate as made: the step it was asked for, and the last step "
+                  "recorded before it began and after it ended (the first step at the new rate is one after one of "
+                  "them).", ""]  # fmt: skip
+        for r in rows:
+            changes = r.get("link_changes") or []
+            made = "; ".join(f"{c['rate']} for step {c['step']} (recorded {c['recorded_before']} -> "
+                             f"{c['recorded_after']}, {c['seconds']:.1f} s)" for c in changes)  # fmt: skip
+            lines.append(f"- `{r['compressor']}`: {made or 'none made'}")
+        lines.append("")
     bad = [r for r in rows if r["status"] != "ok"]
     if bad:
         lines += ["## Runs that did not finish", ""]
