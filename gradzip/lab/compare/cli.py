@@ -17,7 +17,8 @@ bytes (payload counted by the hook, and bytes on each host's link).
 
 With root, the workers run in emulated hosts (network namespaces) whose links are limited to
 --bandwidth by tbf; otherwise on loopback, which the report says. Writes OUT/report.md,
-results.json, loss_vs_time.png, loss_vs_bytes.png and one folder per run under OUT/runs/.
+results.json, loss_vs_time.png, loss_vs_bytes.png, layer_ratios.png (when an entry is kimad,
+legacy or edgc) and one folder per run under OUT/runs/.
 
 examples:
   gradzip compare --compressors none,fp16,powersgd:approx_rank=4,topk:ratio=0.01 \\

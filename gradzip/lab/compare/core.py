@@ -271,8 +271,8 @@ def write_outputs(out: Path, results: list[RunResult], setup: dict[str, Any], *,
                                 target_margin=setup.get("target_margin", TARGET_MARGIN))
     report.write_results(out, rows)
     report.write_report(out, rows, setup, target)
-    report.write_plots(out, results, rows, setup, target["target_loss"])
-    log(f"wrote {out}/report.md, results.json, loss_vs_time.png, loss_vs_bytes.png")
+    plots = report.write_plots(out, results, rows, setup, target["target_loss"])
+    log(f"wrote {out}/report.md, results.json, {', '.join(p.name for p in plots)}")
     return rows
 
 
