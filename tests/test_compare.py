@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from helpers.fake_train import FAKE_PAYLOAD, HELLO_BYTES, fake_records
 
-from gradzip.lab.cluster import support_problem
+from gradzip.lab.cluster import Host, support_problem
 from gradzip.lab.cluster.netns import list_namespaces
+from gradzip.lab.cluster.schedule import RateChange, parse_link_schedule
 from gradzip.lab.compare import (
     CompareConfig,
     compare_rows,
@@ -24,7 +26,7 @@ from gradzip.lab.compare import (
     split_compressors,
     time_to_target,
 )
-from gradzip.lab.compare.runner import RunResult
+from gradzip.lab.compare.runner import Emulated, RunResult
 
 FAKE_PREFIX = (sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "fake_train.py"))
 
@@ -41,6 +43,60 @@ def test_split_compressors():
     with pytest.raises(ValueError, match="bandwidth"):
         CompareConfig(compressors=["fp16"], bandwidth="fast").validate()
     assert CompareConfig(compressors=["fp16", "none"]).entries() == ["limit", "none", "fp16"]
+
+
+def test_link_schedule_from_the_command_line():
+    from gradzip.lab.cli import build_parser
+    from gradzip.lab.compare.cli import config
+
+    args = build_parser().parse_args(["compare", "--network", "emulated", "--link-schedule", "40:20mbit,80:1gbit",
+                                      "--steps", "120", "--compressors", "kimad"])  # fmt: skip
+    cfg = config(args).validate()
+    assert cfg.link_schedule == "40:20mbit,80:1gbit"
+    assert cfg.link_changes() == [RateChange(40, 20_000_000), RateChange(80, 1_000_000_000)]
+    assert config(build_parser().parse_args(["compare"])).link_changes() == []
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--link-schedule", "5:20mbit"], "needs --network emulated; got --network auto"),
+    (["--link-schedule", "5:20mbit", "--network", "loopback"], "needs --network emulated; got --network loopback"),
+    (["--link-schedule", "5-20mbit", "--network", "emulated"], "--link-schedule must be STEP:RATE pairs"),
+    (["--link-schedule", "5:20mbit,3:1gbit", "--network", "emulated"], "--link-schedule: steps must increase"),
+    (["--link-schedule", "5:fast", "--network", "emulated"], "--link-schedule: bandwidth"),
+    (["--link-schedule", "8:20mbit", "--network", "emulated"], "--link-schedule: step 8 is past the last step"),
+])  # fmt: skip
+def test_link_schedule_refusals_before_any_worker(argv, words, tmp_path, capsys):
+    from gradzip.lab.cli import main
+
+    out = tmp_path / "cmp"
+    assert main(["compare", "--steps", "8", "--out", str(out), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("gradzip: error: ") and words in err, err
+    assert not out.exists()  # refused before the output folder, let alone a worker
+
+
+def test_each_scheduled_run_starts_at_the_cluster_rate(tmp_path):
+    calls: list[int] = []
+
+    class Recorder:  # a cluster as the schedule and Emulated see it
+        bandwidth_bits = 1_000_000_000
+        hosts = [Host(0, "gz-test-h0", "10.0.0.1")]
+
+        def set_bandwidth(self, bits):
+            calls.append(bits)
+            self.bandwidth_bits = bits
+
+    network = Emulated(Recorder())
+    for run in range(2):
+        metrics = tmp_path / f"metrics{run}.jsonl"
+        metrics.write_text("".join(json.dumps({"step": s}) + "\n" for s in range(4)))
+        with network.link_schedule(parse_link_schedule("2:20mbit"), metrics) as schedule:
+            deadline = time.monotonic() + 10
+            while not schedule.applied and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert [(a.change.step, a.recorded_before) for a in schedule.applied] == [(2, 3)]
+    # each run: back to the cluster's own rate first, then the schedule's change
+    assert calls == [1_000_000_000, 20_000_000, 1_000_000_000, 20_000_000]
 
 
 def test_rows_from_known_runs():
@@ -132,10 +188,15 @@ def test_orchestration_hung_and_crashed_runs(tmp_path):
 @pytest.mark.e2e
 @pytest.mark.skipif(support_problem() is not None, reason=str(support_problem()))
 def test_orchestration_on_emulated_hosts(tmp_path):
-    cfg = _fake_config(tmp_path, ["fp16"], network="emulated", bandwidth="1gbit")
+    # (the schedule's rate is above what the stand-in sends, so the byte counts below hold)
+    cfg = _fake_config(tmp_path, ["fp16"], network="emulated", bandwidth="1gbit", link_schedule="2:500mbit")
     rows = run_compare(cfg, log=lambda line: None)
     by = {r["compressor"]: r for r in rows}
     assert all(r["status"] == "ok" for r in rows), rows
+    for row in rows:  # each run's own change, once its step 1 was recorded
+        [change] = row["link_changes"]
+        assert (change["step"], change["rate"]) == (2, "500mbit"), row
+        assert 1 <= change["recorded_before"] <= change["recorded_after"] <= 3, row
     for label, row in by.items():
         # rank 1 sent HELLO_BYTES + steps * payload to rank 0; TCP/IP/Ethernet headers <= 5 %
         # plus connection set-up and teardown (a few packets)
@@ -145,6 +206,9 @@ def test_orchestration_on_emulated_hosts(tmp_path):
     assert by["fp16"]["wire_bytes_exchange"] == pytest.approx(by["fp16"]["wire_bytes"] - by["limit"]["wire_bytes"])
     report = (Path(cfg.out) / "report.md").read_text()
     assert "emulated hosts" in report and "1gbit in each direction" in report and "wire MB/rank" in report
+    assert "Link schedule: `2:500mbit`" in report and "- `fp16`: 500mbit for step 2 (recorded " in report
+    saved = json.loads((Path(cfg.out) / "results.json").read_text())
+    assert [r["link_changes"] for r in saved] == [r["link_changes"] for r in rows]
     assert not [n for n in list_namespaces() if n.startswith(f"gz-{os.getpid():06x}")]
 
 

@@ -47,6 +47,7 @@ from helpers.tiny_run import write_corpus
 from gradzip.lab.cluster import Cluster, parse_bandwidth, support_problem
 from gradzip.lab.cluster.schedule import LinkSchedule, parse_link_schedule
 from gradzip.lab.compare.runner import Emulated, launch_run, train_command
+from gradzip.lab.train.layer_ratios import layer_ratios
 
 PROBLEM = support_problem() if sys.platform.startswith("linux") else "emulated hosts need Linux"
 needs_netns = pytest.mark.skipif(PROBLEM is not None, reason=PROBLEM or "")
@@ -124,3 +125,12 @@ def test_compression_follows_a_link_that_drops_and_recovers(compressor, tmp_path
     # the link estimate once settled on the slow link, against the tbf rate
     slow_mbit = parse_bandwidth(SLOW) / 1e6
     assert 1 / ESTIMATE_FACTOR <= slow_est / slow_mbit <= ESTIMATE_FACTOR, log
+
+    # the ratio per layer (layer_ratios.png) under Kimad's per-layer plans only; the layers' bytes
+    # make up each step's: the step's ratio is sum(numel) / sum(numel / layer ratio)
+    per_layer = layer_ratios(records)
+    assert (per_layer is not None) == (compressor == "kimad") == (result.out_dir / "layer_ratios.png").exists()
+    if per_layer is not None:
+        for i, record in enumerate(records):
+            payload = sum(n / row[i] for n, row in zip(per_layer.numels, per_layer.ratios))
+            assert sum(per_layer.numels) / payload == pytest.approx(record["compression_ratio"], rel=1e-9), record

@@ -1,9 +1,9 @@
 """A stand-in for one rank of ``gradzip train`` (standard library only, so it starts at once).
 
 It honours the torchrun contract (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), sends a known
-number of bytes from every rank to rank 0 over TCP, and rank 0 writes metrics.jsonl and
-summary.json with known step times and losses. Compressor ``hang`` sleeps; ``crash`` raises on
-rank 1 at once and on the others a second later.
+number of bytes from every rank to rank 0 over TCP, and rank 0 writes metrics.jsonl (a line
+every ``STEP_PAUSE_S``) and summary.json with known step times and losses. Compressor ``hang``
+sleeps; ``crash`` raises on rank 1 at once and on the others a second later.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from pathlib import Path
 FAKE_STEP_S = {"limit": 0.1, "none": 0.4, "fp16": 0.25}
 FAKE_PAYLOAD = {"limit": 0, "none": 200_000, "fp16": 100_000}
 HELLO_BYTES = 1000  # start-up traffic of every run, the limit row's included
+STEP_PAUSE_S = 0.1  # wall time between two steps' lines, for a link schedule to follow them
 
 
 def fake_records(label: str, steps: int, eval_every: int = 2) -> list[dict]:
@@ -66,7 +67,11 @@ def _fake_train(argv: list[str]) -> None:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         records = fake_records(label, args.steps, args.eval_every)
-        (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        with open(out / "metrics.jsonl", "w") as f:  # a line per step as it ends, as gradzip train writes them
+            for r in records:
+                f.write(json.dumps(r) + "\n")
+                f.flush()
+                time.sleep(STEP_PAUSE_S)
         summary = {"final_val_loss": records[-1]["val_loss"], "wall_s": records[-1]["elapsed_s"], "compute_s": 0.1}
         (out / "summary.json").write_text(json.dumps(summary))
     else:

@@ -45,10 +45,12 @@ def same(a, b) -> bool:
 
 
 def without_plots() -> None:
-    """Skip loss.png in this process: drawing it costs more than a tiny run (not under test here)."""
-    from gradzip.lab.train import report
+    """Skip loss.png and layer_ratios.png in this process: drawing them costs more than a tiny run
+    (not under test here)."""
+    from gradzip.lab.train import layer_ratios, report
 
     report.plot_losses = lambda *args, **kwargs: None
+    layer_ratios.plot = lambda *args, **kwargs: False
 
 
 def load(folder: Path, name: str) -> dict:

@@ -18,6 +18,9 @@ Definitions (per run; bytes are per rank over the whole run):
   None where the hook cannot say (PyTorch's PowerSGD).
 - ``sent_bytes``: bytes the hook says this rank sent over the wire, by the collectives' formulas
   (a ring all_reduce sends 2 (N-1)/N times its payload), summed over steps; None where unknown.
+- ``link_changes``: under ``--link-schedule``, the link rate changes made during the run, each
+  with the step and rate asked for and the last step recorded before and after it was made
+  (:func:`gradzip.lab.compare.runner.applied_changes`); None without a schedule.
 - ``wire_bytes``: bytes the hosts' interfaces sent during the run (Ethernet frames, mean over
   hosts), start-up included; ``wire_bytes_exchange`` subtracts the ``limit`` row's, which has the
   same start-up traffic (rendezvous, DDP's initial broadcast) and no gradient exchange.
@@ -86,6 +89,7 @@ def base_row(result: RunResult) -> dict[str, Any]:
         "wire_bytes": sum(wire) / len(wire) if wire else None,
         "wire_bytes_exchange": None,
         "wire_bytes_per_host": wire,
+        "link_changes": result.link_changes,
         "speedup": None,
         "fraction_of_limit": None,
         "compute_utilisation": None,

@@ -17,13 +17,16 @@ bytes (payload counted by the hook, and bytes on each host's link).
 
 With root, the workers run in emulated hosts (network namespaces) whose links are limited to
 --bandwidth by tbf; otherwise on loopback, which the report says. Writes OUT/report.md,
-results.json, loss_vs_time.png, loss_vs_bytes.png and one folder per run under OUT/runs/.
+results.json, loss_vs_time.png, loss_vs_bytes.png, layer_ratios.png (when an entry is kimad,
+legacy or edgc) and one folder per run under OUT/runs/.
 
 examples:
   gradzip compare --compressors none,fp16,powersgd:approx_rank=4,topk:ratio=0.01 \\
       --world-size 4 --bandwidth 100mbit --steps 100 --out runs/compare-100mbit
   gradzip compare --compressors fp16,torch:fp16,torch:powersgd --network loopback --steps 20
   gradzip compare --compressors powersgd:approx_rank=4,diloco:sync_every=20+uniform:bits=8 --bandwidth 20mbit
+  gradzip compare --compressors auto,kimad --network emulated --bandwidth 1gbit \\
+      --link-schedule 40:20mbit,80:1gbit --steps 120
   gradzip compare --model smollm2-135m --compressors none,powersgd:approx_rank=4 --world-size 2 --batch-size 2
 
 With --model the runs fine-tune that model; --lr and --warmup-steps then default to those of
@@ -59,6 +62,9 @@ def add_parser(sub) -> None:
                    "(default 0.01: 1%%; with --report-only, the comparison's own)")
     p.add_argument("--network", choices=NETWORKS, default="auto",
                    help="emulated hosts, loopback, or auto: emulated where root allows (default auto)")
+    p.add_argument("--link-schedule", default=None, metavar="STEP:RATE,...",
+                   help="change the links' rate during every run: 40:20mbit,80:100mbit sets 20mbit once step 39 is "
+                   "recorded and 100mbit once step 79 is; each run starts at --bandwidth (needs --network emulated)")
     p.add_argument("--timeout-s", type=float, default=3600.0,
                    help="wall-clock limit of one run; a run past it is stopped and reported (default 3600)")
     p.add_argument("--collective-timeout-s", type=float, default=300.0,
@@ -81,13 +87,11 @@ def train_options(args: argparse.Namespace) -> dict:
     return {**{k: v for k, v in FINETUNE_DEFAULTS.items() if k in TRAIN_OPTIONS}, **given}
 
 
-def run(args: argparse.Namespace) -> int:
-    from gradzip.lab.compare.core import rewrite_report, run_compare, split_compressors
+def config(args: argparse.Namespace) -> CompareConfig:
+    """The comparison the command line asks for (not yet validated)."""
+    from gradzip.lab.compare.core import split_compressors
 
-    if args.report_only:
-        rows = rewrite_report(args.out, target_loss=args.target_loss, target_margin=args.target_margin)
-        return 0 if all(r["status"] == "ok" for r in rows) else 1
-    cfg = CompareConfig(
+    return CompareConfig(
         compressors=split_compressors(args.compressors),
         world_size=args.world_size,
         ranks_per_host=args.ranks_per_host,
@@ -96,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         out=args.out,
         network=args.network,
+        link_schedule=args.link_schedule,
         target_loss=args.target_loss,
         **({} if args.target_margin is None else {"target_margin": args.target_margin}),
         timeout_s=args.timeout_s,
@@ -105,5 +110,13 @@ def run(args: argparse.Namespace) -> int:
         train_options=train_options(args),
         command="gradzip " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["compare"] else "",
     )
-    rows = run_compare(cfg, log=lambda line: print(line, flush=True))
+
+
+def run(args: argparse.Namespace) -> int:
+    from gradzip.lab.compare.core import rewrite_report, run_compare
+
+    if args.report_only:
+        rows = rewrite_report(args.out, target_loss=args.target_loss, target_margin=args.target_margin)
+        return 0 if all(r["status"] == "ok" for r in rows) else 1
+    rows = run_compare(config(args), log=lambda line: print(line, flush=True))
     return 0 if all(r["status"] == "ok" for r in rows) else 1

@@ -12,6 +12,7 @@ from typing import Any
 
 from gradzip.compressors.values import check_int, check_number
 from gradzip.lab.cluster import Cluster, format_bandwidth, parse_bandwidth, support_problem
+from gradzip.lab.cluster.schedule import RateChange, format_link_schedule, parse_link_schedule
 from gradzip.lab.compare import report
 from gradzip.lab.compare.analysis import BASELINE, LIMIT, TARGET_MARGIN, compare_rows
 from gradzip.lab.compare.runner import TRAIN_PREFIX, Emulated, Loopback, RunResult, launch_run, load_run, train_command
@@ -46,6 +47,11 @@ class CompareConfig:
     network: str = "auto"
     """``emulated`` (network namespaces; needs root), ``loopback``, or ``auto`` (emulated where
     possible, else loopback, saying why)."""
+
+    link_schedule: str | None = None
+    """``STEP:RATE`` pairs (``40:20mbit,80:100mbit``): every entry's link changes to ``RATE`` once
+    its step ``STEP - 1`` is recorded, from ``bandwidth`` at the start of each entry
+    (:mod:`gradzip.lab.cluster.schedule`); needs ``network="emulated"``, steps below ``steps``."""
 
     target_loss: float | None = None
     """Validation loss to reach; None: the baseline's final validation loss plus ``target_margin``."""
@@ -91,6 +97,14 @@ class CompareConfig:
         if self.network not in NETWORKS:
             raise ValueError(f"--network must be one of {', '.join(NETWORKS)}; got {self.network!r}")
         parse_bandwidth(self.bandwidth)
+        if self.link_schedule is not None:
+            if self.network != "emulated":
+                raise ValueError(f"--link-schedule changes the emulated hosts' links: it needs --network emulated; "
+                                 f"got --network {self.network}")
+            last = self.link_changes()[-1].step
+            if last >= self.steps:
+                raise ValueError(f"--link-schedule: step {last} is past the last step of the run ({self.steps - 1}, "
+                                 f"--steps {self.steps})")
         check_int(self.seed, name="--seed", low=0, high=2**63 - 1)
         for name in ("timeout_s", "collective_timeout_s"):
             check_number(getattr(self, name), name=f"--{name.replace('_', '-')}", low=0, low_open=True)
@@ -100,6 +114,14 @@ class CompareConfig:
         if LIMIT in self.compressors:
             raise ValueError(f"'{LIMIT}' is the no-exchange row, added by default; it is not a compressor")
         return self
+
+    def link_changes(self) -> list[RateChange]:
+        """``link_schedule`` read (empty when None).
+
+        Raises:
+            ValueError: naming ``--link-schedule`` for a malformed schedule.
+        """
+        return [] if self.link_schedule is None else parse_link_schedule(self.link_schedule)
 
     def entries(self) -> list[str]:
         """Row labels in run order: ``limit``, ``none``, then the compressors as given."""
@@ -197,6 +219,7 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
     if not emulated and cfg.network == "auto":
         log(f"gradzip compare: {reason}; running on loopback without a bandwidth limit")
     bandwidth = format_bandwidth(parse_bandwidth(cfg.bandwidth))
+    link_changes = cfg.link_changes()
 
     entries = cfg.entries()
     results: list[RunResult] = []
@@ -213,7 +236,7 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
                 prefix=cfg.train_prefix, replica_size=cfg.ranks_per_host,
             )
             result = launch_run(label, argv, world_size=cfg.world_size, out_dir=run_dir, network=network,
-                                run_index=index, timeout_s=cfg.timeout_s)  # fmt: skip
+                                run_index=index, timeout_s=cfg.timeout_s, link_changes=link_changes)  # fmt: skip
             if not cfg.keep_checkpoints:
                 shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
             results.append(result)
@@ -226,6 +249,7 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
         "network_reason": None if emulated else reason,
         "bandwidth": bandwidth,
         "link": f"{bandwidth} links" if emulated else "loopback",
+        "link_schedule": format_link_schedule(link_changes) if link_changes else None,
         "world_size": cfg.world_size,
         "ranks_per_host": cfg.ranks_per_host,
         "steps": cfg.steps,
@@ -247,8 +271,8 @@ def write_outputs(out: Path, results: list[RunResult], setup: dict[str, Any], *,
                                 target_margin=setup.get("target_margin", TARGET_MARGIN))
     report.write_results(out, rows)
     report.write_report(out, rows, setup, target)
-    report.write_plots(out, results, rows, setup, target["target_loss"])
-    log(f"wrote {out}/report.md, results.json, loss_vs_time.png, loss_vs_bytes.png")
+    plots = report.write_plots(out, results, rows, setup, target["target_loss"])
+    log(f"wrote {out}/report.md, results.json, {', '.join(p.name for p in plots)}")
     return rows
 
 

@@ -1,5 +1,5 @@
-"""What ``gradzip compare`` writes: ``report.md``, ``results.json``, ``loss_vs_time.png`` and
-``loss_vs_bytes.png``."""
+"""What ``gradzip compare`` writes: ``report.md``, ``results.json``, ``loss_vs_time.png``,
+``loss_vs_bytes.png`` and, when some entry is a per-layer schedule, ``layer_ratios.png``."""
 
 from __future__ import annotations
 
@@ -88,6 +88,8 @@ def write_report(out: Path, rows: Sequence[dict[str, Any]], setup: dict[str, Any
         f"run; training options: {setup['train_options'] or 'defaults'}.",
         f"- Machine: {setup['cpu_count']} CPU cores shared by all {setup['world_size']} workers "
         "(compute alone is measured on the same workers in the `limit` row).",
+        *([f"- Link schedule: `{setup['link_schedule']}` (STEP:RATE) in every run, each run starting at "
+             f"{setup['bandwidth']}; the changes as made are listed below."] if setup.get("link_schedule") else []),
         f"- Command: `{setup['command']}`",
         f"- Target validation loss: {_num(target['target_loss'], '.4f', 'none')} ({target['target_source']}).",
         "",
@@ -96,6 +98,17 @@ def write_report(out: Path, rows: Sequence[dict[str, Any]], setup: dict[str, Any
         table(rows, wire=emulated),
         "",
     ]
+    if setup.get("link_schedule"):
+        lines += ["## Link changes", "",
+                  "Per run, each change of the link's rate as made: the step it was asked for, and the last step "
+                  "recorded before it began and after it ended (the first step at the new rate is one after one of "
+                  "them).", ""]  # fmt: skip
+        for r in rows:
+            changes = r.get("link_changes") or []
+            made = "; ".join(f"{c['rate']} for step {c['step']} (recorded {c['recorded_before']} -> "
+                             f"{c['recorded_after']}, {c['seconds']:.1f} s)" for c in changes)  # fmt: skip
+            lines.append(f"- `{r['compressor']}`: {made or 'none made'}")
+        lines.append("")
     bad = [r for r in rows if r["status"] != "ok"]
     if bad:
         lines += ["## Runs that did not finish", ""]
@@ -206,4 +219,31 @@ def write_plots(out: Path, results: Sequence[RunResult], rows: Sequence[dict[str
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
         paths.append(out / name)
-    return paths
+    per_layer = _plot_layer_ratios(out / "layer_ratios.png", results, title)
+    return paths + ([per_layer] if per_layer else [])
+
+
+def _plot_layer_ratios(path: Path, results: Sequence[RunResult], title: str) -> Path | None:
+    """``layer_ratios.png``: a heatmap per entry that ran a per-layer schedule (as each run's own
+    ``layer_ratios.png``), one colour scale for all; None, writing nothing, without such an entry."""
+    import matplotlib.pyplot as plt
+
+    from gradzip.lab.train import layer_ratios
+
+    panels = [(r.label, ratios) for r in results if (ratios := layer_ratios.layer_ratios(r.records)) is not None]
+    if not panels:
+        return None
+    norm = layer_ratios.color_scale([ratios for _, ratios in panels])
+    height = max(layer_ratios.height(ratios) for _, ratios in panels)
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels) + 1.5, height), squeeze=False,
+                             layout="constrained")  # fmt: skip
+    for i, (ax, (label, ratios)) in enumerate(zip(axes[0], panels)):
+        mesh = layer_ratios.draw(ax, ratios, norm)
+        ax.set_title(label, fontsize=9)
+        if i:
+            ax.set_ylabel("")
+    fig.colorbar(mesh, ax=list(axes[0]), label="compression ratio (dense / payload bytes)")
+    fig.suptitle(f"Compression ratio per layer: {title}")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -4,7 +4,8 @@ on loopback, with a wall-clock limit, reading the bytes each host put on its lin
 Each rank is started the way torchrun would start it (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT`` in the environment), so ``gradzip train`` runs just that rank.
 On emulated hosts rank ``r`` runs in host ``r`` with ``GLOO_SOCKET_IFNAME`` set to its interface
-and the rendezvous store on host 0.
+and the rendezvous store on host 0; there a run may change the link's rate at given steps
+(:class:`~gradzip.lab.cluster.schedule.LinkSchedule`), starting from the cluster's own rate.
 """
 
 from __future__ import annotations
@@ -16,12 +17,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import gradzip
-from gradzip.lab.cluster import Cluster
+from gradzip.lab.cluster import Cluster, format_bandwidth
+from gradzip.lab.cluster.schedule import LinkSchedule, RateChange
 
 RUN_FILE = "run.json"  # how the run ended and its interface bytes, beside rank 0's files
 FAIL_GRACE_S = 10.0  # after one rank fails, how long the others get to exit before being killed
@@ -35,6 +38,8 @@ class RunResult:
     ``status`` is ``ok``, ``timeout`` (stopped at the wall-clock limit, or a collective timed
     out) or ``failed``; ``error`` holds the first failing rank's last log line. ``tx_bytes``
     has one entry per host (bytes its interface sent during the run), None on loopback.
+    ``link_changes`` lists the link rate changes made during the run (see :func:`applied_changes`),
+    None when the run had no link schedule.
     """
 
     label: str
@@ -43,6 +48,7 @@ class RunResult:
     error: str | None = None
     process_wall_s: float = 0.0
     tx_bytes: list[int] | None = None
+    link_changes: list[dict[str, Any]] | None = None
     records: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] | None = None
 
@@ -94,6 +100,13 @@ class Emulated:
         self.ranks_per_host = ranks_per_host
         self.master_addr = cluster.hosts[0].address
         self.ifname = cluster.hosts[0].ifname
+        self.bandwidth_bits = cluster.bandwidth_bits  # every scheduled run starts from this rate
+
+    def link_schedule(self, changes: Sequence[RateChange], metrics: Path) -> LinkSchedule:
+        """The link set back to the cluster's own rate (an earlier run's schedule may have changed
+        it), and a schedule of ``changes`` following ``metrics``, to enter around the run."""
+        self.cluster.set_bandwidth(self.bandwidth_bits)
+        return LinkSchedule(self.cluster, list(changes), metrics)
 
     def popen(self, rank: int, argv: Sequence[str], *, env: dict[str, str], **kwargs) -> subprocess.Popen:
         return self.cluster.popen(self.cluster.hosts[rank // self.ranks_per_host], argv, env=env, **kwargs)
@@ -123,6 +136,18 @@ def _rank_env(rank: int, world_size: int, network, port: int) -> dict[str, str]:
         PYTHONPATH=os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p),
     )
     return env
+
+
+def applied_changes(schedule: LinkSchedule) -> list[dict[str, Any]]:
+    """The changes ``schedule`` made, as saved in ``run.json`` and ``results.json``: ``step`` and
+    ``rate`` asked for, the last step recorded before the change began and after it ended
+    (``recorded_before``, ``recorded_after``; the first step at the new rate is one after one of
+    them), and ``seconds`` since the run started."""
+    return [
+        {"step": a.change.step, "rate": format_bandwidth(a.change.bits_per_s), "recorded_before": a.recorded_before,
+         "recorded_after": a.recorded_after, "seconds": round(a.seconds, 3)}
+        for a in schedule.applied
+    ]  # fmt: skip
 
 
 def _last_line(path: Path) -> str:
@@ -157,6 +182,7 @@ def launch_run(
     network,
     run_index: int,
     timeout_s: float,
+    link_changes: Sequence[RateChange] = (),
 ) -> RunResult:
     """Run ``train_argv`` (a command that honours the torchrun environment) on every rank.
 
@@ -166,45 +192,55 @@ def launch_run(
         network: :class:`Loopback` or :class:`Emulated`.
         run_index: distinct per run of one comparison (picks the rendezvous port).
         timeout_s: wall-clock limit of the run; past it every rank is killed.
+        link_changes: rate changes of the link at given steps (:class:`Emulated` only), made as
+            rank 0's ``metrics.jsonl`` reaches them, from the cluster's own rate; a change that
+            fails (``tc``) fails the run.
 
     Returns:
         the :class:`RunResult`; never raises for a failing or hanging run.
+
+    Raises:
+        ValueError: for ``link_changes`` on a network that is not :class:`Emulated`.
     """
+    if link_changes and not isinstance(network, Emulated):
+        raise ValueError("a link schedule needs emulated hosts (--network emulated)")
     out_dir.mkdir(parents=True, exist_ok=True)
     logs = out_dir / "logs"
     logs.mkdir(exist_ok=True)
     port = network.port(run_index)
     result = RunResult(label, out_dir)
     before = network.tx_bytes()
+    schedule = network.link_schedule(link_changes, out_dir / "metrics.jsonl") if link_changes else nullcontext()
     start = time.monotonic()
     procs, log_files = [], []
-    try:
-        for rank in range(world_size):
-            log = open(logs / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
-            log_files.append(log)
-            env = _rank_env(rank, world_size, network, port)
-            procs.append(network.popen(rank, train_argv, env=env, stdout=log, stderr=subprocess.STDOUT))
-        first_failure: tuple[int, float] | None = None
-        while any(p.poll() is None for p in procs):
-            now = time.monotonic()
-            if now - start > timeout_s:
-                result.status = "timeout"
-                result.error = f"stopped after {timeout_s:g} s (wall-clock limit of the run)"
-                break
-            failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
-            if failed and first_failure is None:
-                first_failure = (failed[0], now)
-            if first_failure is not None and now - first_failure[1] > FAIL_GRACE_S:
-                break
-            time.sleep(0.2)
-    finally:
-        network.kill_all()
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-            proc.wait()
-        for log in log_files:
-            log.close()
+    with schedule:
+        try:
+            for rank in range(world_size):
+                log = open(logs / f"rank{rank}.log", "w")  # noqa: SIM115 - closed below
+                log_files.append(log)
+                env = _rank_env(rank, world_size, network, port)
+                procs.append(network.popen(rank, train_argv, env=env, stdout=log, stderr=subprocess.STDOUT))
+            first_failure: tuple[int, float] | None = None
+            while any(p.poll() is None for p in procs):
+                now = time.monotonic()
+                if now - start > timeout_s:
+                    result.status = "timeout"
+                    result.error = f"stopped after {timeout_s:g} s (wall-clock limit of the run)"
+                    break
+                failed = [r for r, p in enumerate(procs) if p.poll() not in (None, 0)]
+                if failed and first_failure is None:
+                    first_failure = (failed[0], now)
+                if first_failure is not None and now - first_failure[1] > FAIL_GRACE_S:
+                    break
+                time.sleep(0.2)
+        finally:
+            network.kill_all()
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                proc.wait()
+            for log in log_files:
+                log.close()
     result.process_wall_s = time.monotonic() - start
     after = network.tx_bytes()
     if before is not None and after is not None:
@@ -216,12 +252,16 @@ def launch_run(
             rank = first_failure[0] if first_failure is not None else failed[0]
             result.error = f"rank {rank}: {_last_line(logs / f'rank{rank}.log')}"
             result.status = "timeout" if "timed out" in result.error.lower() else "failed"
+    if link_changes:
+        result.link_changes = applied_changes(schedule)
+        if schedule.error is not None and result.status == "ok":  # the run did not see the link asked for
+            result.status, result.error = "failed", f"link schedule: {schedule.error}"
     result.records, result.summary = read_records(out_dir)
     if result.status == "ok" and result.summary is None:
         result.status, result.error = "failed", "rank 0 wrote no summary.json"
     (out_dir / RUN_FILE).write_text(json.dumps(
-        {"label": label, "status": result.status, "error": result.error,
-         "process_wall_s": result.process_wall_s, "tx_bytes": result.tx_bytes}, indent=2) + "\n")  # fmt: skip
+        {"label": label, "status": result.status, "error": result.error, "process_wall_s": result.process_wall_s,
+         "tx_bytes": result.tx_bytes, "link_changes": result.link_changes}, indent=2) + "\n")  # fmt: skip
     return result
 
 
@@ -233,7 +273,7 @@ def load_run(out_dir: Path) -> RunResult:
     """
     saved = json.loads((out_dir / RUN_FILE).read_text())
     result = RunResult(saved["label"], out_dir, saved["status"], saved["error"], saved["process_wall_s"],
-                       saved["tx_bytes"])  # fmt: skip
+                       saved["tx_bytes"], saved.get("link_changes"))  # fmt: skip
     result.records, result.summary = read_records(out_dir)
     return result
 

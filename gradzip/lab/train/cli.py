@@ -14,8 +14,9 @@ data-parallel torch.distributed workers whose gradients travel compressed.
 
 With no arguments: 2 local gloo workers, a 3.7 M parameter model, powersgd:approx_rank=4,
 300 steps (a few minutes on 2 CPU cores). Under torchrun (RANK/WORLD_SIZE set) this process
-runs one rank instead of spawning. Writes OUT/metrics.jsonl, summary.json, loss.png and a
-checkpoint.
+runs one rank instead of spawning. Writes OUT/metrics.jsonl, summary.json, loss.png (and
+layer_ratios.png, the compression ratio of every layer at every step, under kimad, legacy or edgc)
+and a checkpoint.
 
 examples:
   gradzip train

@@ -97,8 +97,9 @@ class TrainConfig:
     backend: str = option("auto", "process-group backend: nccl when CUDA is available under auto",
                           check=OneOf(("auto", "gloo", "nccl")))
     threads: int = option(0, "CPU threads per worker; 0 divides the cores among the local workers", check=Int(0, 1024))
-    out: str = option("runs/latest", "output folder: metrics.jsonl, summary.json, loss.png, checkpoints (default "
-                      "runs/latest, or the resumed run's folder)", metavar="DIR", cli=False)
+    out: str = option("runs/latest", "output folder: metrics.jsonl, summary.json, loss.png (and layer_ratios.png under a "
+                      "per-layer schedule), checkpoints (default runs/latest, or the resumed run's folder)", metavar="DIR",
+                      cli=False)
     checkpoint_every: int = option(0, "save a checkpoint every N steps (0: only at the end)", check=Int(0), metavar="N")
     keep_checkpoints: int = option(2, "complete checkpoints to keep, newest first; 0 keeps all (two leave one to fall "
                                    "back on if the newest is damaged)", check=Int(0), metavar="K")

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradzip.choice import parse_compressor
 from gradzip.control.monitor import QualityMonitor
-from gradzip.lab.train import faults, report
+from gradzip.lab.train import faults, layer_ratios, report
 from gradzip.lab.train.checkpoint import Progress, resume, save_training_state
 from gradzip.lab.train.config import TrainConfig
 from gradzip.lab.train.data import Corpus, batch_generator, sample_batch, val_batches
@@ -306,10 +306,12 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     title = f"{summary['compressor']} on {world_size} workers" + (f", {cfg.model}" if cfg.model else "")
     report.plot_losses(log.records, out / "loss.png", title)
+    per_layer = layer_ratios.plot(log.records, out / "layer_ratios.png", f"Compression ratio per layer: {title}")
     if cfg.progress:
         print(report.summary_table(summary))
         print("\n".join(monitor.summary_lines()))
-        print(f"\nwrote {out}/metrics.jsonl, summary.json, loss.png, checkpoints/")
+        print(f"\nwrote {out}/metrics.jsonl, summary.json, loss.png, {'layer_ratios.png, ' if per_layer else ''}"
+              "checkpoints/")
     return summary
 
 

@@ -1,4 +1,5 @@
-"""What the main job writes and prints: metrics.jsonl, summary.json, loss.png, the summary table."""
+"""What the main job writes and prints: metrics.jsonl, summary.json, loss.png, the summary table
+(layer_ratios.png: :mod:`gradzip.lab.train.layer_ratios`)."""
 
 from __future__ import annotations
 
