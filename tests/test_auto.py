@@ -341,3 +341,57 @@ def test_train_auto_with_monitoring_and_verify_writes_it_all(tmp_path):
     summary = json.loads((out / "summary.json").read_text())["monitor"]
     assert summary["auto_decisions"] and summary["quality"]
     assert any("bucket" in line and "->" in line for line in proc.stdout.splitlines())
+
+
+def test_cost_controller_moves_off_a_running_codec_over_the_error_budget_without_a_trial():
+    ctl = CostController(AutoConfig(adapt_every=40, trial_steps=8, max_error=0.6), SPECS)
+    assert ctl.decide(_window([_bucket(comm_s=4e6 / 12.5e6)], latency_s=0.0001)).choices == {0: 3}
+    ctl.decide(_window([_bucket(current=3, comm_s=0.01, probes=False)], period_s=0.6, latency_s=0.0001))  # kept
+    # no probe of every candidate in this window; the running PowerSGD measured 0.8 on its last step
+    plan = ctl.decide(_window([_bucket(current=3, comm_s=0.01, probes=False, running_error=0.8)], period_s=0.6,
+                              latency_s=0.0001))
+    # Top-K's probe (0.7) is over the budget too, and PowerSGD is set aside: fp16 is the cheapest
+    # within it on a 100 Mbit/s link (2 MB against dense 4 MB)
+    assert plan.choices == {0: 1} and ctl.trial is None and plan.window_steps == 40 and plan.probe_next
+    assert "error budget" in plan.note and "powersgd:approx_rank=4 error 0.80" in plan.reasons[0]
+    # fp16 runs within the budget: PowerSGD is not proposed again on the same link
+    plan = ctl.decide(_window([_bucket(current=1, comm_s=2e6 / 12.5e6, running_error=1e-4)], period_s=0.8,
+                              latency_s=0.0001))
+    assert plan.choices == {0: 1}
+
+
+def _over_budget(rank: int, world_size: int) -> dict:
+    from gradzip.control.auto import make_controller
+    from gradzip.control.auto_reducer import AutoReducer
+
+    cfg = AutoConfig(adapt_every=4, trial_steps=4, reprobe_every=100, max_error=0.5,
+                     candidates=("topk:ratio=0.05",))
+    specs = cfg.candidate_specs()
+    metrics = StepMetrics()
+    reducer = AutoReducer(specs, make_controller(cfg, specs), metrics=metrics)
+    reducer.force(6, {0: "topk:ratio=0.05", 1: "topk:ratio=0.05"})
+    choices = []
+    for step in range(12):
+        futs = [reducer.reduce(k, _grad(rank, step, k), step=step, shapes=SHAPES[k]) for k in SHAPES]
+        for f in futs:
+            f.wait()
+        choices.append(dict(reducer.choices))
+    dist.barrier()
+    return {"choices": choices, "events": [e for e in metrics.events if e["kind"] == "auto"]}
+
+
+@pytest.mark.dist
+def test_a_running_codec_over_the_error_budget_is_measured_and_left_between_full_probes():
+    # Top-K at 5% of Gaussian gradients leaves most of their norm (relative error near 0.9): the
+    # first window's probe keeps the buckets dense; Top-K forced at step 6 runs in a window that
+    # prices no candidate (reprobe_every=100), and its own error, measured on the window's last
+    # step, moves both buckets back to dense at the window's end (step 9), without a trial.
+    results = run_ranks(_over_budget, 2, timeout_s=120)
+    assert results[0] == results[1]
+    choices, events = results[0]["choices"], results[0]["events"]
+    assert choices[5] == {} or set(choices[5].values()) == {0}
+    assert choices[8] == {0: 1, 1: 1} and choices[9] == {0: 0, 1: 0} and choices[11] == {0: 0, 1: 0}
+    left = [e for e in events if e["step"] == 9]
+    assert len(left) == 1 and "error budget" in left[0]["note"]
+    errors = [float(r.split(" error ")[1].split(" ")[0]) for r in left[0]["reasons"].values()]
+    assert len(errors) == 2 and all(e > 0.5 for e in errors)

@@ -15,9 +15,12 @@ Schedules (``--auto-schedule``):
   ``||x - D(C(x))|| / ||x||`` is within ``max_error``, and picks the cheapest, dense unless a
   codec saves at least ``min_gain`` of the dense cost. ``x`` is the bucket's gradient plus the
   residual the bucket carries (the tensor the codec is handed), so the error is the figure the
-  monitor logs as ``relative_error``; a codec whose error exceeded the budget on the bucket while
-  it ran is not proposed there again until the link rate moves by a quarter (an error-feedback
-  codec's error grows with the residual it builds, which a probe from a clean start cannot see).
+  monitor logs as ``relative_error``. The running codec's error is measured again on the last
+  step of every window (one encode and decode of the bucket), because an error-feedback codec's
+  error grows with the residual it builds, which a probe from a clean start cannot see: a running
+  codec over the budget is replaced at once, without a trial, by the cheapest candidate still
+  within it (dense when none is), and is not proposed on that bucket again until the link rate
+  moves by a quarter.
   The budget is per bucket, in the spirit of L-GreCo (Markov et al., arXiv 2210.17357) and Kimad
   (Xin et al., arXiv 2312.08053); their optimisers are ``--compressor kimad``.
   A proposal that differs from the running choice is then tried for ``trial_steps`` steps and
@@ -176,6 +179,8 @@ class _Base:
 class CostController(_Base):
     """The ``cost`` schedule (see the module docstring)."""
 
+    checks_running_error = True
+
     def __init__(self, cfg: AutoConfig, specs: list[str]) -> None:
         super().__init__(cfg, specs)
         self.trial_steps = cfg.trial_steps or max(4, cfg.adapt_every // 4)
@@ -213,6 +218,9 @@ class CostController(_Base):
             if b.candidates is not None and b.current and b.candidates[b.current].relative_error > self.cfg.max_error:
                 self.over_budget[(b.key, b.current)] = bandwidth
         probe_next = self.windows_since_probe + 1 >= self.cfg.reprobe_every
+        over = [b for b in window.buckets if b.current and b.running_error > self.cfg.max_error]
+        if over:
+            return self._leave_over_budget(window, over, current, bandwidth)
 
         if self.trial is not None:
             trial, self.trial = self.trial, None
@@ -257,6 +265,25 @@ class CostController(_Base):
                 return Plan(current, self.cfg.adapt_every, reasons, note, probe_next)
         self.trial, self.trial_bytes_per_s = dict(proposal), bandwidth
         return Plan(dict(proposal), self.trial_steps, reasons, f"trial for {self.trial_steps} steps", False)
+
+    def _leave_over_budget(self, window: WindowFigures, over: list[BucketFigures], current: dict[Hashable, int],
+                           bandwidth: float) -> Plan:
+        """The running codec of the buckets in ``over`` measured above the error budget on what
+        it was handed: each moves at once, without a trial, to the cheapest candidate still
+        within the budget by the last probes (dense when none is); a trial under way ends, and
+        the other buckets keep their codec. Every candidate is priced again in the next window."""
+        for b in over:
+            self.over_budget[(b.key, b.current)] = bandwidth
+        self.trial = None
+        proposal, why = self._propose(window)
+        choices, reasons = dict(current), {}
+        for b in over:
+            choices[b.key] = proposal.get(b.key, 0)
+            head = f"{self.specs[b.current]} error {b.running_error:.2f} over the budget {self.cfg.max_error:g}"
+            reasons[b.key] = f"{head}; {why[b.key]}" if b.key in why else head
+        self.running, self.running_period_s = dict(choices), None
+        note = f"over the error budget on {len(over)} bucket{'s' if len(over) > 1 else ''}; moved without a trial"
+        return Plan(choices, self.cfg.adapt_every, reasons, note, True)
 
     def _candidate_s(self, cand: CandidateFigures) -> float:
         """Predicted seconds of one bucket's exchange with ``cand``: encode, decode, wire."""

@@ -57,8 +57,9 @@ from gradzip.control.figures import BucketFigures, CandidateFigures, Plan, Windo
 from gradzip.keys import label, regroup, tensor_key
 from gradzip.metrics import StepMetrics, quality_figures
 
-# numel, itemsize, payload_bytes, sent_bytes, -communicate_s, collectives, gradient_sum_norm
-_BUCKET_FIELDS = 7
+# numel, itemsize, payload_bytes, sent_bytes, -communicate_s, collectives, gradient_sum_norm,
+# running_error
+_BUCKET_FIELDS = 8
 # compress_s, decompress_s, payload_bytes, sent_bytes, collectives, relative_error
 _CANDIDATE_FIELDS = 6
 MIN_WINDOW_STEPS = 3
@@ -68,6 +69,8 @@ class Controller(Protocol):
     """Turns a window's figures into a plan; must be a deterministic function of what it saw."""
 
     needs_gradient_sum: bool
+    #: measure the running codec's error on every window's last step, not only when probing all
+    checks_running_error: bool
     #: sample the averaged gradient's entropy every this many steps (0: never)
     entropy_every: int
 
@@ -145,6 +148,7 @@ class AutoReducer:
         self._periods: list[float] = []
         self._sums: dict[Hashable, Tensor] = {}
         self._probes: dict[Hashable, list[dict[str, float]]] = {}
+        self._running_errors: dict[Hashable, float] = {}  # the running codec's, this window
         self._totals_at_start: dict[Hashable, dict[str, float]] = {}
         self._step: int | None = None
         self._step_first_s: float | None = None
@@ -194,8 +198,11 @@ class AutoReducer:
                 self._sums[key] = grad.detach().float().clone()
             else:
                 total += grad
-        if in_window and step == self.window_end - 1 and self.probe_this_window:
-            self._probe(key, grad, step, shapes)
+        if in_window and step == self.window_end - 1:
+            if self.probe_this_window:
+                self._probe(key, grad, step, shapes)
+            elif getattr(self.controller, "checks_running_error", False):
+                self._probe_running(key, grad, step, shapes)
         carry = self.carry.pop(key, None)
         if carry is None and regroup(self.carry, key) is not None:  # DDP laid its parameters out anew
             carry = self.carry.pop(key)
@@ -320,6 +327,7 @@ class AutoReducer:
                 -delta("communicate_s"),
                 delta("collectives"),
                 float(total.norm()) if total is not None else 0.0,
+                self._running_errors.get(key, 0.0),
             ]
             values += self._probe_values(key, probed)
         sampled = self._sampled_steps()
@@ -367,6 +375,7 @@ class AutoReducer:
         self._seen = set()
         self._sums = {}
         self._probes = {}
+        self._running_errors = {}
         self._entropy_steps = {}
         self._exchange = []
         self._in_flight = []
@@ -426,13 +435,14 @@ class AutoReducer:
         world_size = dist.get_world_size(self.group)
         buckets, i = [], 0
         for key in order:
-            numel, itemsize, payload, sent, neg_comm, colls, sum_norm = values[i : i + _BUCKET_FIELDS]
+            numel, itemsize, payload, sent, neg_comm, colls, sum_norm, running_error = values[i : i + _BUCKET_FIELDS]
             i += _BUCKET_FIELDS
             i, extra = self._probe_figures(values, i, key, probed)
             current = self.choices.get(key, 0)
             buckets.append(BucketFigures(
                 key=key, numel=int(numel), itemsize=int(itemsize), current=current, payload_bytes=payload,
-                sent_bytes=sent, communicate_s=-neg_comm, collectives=colls, gradient_sum_norm=sum_norm, **extra,
+                sent_bytes=sent, communicate_s=-neg_comm, collectives=colls, gradient_sum_norm=sum_norm,
+                running_error=running_error, **extra,
             ))
         entropy_samples = values[i : i + n_sampled]
         i += n_sampled
@@ -441,14 +451,28 @@ class AutoReducer:
                              in_flight_s=-neg_in_flight, exchange_s=exchange, figures_s=-neg_figures,
                              figures_bytes=self._figures_bytes, entropy=entropy_samples)
 
-    def _probe(self, key: Hashable, grad: Tensor, step: int, shapes: list[torch.Size]) -> None:
-        """Price every candidate on ``x``, the bucket plus what it still owes (carried and the
-        running codec's residual): the tensor a codec is handed, whose relative error the
-        monitor logs."""
-        world_size = dist.get_world_size(self.group)
+    def _handed(self, key: Hashable, grad: Tensor) -> Tensor:
+        """``x``: the bucket plus what it still owes (carried and the running codec's residual),
+        the tensor a codec is handed, whose relative error the monitor logs."""
         owed = self.residual(key)
         if owed is not None and owed.numel() == grad.numel():
             grad = (grad.reshape(-1).float() + owed.to(grad.device)).to(grad.dtype).view(grad.shape)
+        return grad
+
+    def _probe_running(self, key: Hashable, grad: Tensor, step: int, shapes: list[torch.Size]) -> None:
+        """The running codec's relative error on ``x`` (see :meth:`_handed`), one encode and
+        decode: what keeps the error budget enforced between the windows that price every candidate."""
+        current = self.choices.get(key, 0)
+        if current == 0:
+            return
+        x = self._handed(key, grad)
+        figures = quality_figures(x, self.reducers[current].probe(key, x, step=step, shapes=shapes)["decoded"])
+        self._running_errors[key] = 0.0 if figures is None else figures["relative_error"]
+
+    def _probe(self, key: Hashable, grad: Tensor, step: int, shapes: list[torch.Size]) -> None:
+        """Price every candidate on ``x`` (see :meth:`_handed`)."""
+        world_size = dist.get_world_size(self.group)
+        grad = self._handed(key, grad)
         results = []
         for c, reducer in enumerate(self.reducers):
             if c == 0:
@@ -465,6 +489,7 @@ class AutoReducer:
                 "relative_error": 0.0 if figures is None else figures["relative_error"],
             })
         self._probes[key] = results
+        self._running_errors[key] = results[self.choices.get(key, 0)]["relative_error"]
 
     def _switch(self, key: Hashable, index: int, step: int, *, reason: str) -> None:
         old = self.choices.get(key, 0)
@@ -528,12 +553,14 @@ class AutoReducer:
         """What the open window gathered that is not timing (a resumed run keeps sampling it)."""
         with self._entropy_lock:
             return {"entropy_steps": dict(self._entropy_steps),
-                    "figures": [self._figures_s, self._figures_bytes, self._probe_bytes]}
+                    "figures": [self._figures_s, self._figures_bytes, self._probe_bytes],
+                    "running_errors": dict(self._running_errors)}
 
     def _load_window_state(self, state: dict[str, Any] | None) -> None:
         if state is not None:
             self._entropy_steps = dict(state["entropy_steps"])
             self._figures_s, self._figures_bytes, self._probe_bytes = state["figures"]
+            self._running_errors = dict(state.get("running_errors", {}))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned.

@@ -66,6 +66,9 @@ class BucketFigures:
             ranks: the last rank to arrive waits least, so its figure is closest to the transfer).
         collectives: collectives per step.
         gradient_sum_norm: norm of the bucket's gradient summed over the window (max over ranks).
+        running_error: the running codec's relative error ``||x - D(C(x))|| / ||x||`` on the
+            window's last step, ``x`` the tensor it was handed (gradient plus residual), max over
+            ranks; 0 for dense, or where the controller does not ask for it.
         candidates: probe figures per candidate (same order as the reducer's candidates), or
             None when this window did not probe.
         layers: per-layer figures under a per-layer schedule (None otherwise).
@@ -80,6 +83,7 @@ class BucketFigures:
     communicate_s: float
     collectives: float
     gradient_sum_norm: float
+    running_error: float = 0.0
     candidates: list[CandidateFigures] | None = None
     layers: list[LayerFigures] | None = None
 
