@@ -13,7 +13,6 @@ after each.
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 import time
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from gradzip.lab.cluster.netns import Cluster, format_bandwidth, parse_bandwidth
+from gradzip.lab.train.tail import MetricsTail
 
 
 @dataclass(frozen=True)
@@ -100,7 +100,7 @@ class LinkSchedule:
         self.applied: list[Applied] = []
         self.error: BaseException | None = None
         self._last_step = -1
-        self._offset = 0
+        self._tail = MetricsTail(self.metrics)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="link-schedule", daemon=True)
         self._start = 0.0
@@ -116,21 +116,10 @@ class LinkSchedule:
 
     def last_step(self) -> int:
         """The last step recorded in ``metrics`` (-1 before the first), read now."""
-        try:
-            with open(self.metrics, "rb") as f:
-                f.seek(self._offset)
-                chunk = f.read()
-        except FileNotFoundError:
-            return self._last_step
-        end = chunk.rfind(b"\n") + 1  # a line still being written is read next time
-        for line in chunk[:end].splitlines():
-            try:
-                step = json.loads(line).get("step")
-            except (ValueError, AttributeError):
-                continue
+        for record in self._tail.read():
+            step = record.get("step")
             if isinstance(step, int):
                 self._last_step = max(self._last_step, step)
-        self._offset += end
         return self._last_step
 
     def _run(self) -> None:

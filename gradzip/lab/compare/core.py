@@ -15,6 +15,7 @@ from gradzip.lab.cluster import Cluster, format_bandwidth, parse_bandwidth, supp
 from gradzip.lab.cluster.schedule import RateChange, format_link_schedule, parse_link_schedule
 from gradzip.lab.compare import report
 from gradzip.lab.compare.analysis import BASELINE, LIMIT, TARGET_MARGIN, compare_rows
+from gradzip.lab.compare.progress import EntryProgress
 from gradzip.lab.compare.runner import TRAIN_PREFIX, Emulated, Loopback, RunResult, launch_run, load_run, train_command
 from gradzip.lab.train.config import TrainConfig
 
@@ -235,8 +236,9 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
                 collective_timeout_s=cfg.collective_timeout_s, no_exchange=label == LIMIT, options=cfg.train_options,
                 prefix=cfg.train_prefix, replica_size=cfg.ranks_per_host,
             )
-            result = launch_run(label, argv, world_size=cfg.world_size, out_dir=run_dir, network=network,
-                                run_index=index, timeout_s=cfg.timeout_s, link_changes=link_changes)  # fmt: skip
+            with EntryProgress(run_dir / "metrics.jsonl", f"[{index + 1}/{len(entries)}] {label}", cfg.steps):
+                result = launch_run(label, argv, world_size=cfg.world_size, out_dir=run_dir, network=network,
+                                    run_index=index, timeout_s=cfg.timeout_s, link_changes=link_changes)  # fmt: skip
             if not cfg.keep_checkpoints:
                 shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
             results.append(result)
