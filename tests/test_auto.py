@@ -395,3 +395,47 @@ def test_a_running_codec_over_the_error_budget_is_measured_and_left_between_full
     assert len(left) == 1 and "error budget" in left[0]["note"]
     errors = [float(r.split(" error ")[1].split(" ")[0]) for r in left[0]["reasons"].values()]
     assert len(errors) == 2 and all(e > 0.5 for e in errors)
+
+
+def _running_error_vs_monitor(rank: int, world_size: int) -> dict:
+    from gradzip.control.auto import make_controller
+    from gradzip.control.auto_reducer import AutoReducer
+
+    cfg = AutoConfig(adapt_every=4, trial_steps=4, reprobe_every=100, max_error=2.0,
+                     candidates=("powersgd:approx_rank=1", "topk:ratio=0.1"))
+    specs = cfg.candidate_specs()
+    metrics = StepMetrics(monitor_every=4)
+    reducer = AutoReducer(specs, make_controller(cfg, specs), metrics=metrics)
+    seen = []
+    decide = reducer.controller.decide
+
+    def recording(window):
+        seen.append({str(b.key): b.running_error for b in window.buckets})
+        return decide(window)
+
+    reducer.controller.decide = recording
+    reducer.force(2, {0: "powersgd:approx_rank=1", 1: "topk:ratio=0.1"})
+    monitored = {}
+    for step in range(10):
+        futs = [reducer.reduce(k, _grad(rank, step, k), step=step, shapes=SHAPES[k]) for k in SHAPES]
+        for f in futs:
+            f.wait()
+        popped = metrics.pop()
+        if step == 8:
+            monitored = {str(k): b["quality"]["relative_error"] for k, b in popped["buckets"].items()}
+    dist.barrier()
+    return {"seen": seen, "monitored": monitored}
+
+
+@pytest.mark.dist
+def test_the_running_error_auto_reads_is_the_figure_the_monitor_logs():
+    # PowerSGD's error with the all-reduced P (what it really leaves) and Top-K's, read from the
+    # residual each left on the window's last step (8), against the reducers' own monitor there;
+    # the max over the 3 ranks is what the controller sees.
+    results = run_ranks(_running_error_vs_monitor, 3, timeout_s=120)
+    seen = results[0]["seen"]
+    assert len(seen) == 2 and all(r["seen"] == seen for r in results)
+    for key in ("0", "1"):
+        expected = max(r["monitored"][key] for r in results)
+        assert 0.05 < expected < 1.0
+        assert seen[1][key] == pytest.approx(expected, rel=1e-5)

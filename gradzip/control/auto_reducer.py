@@ -148,7 +148,8 @@ class AutoReducer:
         self._periods: list[float] = []
         self._sums: dict[Hashable, Tensor] = {}
         self._probes: dict[Hashable, list[dict[str, float]]] = {}
-        self._running_errors: dict[Hashable, float] = {}  # the running codec's, this window
+        # ||x|| of what the running codec was handed on the window's last step, per bucket
+        self._handed_norms: dict[Hashable, float] = {}
         self._totals_at_start: dict[Hashable, dict[str, float]] = {}
         self._step: int | None = None
         self._step_first_s: float | None = None
@@ -201,8 +202,8 @@ class AutoReducer:
         if in_window and step == self.window_end - 1:
             if self.probe_this_window:
                 self._probe(key, grad, step, shapes)
-            elif getattr(self.controller, "checks_running_error", False):
-                self._probe_running(key, grad, step, shapes)
+            if getattr(self.controller, "checks_running_error", False) and self.choices.get(key, 0) != 0:
+                self._handed_norms[key] = float(torch.linalg.vector_norm(self._handed(key, grad).float()))
         carry = self.carry.pop(key, None)
         if carry is None and regroup(self.carry, key) is not None:  # DDP laid its parameters out anew
             carry = self.carry.pop(key)
@@ -327,7 +328,7 @@ class AutoReducer:
                 -delta("communicate_s"),
                 delta("collectives"),
                 float(total.norm()) if total is not None else 0.0,
-                self._running_errors.get(key, 0.0),
+                self._running_error(key),
             ]
             values += self._probe_values(key, probed)
         sampled = self._sampled_steps()
@@ -375,7 +376,7 @@ class AutoReducer:
         self._seen = set()
         self._sums = {}
         self._probes = {}
-        self._running_errors = {}
+        self._handed_norms = {}
         self._entropy_steps = {}
         self._exchange = []
         self._in_flight = []
@@ -459,15 +460,17 @@ class AutoReducer:
             grad = (grad.reshape(-1).float() + owed.to(grad.device)).to(grad.dtype).view(grad.shape)
         return grad
 
-    def _probe_running(self, key: Hashable, grad: Tensor, step: int, shapes: list[torch.Size]) -> None:
-        """The running codec's relative error on ``x`` (see :meth:`_handed`), one encode and
-        decode: what keeps the error budget enforced between the windows that price every candidate."""
-        current = self.choices.get(key, 0)
-        if current == 0:
-            return
-        x = self._handed(key, grad)
-        figures = quality_figures(x, self.reducers[current].probe(key, x, step=step, shapes=shapes)["decoded"])
-        self._running_errors[key] = 0.0 if figures is None else figures["relative_error"]
+    def _running_error(self, key: Hashable) -> float:
+        """The running codec's relative error ``||x - D(C(x))|| / ||x||`` on the window's last
+        step, 0 where it was not measured. Every candidate but ``none`` keeps error feedback, so
+        what the bucket owes after that step is exactly ``x - D(C(x))`` (PowerSGD's: ``M - P
+        Q_local^T`` with the all-reduced ``P``, the figure its monitor logs; a local probe, which
+        fits ``P`` to this rank's gradient alone, would read lower)."""
+        norm = self._handed_norms.get(key)
+        if not norm:
+            return 0.0
+        owed = self.residual(key)
+        return 0.0 if owed is None else float(torch.linalg.vector_norm(owed)) / norm
 
     def _probe(self, key: Hashable, grad: Tensor, step: int, shapes: list[torch.Size]) -> None:
         """Price every candidate on ``x`` (see :meth:`_handed`)."""
@@ -489,7 +492,6 @@ class AutoReducer:
                 "relative_error": 0.0 if figures is None else figures["relative_error"],
             })
         self._probes[key] = results
-        self._running_errors[key] = results[self.choices.get(key, 0)]["relative_error"]
 
     def _switch(self, key: Hashable, index: int, step: int, *, reason: str) -> None:
         old = self.choices.get(key, 0)
@@ -554,13 +556,13 @@ class AutoReducer:
         with self._entropy_lock:
             return {"entropy_steps": dict(self._entropy_steps),
                     "figures": [self._figures_s, self._figures_bytes, self._probe_bytes],
-                    "running_errors": dict(self._running_errors)}
+                    "handed_norms": dict(self._handed_norms)}
 
     def _load_window_state(self, state: dict[str, Any] | None) -> None:
         if state is not None:
             self._entropy_steps = dict(state["entropy_steps"])
             self._figures_s, self._figures_bytes, self._probe_bytes = state["figures"]
-            self._running_errors = dict(state.get("running_errors", {}))
+            self._handed_norms = dict(state.get("handed_norms", {}))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned.

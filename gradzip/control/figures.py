@@ -67,8 +67,9 @@ class BucketFigures:
         collectives: collectives per step.
         gradient_sum_norm: norm of the bucket's gradient summed over the window (max over ranks).
         running_error: the running codec's relative error ``||x - D(C(x))|| / ||x||`` on the
-            window's last step, ``x`` the tensor it was handed (gradient plus residual), max over
-            ranks; 0 for dense, or where the controller does not ask for it.
+            window's last step, ``x`` the tensor it was handed (gradient plus residual), read
+            from the residual it left (the figure the monitor logs), max over ranks; 0 for
+            dense, or where the controller does not ask for it.
         candidates: probe figures per candidate (same order as the reducer's candidates), or
             None when this window did not probe.
         layers: per-layer figures under a per-layer schedule (None otherwise).
