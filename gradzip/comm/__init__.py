@@ -1,7 +1,7 @@
 """Reducers: the mean over a process group of compressed tensors.
 
 :func:`make_reducer` picks the reducer from the codec's declared properties: codecs that
-bring their own (``multi_round``: PowerSGD, SEPARATE, the count sketch) get the one they
+bring their own (``multi_round``: PowerSGD, SEPARATE, the count sketch, Radius) get the one they
 name in ``own_reducer``; single-round codecs use :class:`CompressedReducer`, which
 picks a route per bucket by bytes (:mod:`gradzip.comm.routes`): all_reduce, all_gather,
 the two-phase compressed all_reduce (:mod:`gradzip.comm.twophase`) or dense.

@@ -2,7 +2,8 @@
 
 ``build("topk:ratio=0.01")`` turns a spec string into a :class:`Compressor`; ``list_compressors()``
 names every registered codec. One family per module: ``cast``, ``sparse``, ``quant``, ``sign``,
-``lowrank``, ``separate`` (shared random projection), ``countsketch`` (bitmap and count sketch).
+``lowrank``, ``separate`` (shared random projection), ``countsketch`` (bitmap and count sketch),
+``radius`` (ranges chosen from the all-reduced gradient).
 """
 
 from __future__ import annotations
