@@ -97,8 +97,8 @@ class Radius(Compressor):
     the same on every rank, so summing the payloads sums the inputs at those coordinates. No
     randomness.
 
-    What differs from the paper, or is assumed: the paper's full text could not be read here;
-    what is taken from it is the abstract and summaries (the index set is chosen after the
+    What differs from the paper, or is assumed: this follows the paper's abstract and published
+    summaries, not its full text (the index set is chosen after the
     all-reduce, reused for ``T`` steps after an initial phase, dropped gradients accumulate in a
     residual; 40% sparsity, read as ``d = 0.4``, the kept fraction). Assumed, as the simplest
     reading: a range is ``range_size`` consecutive coordinates of the flat bucket, ranked by L2
