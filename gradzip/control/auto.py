@@ -20,7 +20,7 @@ Schedules (``--auto-schedule``):
   error grows with the residual it builds, which a probe from a clean start cannot see: a running
   codec over the budget is replaced at once, without a trial, by the cheapest candidate still
   within it (dense when none is), and is not proposed on that bucket again until the link rate
-  moves by a quarter.
+  moves by a quarter; the replacement's own error is checked after ``trial_steps`` steps.
   The budget is per bucket, in the spirit of L-GreCo (Markov et al., arXiv 2210.17357) and Kimad
   (Xin et al., arXiv 2312.08053); their optimisers are ``--compressor kimad``.
   A proposal that differs from the running choice is then tried for ``trial_steps`` steps and
@@ -271,7 +271,10 @@ class CostController(_Base):
         """The running codec of the buckets in ``over`` measured above the error budget on what
         it was handed: each moves at once, without a trial, to the cheapest candidate still
         within the budget by the last probes (dense when none is); a trial under way ends, and
-        the other buckets keep their codec. Every candidate is priced again in the next window."""
+        the other buckets keep their codec. Every candidate is priced again in the next window,
+        which lasts ``trial_steps``: the replacement was judged by a probe from a clean start, which
+        an error-feedback codec's running error can exceed, so it is checked as soon as a trial
+        would be."""
         for b in over:
             self.over_budget[(b.key, b.current)] = bandwidth
         self.trial = None
@@ -283,7 +286,7 @@ class CostController(_Base):
             reasons[b.key] = f"{head}; {why[b.key]}" if b.key in why else head
         self.running, self.running_period_s = dict(choices), None
         note = f"over the error budget on {len(over)} bucket{'s' if len(over) > 1 else ''}; moved without a trial"
-        return Plan(choices, self.cfg.adapt_every, reasons, note, True)
+        return Plan(choices, self.trial_steps, reasons, note, True)
 
     def _candidate_s(self, cand: CandidateFigures) -> float:
         """Predicted seconds of one bucket's exchange with ``cand``: encode, decode, wire."""
