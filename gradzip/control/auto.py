@@ -19,8 +19,10 @@ Schedules (``--auto-schedule``):
   step of every window (one encode and decode of the bucket), because an error-feedback codec's
   error grows with the residual it builds, which a probe from a clean start cannot see: a running
   codec over the budget is replaced at once, without a trial, by the cheapest candidate still
-  within it (dense when none is), and is not proposed on that bucket again until the link rate
-  moves by a quarter; the replacement's own error is checked after ``trial_steps`` steps.
+  within it (dense when none is), and is not proposed on that bucket again for the rest of the
+  run (its error is a property of the codec on the bucket's gradients, not of the link, and a
+  clean-start probe would read it under the budget again); the replacement's own error is
+  checked after ``trial_steps`` steps.
   The budget is per bucket, in the spirit of L-GreCo (Markov et al., arXiv 2210.17357) and Kimad
   (Xin et al., arXiv 2312.08053); their optimisers are ``--compressor kimad``.
   A proposal that differs from the running choice is then tried for ``trial_steps`` steps and
@@ -187,7 +189,8 @@ class CostController(_Base):
         # a window averages many steps: the last one counts most (an older one a sixteenth)
         self.estimator = LinkEstimator(half_life=0.25)
         self.probes: dict[Hashable, list[CandidateFigures]] = {}
-        #: (bucket, candidate) -> the link rate at which it ran over the error budget
+        #: (bucket, candidate) -> the link rate at which it ran over the error budget (kept aside
+        #: for the rest of the run; the rate is for the record)
         self.over_budget: dict[tuple[Hashable, int], float] = {}
         self.windows_since_probe = 0
         self.running_period_s: float | None = None
@@ -313,8 +316,9 @@ class CostController(_Base):
                 if cand.relative_error > self.cfg.max_error:
                     over_budget.append(f"{cand.spec} error {cand.relative_error:.2f}")
                     continue
-                ran_over = self.over_budget.get((b.key, c))
-                if ran_over is not None and ran_over > 0 and not _moved(link.bytes_per_s, ran_over):
+                # The error is the codec's on this bucket's gradients, whatever the link: one that
+                # ran over the budget stays aside (a clean-start probe would read it under again).
+                if (b.key, c) in self.over_budget:
                     over_budget.append(f"{cand.spec} ran over it")
                     continue
                 cost = self._candidate_s(cand)
