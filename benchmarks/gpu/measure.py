@@ -127,6 +127,8 @@ def codec_rows(specs: list[str], x: torch.Tensor) -> dict[str, tuple[Callable, C
             rows[spec] = _powersgd_fns(codec, x)
         elif codec.name == "separate":
             rows[spec] = _separate_fns(codec, x)
+        elif codec.name == "radius":
+            rows[spec] = _radius_fns(codec, x)
         else:
             rows[spec] = (
                 lambda codec=codec: codec.compress(x, step=1, key="bench"),
@@ -168,6 +170,21 @@ def _separate_fns(codec, x: torch.Tensor):
 
     def decode(payload):
         return codec.decode(payload, matrix.shape[1], step=1, key="bench", out=torch.empty_like(matrix))
+
+    return encode, decode
+
+
+def _radius_fns(codec, x: torch.Tensor):
+    """A step between refreshes: gather the kept ranges, scatter them back. The ranges are chosen
+    once, from ``x`` standing in for the all-reduced mean (a refresh, once per ``period`` steps,
+    is not timed)."""
+    index = codec.covered(codec.select(x), x.numel())
+
+    def encode():
+        return x.index_select(0, index)
+
+    def decode(values):
+        return torch.zeros_like(x).index_copy_(0, index, values)
 
     return encode, decode
 
