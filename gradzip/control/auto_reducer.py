@@ -200,10 +200,13 @@ class AutoReducer:
             else:
                 total += grad
         if in_window and step == self.window_end - 1:
-            if self.probe_this_window:
-                self._probe(key, grad, step, shapes)
-            if getattr(self.controller, "checks_running_error", False) and self.choices.get(key, 0) != 0:
-                self._handed_norms[key] = float(torch.linalg.vector_norm(self._handed(key, grad).float()))
+            checks = getattr(self.controller, "checks_running_error", False) and self.choices.get(key, 0) != 0
+            if self.probe_this_window or checks:
+                x = self._handed(key, grad)
+                if self.probe_this_window:
+                    self._probe(key, x, step, shapes)
+                if checks:
+                    self._handed_norms[key] = float(torch.linalg.vector_norm(x.float()))
         carry = self.carry.pop(key, None)
         if carry is None and regroup(self.carry, key) is not None:  # DDP laid its parameters out anew
             carry = self.carry.pop(key)
@@ -472,19 +475,18 @@ class AutoReducer:
         owed = self.residual(key)
         return 0.0 if owed is None else float(torch.linalg.vector_norm(owed)) / norm
 
-    def _probe(self, key: Hashable, grad: Tensor, step: int, shapes: list[torch.Size]) -> None:
-        """Price every candidate on ``x`` (see :meth:`_handed`)."""
+    def _probe(self, key: Hashable, x: Tensor, step: int, shapes: list[torch.Size]) -> None:
+        """Price every candidate on ``x``, the tensor a codec is handed (see :meth:`_handed`)."""
         world_size = dist.get_world_size(self.group)
-        grad = self._handed(key, grad)
         results = []
         for c, reducer in enumerate(self.reducers):
             if c == 0:
-                raw = grad.numel() * grad.element_size()
+                raw = x.numel() * x.element_size()
                 results.append({"compress_s": 0.0, "decompress_s": 0.0, "collectives": 1.0, "relative_error": 0.0,
                                 "payload_bytes": float(raw), "sent_bytes": float(allreduce_bytes(raw, world_size))})
                 continue
-            out = reducer.probe(key, grad, step=step, shapes=shapes)
-            figures = quality_figures(grad, out["decoded"])
+            out = reducer.probe(key, x, step=step, shapes=shapes)
+            figures = quality_figures(x, out["decoded"])
             results.append({
                 "compress_s": out["compress_s"], "decompress_s": out["decompress_s"],
                 "payload_bytes": float(out["payload_bytes"]), "sent_bytes": float(out["sent_bytes"]),
