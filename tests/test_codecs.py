@@ -349,3 +349,23 @@ def test_dgc_lowers_an_overestimated_threshold_until_0_8_k_pass(monkeypatch):
     assert 0.8 * k <= kept <= k
     # What passed is the largest magnitudes: the kept set is exactly the top `kept`.
     assert torch.equal((y != 0).nonzero().view(-1), torch.topk(x.abs(), kept).indices.sort().values)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_natural_nonfinite_values_leave_their_neighbours_alone(dtype):
+    """NaN and inf become the largest power of two, signed, and every other element decodes as
+    it does without them (the dither is drawn per position). Whole rows of 8192 so that the
+    codes sit in packed words beside those of other columns."""
+    codec = build("natural")
+    clean = _sample(3 * 8192 + 5, torch.float64, 4).to(dtype)
+    hostile = clean.clone()
+    where = torch.tensor([7, 8, 9, 8192 + 100, 3 * 8192 + 2])
+    hostile[where] = torch.tensor([float("nan"), float("inf"), -float("inf"), -float("nan"), float("nan")], dtype=dtype)
+    want = codec.decompress(codec.compress(clean, step=3, key="k"), like=clean)
+    got = codec.decompress(codec.compress(hostile, step=3, key="k"), like=hostile)
+    others = torch.ones_like(clean, dtype=torch.bool)
+    others[where] = False
+    assert torch.equal(got[others], want[others])
+    largest = math.ldexp(1.0, math.frexp(torch.finfo(dtype).max)[1] - 1)
+    signs = torch.where(torch.signbit(hostile[where]), -1.0, 1.0).double()
+    assert torch.equal(got[where].double(), signs * largest)

@@ -38,7 +38,7 @@ class Natural(Compressor):
     5-bit exponent in a byte), 17 for fp64 (11-bit exponent in 2 bytes). Unbiased (variance at
     most ``||x||**2 / 8``), up to the 2**-17 dither resolution and except above the dtype's
     largest power of two, which rounds down (2**(e+1) would be inf); subnormals round to 0 or
-    the smallest normal power. Not aggregatable; no error feedback needed.
+    the smallest normal power; inf and NaN become the largest power of two, with their sign. Not aggregatable; no error feedback needed.
 
     Args:
         seed: seed of the rounding dither (drawn per (seed, step, key)).
@@ -114,7 +114,10 @@ def _natural_encoder(dtype: torch.dtype) -> Callable[..., tuple[Tensor, Tensor]]
     def encode(x: Tensor, key_low: Tensor, key_high: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
         # The bits viewed in the loop: the kernel loads floats (see fused.float_bits).
         bits = x.view(int_dtype)
-        magnitude = bits & ((1 << (mantissa_bits + exponent_bits)) - 1)
+        # NaN's magnitude bits are clamped to inf's: above them the dither's sum could overflow
+        # the integer into its sign, a negative exponent whose bits would spill into the codes
+        # packed beside it.
+        magnitude = (bits & ((1 << (mantissa_bits + exponent_bits)) - 1)).clamp(max=((1 << exponent_bits) - 1) << mantissa_bits)
         # Adding a uniform integer in [0, 2**M) to the magnitude bits carries into the exponent
         # with probability mantissa / 2**M: exactly the rounding-up probability.
         dither = hashed_dither(pos, key_low, key_high)

@@ -58,10 +58,14 @@ class Kernel:
         fn: takes tensors only (scalars as 0-d or ``(rows, 1)`` tensors, so that a new value
             never recompiles) and returns a tensor or a tuple of tensors.
         name: shown in :data:`compile_seconds` and in the warning when compilation fails.
+        eager: what runs when ``fn`` does not compile (compilation off, another device, a
+            failure), computing the same values: ``fn`` itself when None. A form written for
+            the compiler (one small op per bit lane, for fusion) is slow run op by op.
     """
 
-    def __init__(self, fn: Callable[..., object], name: str) -> None:
+    def __init__(self, fn: Callable[..., object], name: str, eager: Callable[..., object] | None = None) -> None:
         self.fn = fn
+        self.eager = fn if eager is None else eager
         # Its own code object: the compiler caches per code object and would otherwise see
         # kernels sharing one (closures with other constants) as one function whose constants
         # change, and turn those constants into symbols.
@@ -77,7 +81,7 @@ class Kernel:
         device = args[0].device.type
         key = (device, *(a.dtype for a in args))
         if key in self.failed or not enabled() or device not in COMPILED_DEVICES:
-            return self.fn(*args)
+            return self.eager(*args)
         for a in args:
             # The row count varies with the bucket; columns (the group) and constants do not.
             if a.dim() >= 1 and a.shape[0] > 1:
@@ -110,7 +114,7 @@ class Kernel:
         warnings.warn(
             f"gradzip: compiling {self._label(key)} failed ({type(exc).__name__}: {exc}); running it eagerly", stacklevel=3
         )
-        return self.fn(*args)
+        return self.eager(*args)
 
 
 #: elements per row for the kernels of codecs without per-group parameters
@@ -152,17 +156,23 @@ def fold(codes: Tensor, bits: int) -> Tensor:
     32-bit lanes to 8-bit ones for AVX2 took several times the whole loop's time).
     """
     per = WORD_BITS // bits
-    lanes = codes.to(torch.int32).view(codes.shape[0], per, -1)
-    out = lanes[:, 0]
-    for lane in range(1, per):
-        out = out | (lanes[:, lane] << (lane * bits))
-    return out
+    # Lanes hold disjoint bits, so their sum is their OR; summed in int64 (no overflow), then
+    # wrapped to int32 as two's complement: one pass over the codes instead of one per lane.
+    lanes = codes.to(torch.int64).view(codes.shape[0], per, -1) << _shifts(per, bits, codes.device)
+    words = lanes.sum(1)
+    return (words - ((words >> (WORD_BITS - 1)) << WORD_BITS)).to(torch.int32)
 
 
 def unfold(words: Tensor, bits: int) -> Tensor:
     """Inverse of :func:`fold`: ``(rows, W)`` int32 words to ``(rows, W * 32 / bits)`` int32 codes."""
     per = WORD_BITS // bits
-    return torch.cat([lane_codes(words, lane, bits) for lane in range(per)], 1)
+    lanes = (words.unsqueeze(1) >> _shifts(per, bits, words.device).to(torch.int32)) & ((1 << bits) - 1)
+    return lanes.reshape(words.shape[0], -1)
+
+
+def _shifts(per: int, bits: int, device: torch.device) -> Tensor:
+    """``(1, per, 1)`` int64: lane ``i``'s shift, ``i * bits``."""
+    return torch.arange(0, per * bits, bits, dtype=torch.int64, device=device).view(1, per, 1)
 
 
 def lane_codes(words: Tensor, lane: int, bits: int) -> Tensor:
@@ -253,7 +263,13 @@ _wrapped: dict[tuple, Kernel] = {}
 
 
 def _lanes(
-    fn: Callable[..., tuple[Tensor, ...]], views: list[Tensor], params: list[Tensor], pos: Tensor | None, out_bits, packed: bool
+    fn: Callable[..., tuple[Tensor, ...]],
+    views: list[Tensor],
+    params: list[Tensor],
+    pos: Tensor | None,
+    out_bits,
+    packed: bool,
+    sliced: bool = True,
 ) -> tuple[Tensor, ...]:
     """``fn``'s outputs, each folded into int32 words as :func:`fold` does when ``packed``.
 
@@ -266,10 +282,17 @@ def _lanes(
     the codes of slices ``c, c + P / per, ...`` at column ``j``, so every output is built from
     ``(rows, W)`` pieces and the whole encoding is one loop over ``(rows, W)`` that reads the
     input once (the pieces of an output are then concatenated, a copy of the packed words only).
+
+    Unless ``sliced``, ``fn`` runs once on whole rows and each output is folded with
+    :func:`fold`: the same words (the slices above are laid out as :func:`fold` lays out lanes),
+    in a few ops rather than a few per lane, which is what an eager run wants.
     """
     extra = [] if pos is None else [pos]
     if not packed:
         return tuple(fn(*views, *params, *extra))
+    if not sliced:
+        outs = fn(*views, *params, *extra)
+        return tuple(c if bits is None else fold(c, bits) for c, bits in zip(outs, out_bits, strict=True))
     if len(out_bits) == 1:
         (bits,) = out_bits
         if bits is None:
@@ -332,6 +355,7 @@ def _encode_body(
     out_bits: tuple[int | None, ...],
     packed: bool,
     row_stats: RowStats | None,
+    sliced: bool = True,
 ) -> tuple[Tensor, ...]:
     """The codes of ``fn`` (see :func:`_lanes`), then the row statistics when there are any."""
     stats: tuple[Tensor, ...] = ()
@@ -339,7 +363,7 @@ def _encode_body(
         reduce, make_params = row_stats
         stats = reduce(views[0])
         params = list(make_params(*stats, *params))
-    codes = _lanes(fn, views, params, pos, out_bits, packed)
+    codes = _lanes(fn, views, params, pos, out_bits, packed, sliced)
     return (*codes, *(s.reshape(-1) for s in stats))
 
 
@@ -355,14 +379,17 @@ def _encoder(
     key = ("encode", fn, count, out_bits, packed, with_positions, row_stats)
     if key not in _wrapped:
 
-        def encode(*args: Tensor) -> tuple[Tensor, ...]:
-            views = list(args[:count])
-            params = list(args[count : len(args) - 2] if with_positions else args[count:])
-            pos = positions(views[0], args[-2], args[-1]) if with_positions else None
-            return _encode_body(fn, views, params, pos, out_bits, packed, row_stats)
+        def form(sliced: bool) -> Callable[..., tuple[Tensor, ...]]:
+            def encode(*args: Tensor) -> tuple[Tensor, ...]:
+                views = list(args[:count])
+                params = list(args[count : len(args) - 2] if with_positions else args[count:])
+                pos = positions(views[0], args[-2], args[-1]) if with_positions else None
+                return _encode_body(fn, views, params, pos, out_bits, packed, row_stats, sliced)
+
+            return encode
 
         name = f"{fn.__qualname__.split('.')[0]}{'' if packed else '_loose'}{'' if row_stats is None else '_with_stats'}"
-        _wrapped[key] = Kernel(encode, name)
+        _wrapped[key] = Kernel(form(sliced=True), name, eager=form(sliced=False))
     return _wrapped[key]
 
 
@@ -394,7 +421,15 @@ def _decoder(fn: Callable[..., Tensor], in_bits: tuple[int | None, ...], packed:
                 outs.append(fn(*parts, *params))
             return torch.cat(outs, 1)
 
-        _wrapped[key] = Kernel(decode, f"{fn.__qualname__.split('.')[0]}{'' if packed else '_loose'}")
+        def decode_eager(*args: Tensor) -> Tensor:
+            # Concatenated over the slices, a packed input's lanes are :func:`unfold`'s codes,
+            # and ``fn`` is elementwise: one call on whole rows gives the same values.
+            codes, params = args[:count], args[count:]
+            if not packed:
+                return fn(*[c if bits is None else int_bits(c) for c, bits in zip(codes, in_bits, strict=True)], *params)
+            return fn(*[c if bits is None else unfold(int_bits(c), bits) for c, bits in zip(codes, in_bits, strict=True)], *params)
+
+        _wrapped[key] = Kernel(decode, f"{fn.__qualname__.split('.')[0]}{'' if packed else '_loose'}", eager=decode_eager)
     return _wrapped[key]
 
 

@@ -295,8 +295,11 @@ void gz_natural_encode(const float *restrict x, int64_t rows, int64_t G, uint32_
                 const vu bits = (vu)load_f(xr + s * W + j);
                 const vu position = base + SPLAT(vu, (uint32_t)(s * W + j));
                 const vu offset = (dither16(position, key_low, key_high) << 7) + SPLAT(vu, 64u);
-                /* int32 arithmetic as in torch: a wrapping sum, an arithmetic shift, at most 254 */
-                vi exponent = (vi)((bits & SPLAT(vu, 0x7FFFFFFFu)) + offset) >> 23;
+                /* as in torch: magnitude bits clamped to inf's (NaN's would overflow the sum), an
+                 * arithmetic shift, at most 254 */
+                vu magnitude = bits & SPLAT(vu, 0x7FFFFFFFu);
+                magnitude = (vu)select_f(magnitude > SPLAT(vu, 0x7F800000u), (vf)SPLAT(vu, 0x7F800000u), (vf)magnitude);
+                vi exponent = (vi)(magnitude + offset) >> 23;
                 exponent = (vi)select_f(exponent > SPLAT(vi, 254), (vf)SPLAT(vi, 254), (vf)exponent);
                 const vu negative = (bits >> 31) << s;
                 const vu code = (vu)exponent << ((s / 8) * 8);
