@@ -239,3 +239,23 @@ def test_exactness_check_and_quality_through_the_hook():
             else:
                 for k in ("norm_ratio", "cosine", "relative_error", "feedback_ratio"):
                     assert got[k] == pytest.approx(expected[k], rel=1e-5)
+
+
+def test_routes_each_bucket_took_reach_the_records_and_the_summary():
+    mon = QualityMonitor()
+    steps = [
+        {"buckets": {1: {"collective": "dense", "payload_bytes": 40, "dense_bytes": 40}},
+         "events": [{"kind": "route", "step": 0, "bucket": "1", "route": "dense", "why": "before the codec's start_step (1)"}]},
+        {"buckets": {1: {"collective": "twophase", "payload_bytes": 10, "dense_bytes": 40}},
+         "events": [{"kind": "route", "step": 1, "bucket": "1", "route": "twophase", "why": "fewest bytes"}]},
+        {"buckets": {1: {"collective": "twophase", "payload_bytes": 10, "dense_bytes": 40}}, "events": []},
+    ]
+    records = [mon.observe(step, comm) for step, comm in enumerate(steps)]
+    assert [r["buckets"]["1"]["collective"] for r in records] == ["dense", "twophase", "twophase"]
+    assert mon.summary()["routes"] == {"1": {"taken": [
+        {"step": 0, "route": "dense", "why": "before the codec's start_step (1)"},
+        {"step": 1, "route": "twophase", "why": "fewest bytes"},
+    ]}}
+    lines = mon.summary_lines()
+    assert "bucket 1: dense from step 0: before the codec's start_step (1)" in lines
+    assert "bucket 1: twophase from step 1: fewest bytes" in lines

@@ -240,3 +240,50 @@ def test_multi_round_codecs_name_a_reducer_that_make_reducer_builds():
         reducer = make_reducer(build(name))
         assert type(reducer).__module__ == module and type(reducer).__name__ == cls_name
     assert type(make_reducer(build("topk"))) is CompressedReducer
+
+
+def test_explanation_names_the_route_taken_and_the_bytes_weighed():
+    from gradzip.comm.routes import explain_collective
+
+    numel = 10_000
+    sign = build("efsignsgd")
+    payload = sign.payload_nbytes(numel, torch.float32)
+    # 3 ranks: all_gather hands every rank's payload to the 2 others, 3 * 2 * payload in all
+    text = explain_collective("auto", sign, numel, torch.float32, 3)
+    chosen = choose_collective("auto", sign, numel, torch.float32, 3)
+    assert text.startswith("fewest bytes sent over 3 ranks (" + chosen + " ")
+    assert f"allgather {3 * 2 * payload:,} B" in text
+    assert ("compress the mean a second time" in text) == (chosen == "twophase")
+    summed = build("randomk:ratio=0.25")
+    text = explain_collective("auto", summed, numel, torch.float32, 3)
+    assert "allgather, twophase not weighed for randomk (its payloads add up" in text
+    assert explain_collective("allgather", sign, numel, torch.float32, 3) == "allgather asked for"
+    # a codec whose payload exceeds the raw bucket is sent dense even when a route is asked for
+    tiny = explain_collective("allgather", build("topk:ratio=1"), 3, torch.float32, 3)
+    assert tiny.endswith("sent dense") and choose_collective("allgather", build("topk:ratio=1"), 3, torch.float32, 3) == "dense"
+
+
+def _route_events(rank: int, world_size: int) -> list[list[dict]]:
+    reducer = CompressedReducer(build("efsignsgd:start_step=1"), min_compress_bytes=64)
+    events = []
+    for step in range(3):
+        futures = [reducer.reduce(key, torch.full((n,), float(rank + step)), step=step, flush=False)
+                   for key, n in (("big", 4096), ("small", 4))]
+        reducer.flush()
+        for fut in futures:
+            fut.wait()
+        events.append(reducer.metrics.pop()["events"])
+    return events
+
+
+@pytest.mark.dist
+def test_reducer_records_each_buckets_route_when_it_starts_or_changes():
+    results = run_ranks(_route_events, 3, timeout_s=90)
+    for events in results:
+        routes = [[(e["bucket"], e["route"]) for e in step if e["kind"] == "route"] for step in events]
+        want_big = choose_collective("auto", build("efsignsgd"), 4096, torch.float32, 3)
+        assert routes == [[("big", "dense"), ("small", "dense")], [("big", want_big), ("small", "fused")], []]
+        whys = {(e["bucket"], e["step"]): e["why"] for step in events for e in step}
+        assert whys[("big", 0)] == "before the codec's start_step (1)"
+        assert whys[("small", 1)] == "below min_compress_bytes (64 raw bytes): fused, uncompressed"
+        assert whys[("big", 1)].startswith(f"fewest bytes sent over 3 ranks ({want_big} ")

@@ -44,12 +44,13 @@ from torch.futures import Future
 
 from gradzip.comm import devices, nonfinite
 from gradzip.comm.queue import CollectiveQueue, completed
-from gradzip.comm.routes import COLLECTIVES, REGISTRY, check_collective, choose_collective
+from gradzip.comm.routes import COLLECTIVES, REGISTRY, check_collective, choose_collective, explain_collective
 from gradzip.comm.traffic import dense_probe
 from gradzip.comm.twophase import TwoPhaseAllReduce
 from gradzip.compressors import Compressor, Payload, check_int
 from gradzip.compressors.kernels import wire
 from gradzip.feedback import ErrorFeedback, check_decay
+from gradzip.keys import label
 from gradzip.metrics import StepMetrics, quality_figures
 
 __all__ = ["COLLECTIVES", "CompressedReducer", "Held"]
@@ -126,6 +127,8 @@ class CompressedReducer:
             server_feedback=ErrorFeedback(deferred=True, follow=False) if use_feedback else None, ledger=self.ledger,
         )
         self._routes: dict[tuple[int, torch.dtype, int], str] = {}
+        #: the route each bucket was last recorded taking (see :meth:`_note_route`)
+        self._noted_routes: dict[Hashable, str] = {}
         self._held: list[Held] = []
         self._held_bytes = 0
         self._lock = threading.Lock()
@@ -173,11 +176,26 @@ class CompressedReducer:
         if grad.numel() == 0:
             fut = completed(grad.clone())
         else:
-            route = REGISTRY[self.route(grad.numel(), grad.dtype, step=step)]
-            fut = route.launch(self, key, grad, step=step)
+            name = self.route(grad.numel(), grad.dtype, step=step)
+            self._note_route(key, name, grad, step)
+            fut = REGISTRY[name].launch(self, key, grad, step=step)
         if flush or self._held_bytes >= max(self.min_compress_bytes, 1):
             self.flush()
         return fut
+
+    def _note_route(self, key: Hashable, name: str, grad: Tensor, step: int) -> None:
+        """Record, as a ``route`` event of the step's metrics, the route bucket ``key`` takes and
+        why, when it takes it first or takes another (at the codec's ``start_step``, say)."""
+        if self._noted_routes.get(key) == name:
+            return
+        self._noted_routes[key] = name
+        if step < self.compressor.start_step:
+            why = f"before the codec's start_step ({self.compressor.start_step})"
+        elif name == "fused":
+            why = f"below min_compress_bytes ({self.min_compress_bytes:,} raw bytes): fused, uncompressed"
+        else:
+            why = explain_collective(self.collective, self.compressor, grad.numel(), grad.dtype, dist.get_world_size(self.group))
+        self.metrics.add_event({"kind": "route", "step": step, "bucket": label(key), "route": name, "why": why})
 
     def flush(self) -> None:
         """Send the held-back small tensors: one uncompressed all_reduce per dtype."""

@@ -33,7 +33,7 @@ from gradzip.integrations.tensorboard import summary_writer
 from gradzip.keys import label
 from gradzip.metrics import QUALITY_FIELDS
 
-BUCKET_FIELDS = ("codec", "payload_bytes", "dense_bytes", "compress_s", "decompress_s", "communicate_s", "layers")
+BUCKET_FIELDS = ("codec", "collective", "payload_bytes", "dense_bytes", "compress_s", "decompress_s", "communicate_s", "layers")
 #: error-feedback ratio above which a check of a codec with error feedback counts as low
 FEEDBACK_LIMIT = 20.0
 
@@ -167,8 +167,9 @@ class QualityMonitor:
                 self.writer.add_scalar(f"bucket{name}/verify_relative_difference", b["verify"]["relative_difference"], step)
 
     def summary(self) -> dict[str, Any]:
-        """For summary.json: per-bucket medians and extremes of the quality figures, the largest
-        verify difference, warning episodes, the warning at the end, and the auto decisions."""
+        """For summary.json: the route each bucket took from which step and why, per-bucket medians
+        and extremes of the quality figures, the largest verify difference, warning episodes, the
+        warning at the end, and the auto decisions."""
         quality = {}
         for name, series in sorted(self.quality.items(), key=lambda kv: _bucket_order(kv[0])):
             q = {}
@@ -182,7 +183,13 @@ class QualityMonitor:
                 q["feedback_ratio_max"] = max(series["feedback_ratio"])
             quality[name] = q
         decisions = [e for e in self.events if e.get("kind") in ("switch", "auto")]
+        routes: dict[str, dict[str, Any]] = {}
+        for e in self.events:
+            if e.get("kind") == "route":
+                routes.setdefault(e["bucket"], {"taken": []})["taken"].append(
+                    {"step": e["step"], "route": e["route"], "why": e["why"]})
         return {
+            "routes": dict(sorted(routes.items(), key=lambda kv: _bucket_order(kv[0]))),
             "quality": quality,
             "verify_max_relative_difference": dict(self.verify_max),
             "norm_warning_threshold": self.threshold,
@@ -220,6 +227,9 @@ class QualityMonitor:
                 "  without error feedback the norm ratio is the share of the gradient's length that arrives: "
                 f"a warning under {self.threshold:g}"
             )
+        for name, entry in s["routes"].items():
+            for taken in entry["taken"]:
+                lines.append(f"bucket {name}: {taken['route']} from step {taken['step']}: {taken['why']}")
         for name, diff in sorted(s["verify_max_relative_difference"].items(), key=lambda kv: _bucket_order(kv[0])):
             lines.append(f"bucket {name}: exactness check, largest relative difference from dense {diff:.3g}")
         for e in s["auto_decisions"]:

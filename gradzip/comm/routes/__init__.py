@@ -94,7 +94,7 @@ def choose_collective(
     ranks (``total_sent_nbytes``, so the choice does not depend on the rank); ties go to the
     earlier in :data:`REGISTRY`. A forced collective is kept, except that a codec whose payload
     for the bucket would exceed the raw bytes sends the bucket ``dense`` (compression never
-    sends more than the raw tensor).
+    sends more than the raw tensor). :func:`explain_collective` says why, in words.
 
     Args:
         collective: one of :data:`COLLECTIVES` (validated by :func:`check_collective`).
@@ -104,15 +104,49 @@ def choose_collective(
     raw = raw_nbytes(numel, dtype)
     if collective != "auto":
         return "dense" if REGISTRY[collective].payload_nbytes(compressor, numel, dtype, world_size) > raw else collective
+    return _auto_candidates(compressor, numel, dtype, world_size)[0][0]
+
+
+def _auto_candidates(compressor: Compressor, numel: int, dtype: torch.dtype, world_size: int) -> list[tuple[str, int]]:
+    """``(route, bytes sent summed over all ranks)`` of every route ``auto`` weighs for the bucket,
+    the one it takes first (fewest bytes, ties to the earlier in :data:`REGISTRY`)."""
+    raw = raw_nbytes(numel, dtype)
     candidates = [
         name for name in ROUTES
         if not REGISTRY[name].compressed
         or (REGISTRY[name].auto_takes(compressor) and REGISTRY[name].payload_nbytes(compressor, numel, dtype, world_size) <= raw)
     ]
-    return min(
-        candidates,
-        key=lambda name: (REGISTRY[name].total_sent_nbytes(compressor, numel, dtype, world_size), ROUTES.index(name)),
-    )
+    ranked = sorted(candidates, key=lambda name: (REGISTRY[name].total_sent_nbytes(compressor, numel, dtype, world_size), ROUTES.index(name)))
+    return [(name, REGISTRY[name].total_sent_nbytes(compressor, numel, dtype, world_size)) for name in ranked]
+
+
+def explain_collective(
+    collective: str, compressor: Compressor, numel: int, dtype: torch.dtype, world_size: int
+) -> str:
+    """Why :func:`choose_collective` takes its route for the bucket, in one line: the route
+    asked for, or the bytes every route ``auto`` weighed would send (summed over the ranks),
+    and what ``auto`` leaves out for this codec (two phases re-compress the mean on the rank
+    that owns each chunk, so their loss can exceed ``allgather``'s)."""
+    raw = raw_nbytes(numel, dtype)
+    if collective != "auto":
+        payload = REGISTRY[collective].payload_nbytes(compressor, numel, dtype, world_size)
+        if payload > raw:
+            return f"{collective} asked for, but its payload ({payload:,} B) exceeds the raw {raw:,} B: sent dense"
+        return f"{collective} asked for"
+    ranked = _auto_candidates(compressor, numel, dtype, world_size)
+    weighed = ", ".join(f"{name} {nbytes:,} B" for name, nbytes in ranked)
+    skipped = [
+        name for name in ROUTES
+        if REGISTRY[name].compressed and name not in dict(ranked) and REGISTRY[name].accepts(compressor)
+    ]
+    text = f"fewest bytes sent over {world_size} ranks ({weighed})"
+    if skipped:
+        text += f"; {', '.join(skipped)} not weighed for {compressor.name}"
+        if compressor.aggregatable:
+            text += " (its payloads add up: all_reduce sums them)"
+    if ranked[0][0] == "twophase":
+        text += "; two phases compress the mean a second time (--collective allgather sends one compression)"
+    return text
 
 
 def choose_shard_route(
@@ -128,5 +162,5 @@ def choose_shard_route(
 
 __all__ = [
     "COLLECTIVES", "MEAN", "REGISTRY", "ROUTES", "SHARD", "Cost", "Round", "Route", "check_collective",
-    "choose_collective", "choose_shard_route", "predivide",
+    "choose_collective", "choose_shard_route", "explain_collective", "predivide",
 ]
