@@ -6,6 +6,10 @@
     state = gradzip.fsdp.compress_reduce_scatter(model, "topk:ratio=0.01")
     ...  # train as usual; state.metrics.pop() after each step, state.state_dict() in checkpoints
 
+The codec may differ per module: pass a function of the module's name and the module instead
+of a spec, as TAGC's policy compresses the large MLP and embedding layers and sends attention
+dense (``lambda name, module: "none" if name.endswith("attn") else "countsketch"``).
+
 In every backward pass FSDP copies each module's gradients into one flat padded buffer and
 reduce-scatters it. :func:`compress_reduce_scatter` installs, per FSDP module with parameters, a
 :class:`~gradzip.comm.reduce_scatter.CompressedReduceScatter` in its place
@@ -26,7 +30,7 @@ step that syncs.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -88,13 +92,13 @@ class FSDPCompression:
     FSDP module with parameters, the shared metrics, and their state for checkpoints.
 
     Attributes:
-        compressor: the codec spec.
+        compressor: the codec spec, or module name -> spec when a function chose them per module.
         comms: module name (``""`` for the root) -> its reduce-scatter.
         metrics: per-step bytes (keyed by module name) and compress / communicate /
             decompress seconds; :meth:`StepMetrics.pop` after each optimizer step.
     """
 
-    def __init__(self, spec: str, comms: dict[str, CompressedReduceScatter], modules: dict[str, nn.Module],
+    def __init__(self, spec: str | dict[str, str], comms: dict[str, CompressedReduceScatter], modules: dict[str, nn.Module],
                  metrics: StepMetrics) -> None:
         self.compressor = spec
         self.comms = comms
@@ -119,14 +123,14 @@ class FSDPCompression:
             self.install()
 
     def state_dict(self) -> dict[str, Any]:
-        """Spec and every module's step, codec state and residuals."""
+        """Spec (or specs per module) and every module's step, codec state and residuals."""
         return {"compressor": self.compressor, "modules": {n: c.state_dict() for n, c in self.comms.items()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned.
 
         Raises:
-            ValueError: if the checkpoint was made with another codec spec or other modules.
+            ValueError: if the checkpoint was made with other codec specs or other modules.
         """
         if state["compressor"] != self.compressor:
             raise ValueError(f"checkpoint holds compressor state for {state['compressor']!r}, not {self.compressor!r}")
@@ -141,7 +145,7 @@ class FSDPCompression:
 
 def compress_reduce_scatter(
     model: nn.Module,
-    compressor: str | Compressor = "powersgd:approx_rank=4",
+    compressor: str | Compressor | Callable[[str, nn.Module], str | Compressor] = "powersgd:approx_rank=4",
     *,
     error_feedback: bool | None = None,
     reduce_scatter_unused_params: bool | None = None,
@@ -152,7 +156,9 @@ def compress_reduce_scatter(
     Args:
         model: a module on which ``fully_shard`` was applied (to it and/or its submodules).
         compressor: a codec spec such as ``"topk:ratio=0.01"`` (see ``gradzip list``) or a built
-            codec; every module gets its own instance, built from the (canonical) spec.
+            codec; every module gets its own instance, built from the (canonical) spec. Or a
+            function of each FSDP module's name (``""`` for the root) and the module, returning
+            that module's spec or codec: a codec per module.
         error_feedback: override the codec's default (single-round codecs; PowerSGD always
             keeps residuals).
         reduce_scatter_unused_params: reduce-scatter zeros for parameters without a gradient
@@ -163,11 +169,12 @@ def compress_reduce_scatter(
         the installed state; keep it for metrics and checkpoints.
 
     Raises:
-        ValueError: for a bad spec, a model without ``fully_shard`` modules, or a module with
-            several parameter groups.
+        ValueError: for a bad spec (naming the module whose spec it is, for a function), a
+            model without ``fully_shard`` modules, or a module with several parameter groups.
     """
-    codec = build(compressor)
-    spec = codec.spec
+    policy = compressor if callable(compressor) and not isinstance(compressor, Compressor) else None
+    spec = build(compressor).spec if policy is None else None
+    specs: dict[str, str] = {}
     metrics = metrics or StepMetrics()
     queue = CollectiveQueue()
     fsdp_modules = [(name, m) for name, m in model.named_modules() if isinstance(m, FSDPModule)]
@@ -179,17 +186,32 @@ def compress_reduce_scatter(
         shapes = _shard_shapes(module)
         if shapes == []:
             continue  # no parameters of its own, so FSDP never reduce-scatters for it
-        comm = CompressedReduceScatter(
-            build(spec), name=name, shard_shapes=shapes,
+        specs[name] = spec if policy is None else _module_spec(policy, name, module)
+        comms[name] = CompressedReduceScatter(
+            build(specs[name]), name=name, shard_shapes=shapes,
             error_feedback=error_feedback, metrics=metrics, queue=queue,
         )
+        modules[name] = module
+    # Installed only once every module's codec is built, so a bad spec leaves the model as it was.
+    for name, module in modules.items():
+        comm = comms[name]
         unused = comm.keeps_residuals if reduce_scatter_unused_params is None else reduce_scatter_unused_params
         if unused and hasattr(module, "set_reduce_scatter_unused_params"):
             module.set_reduce_scatter_unused_params(True, recurse=False)
         module.set_custom_reduce_scatter(comm)
-        comms[name] = comm
-        modules[name] = module
-    return FSDPCompression(spec, comms, modules, metrics)
+    return FSDPCompression(spec if policy is None else specs, comms, modules, metrics)
+
+
+def _module_spec(policy: Callable[[str, nn.Module], str | Compressor], name: str, module: nn.Module) -> str:
+    """The canonical spec ``policy`` gives the module ``name``.
+
+    Raises:
+        ValueError: for a bad spec, naming the module.
+    """
+    try:
+        return build(policy(name, module)).spec
+    except ValueError as exc:
+        raise ValueError(f"compressor for module {name!r}: {exc}") from None
 
 
 __all__ = ["CompressedReduceScatter", "EXCHANGES", "FSDPCompression", "compress_reduce_scatter"]

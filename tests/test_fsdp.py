@@ -291,6 +291,28 @@ def identity_and_ops(rank, world_size):
     res["skip_calls"] = state.comms["skip"].calls
     res["skip_grad"] = [p.grad.to_local().clone() for p in net.skip.parameters()]
     res["skip_residual_norms"] = residual_norms
+
+    # A codec per module: Top-K for block b, the identity elsewhere.
+    default, mixed = _net(), _net()
+    state = compress_reduce_scatter(mixed, lambda name, module: "topk:ratio=0.3" if name == "b" else "none")
+    for net in (default, mixed):
+        _loss(net, rank).backward()
+    res["mixed_specs"] = state.state_dict()["compressor"]
+    res["mixed_codecs"] = {name: type(comm.compressor).__name__ for name, comm in state.comms.items()}
+    res["mixed_equal"] = {
+        name: all(torch.equal(a.grad.to_local(), b.grad.to_local())
+                  for a, b in zip(getattr(default, name).parameters(), getattr(mixed, name).parameters()))
+        for name in ("a", "b", "skip", "head")
+    }
+    res["mixed_bytes"] = {name: entry["payload_bytes"] for name, entry in state.metrics.pop()["buckets"].items()}
+    default, refused = _net(), _net()
+    try:
+        compress_reduce_scatter(refused, lambda name, module: "topk:ratio=2" if name == "b" else "topk:ratio=0.3")
+    except ValueError as exc:
+        res["mixed_bad"] = str(exc)
+    for net in (default, refused):  # refused: FSDP's own reduce-scatter everywhere, untouched
+        _loss(net, rank).backward()
+    res["refused_equal"] = all(torch.equal(a, b) for a, b in zip(_grads(default), _grads(refused)))
     return res
 
 
@@ -492,3 +514,20 @@ def test_train_fsdp_resumes_bit_identical(tmp_path, monkeypatch):
     assert summary["parallel"] == "fsdp" and 0 < summary["payload_bytes_per_step"] < summary["dense_bytes_per_step"]
     cfg = tiny_config(data, str(tmp_path / "unused"))
     build_model(cfg, cfg.vocab_size).load_state_dict(main["model_state"], strict=True)
+
+
+@pytest.mark.dist
+def test_a_codec_per_module_from_a_function_of_its_name(ranks):
+    world_size, results = ranks
+    for res in [r["fsdp"] for r in results]:
+        assert res["mixed_specs"] == {"": "none", "b": "topk:ratio=0.3", "skip": "none"}
+        assert res["mixed_codecs"] == {"": "Identity", "b": "TopK", "skip": "Identity"}
+        # the root's and skip's reduce-scatters are FSDP's to the bit; b's is Top-K's
+        assert res["mixed_equal"] == {"a": True, "b": False, "skip": True, "head": True}
+        # b's chunk per rank: each parameter's rows split over the ranks (FSDP pads dim 0)
+        chunk = sum(-(-p.shape[0] // world_size) * p[0].numel() for p in Net().b.parameters())
+        topk = with_marker_slot(build("topk:ratio=0.3"))
+        assert res["mixed_bytes"]["b"] == world_size * topk.payload_nbytes(chunk, torch.float32)
+        assert res["mixed_bad"] == "compressor for module 'b': ratio must be in (0, 1]; got 2"
+        assert res["refused_equal"]
+
