@@ -141,7 +141,7 @@ def plot(table: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7.5, 4.6))
+    fig, ax = plt.subplots(figsize=(9, 4.6))
     for spec in dict.fromkeys(r["spec"] for r in table):
         rows = [r for r in table if r["spec"] == spec]
         xs = [r["world_size"] for r in rows]
@@ -152,7 +152,7 @@ def plot(table: list[dict], path: Path) -> None:
     ax.set_ylabel("MB sent per worker (last step)")
     ax.set_title("The demo job's gradient: lines counted, x measured (wchar)")
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7, ncol=2)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
