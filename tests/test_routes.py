@@ -254,6 +254,11 @@ def test_explanation_names_the_route_taken_and_the_bytes_weighed():
     assert text.startswith("fewest bytes sent over 3 ranks (" + chosen + " ")
     assert f"allgather {3 * 2 * payload:,} B" in text
     assert ("compress the mean a second time" in text) == (chosen == "twophase")
+    # quality weighed: the sign codecs' second compression costs loss, so auto leaves two phases out
+    assert chosen == "allgather" and "twophase not weighed for efsignsgd (two phases cost it loss: " in text
+    topk = build("topk:ratio=0.01")
+    assert choose_collective("auto", topk, numel, torch.float32, 3) == "twophase"
+    assert choose_collective("twophase", sign, numel, torch.float32, 3) == "twophase"  # asked for: taken
     summed = build("randomk:ratio=0.25")
     text = explain_collective("auto", summed, numel, torch.float32, 3)
     assert "allgather, twophase not weighed for randomk (its payloads add up" in text

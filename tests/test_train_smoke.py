@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gradzip.lab.cli import main
+from gradzip.lab.train.known_gaps import gap_note
 
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--batch-size", "4", "--vocab-size", "512"]
 
@@ -35,6 +36,16 @@ def test_train_writes_metrics_summary_plot_and_checkpoint(tmp_path):
     for field in ("initial_val_loss", "final_val_loss", "compression_ratio", "compressor", "world_size", "steps"):
         assert field in summary
     assert summary["world_size"] == 2 and summary["steps"] == 12 and summary["compressor"] == "topk:ratio=0.05"
+    # Top-K's measured gap under AdamW is said before the run and in its summary; each bucket's route with why
+    note = gap_note("topk:ratio=0.05")
+    assert "Top-K at 1% from step 0" in note and summary["known_gap"] == note
+    assert f"gradzip train: note: {note}" in proc.stdout and proc.stdout.count(f"note: {note}") == 2
+    routes = summary["monitor"]["routes"]
+    assert routes and all(len(e["taken"]) == 1 for e in routes.values())
+    for name, entry in routes.items():
+        taken = entry["taken"][0]
+        assert taken["why"].startswith(f"fewest bytes sent over 2 ranks ({taken['route']} ")
+        assert f"bucket {name}: {taken['route']} from step 0: {taken['why']}" in proc.stdout
     assert summary["final_val_loss"] < summary["initial_val_loss"]
     assert summary["compression_ratio"] == pytest.approx(
         sum(r["dense_bytes"] for r in records) / sum(r["payload_bytes"] for r in records)

@@ -64,6 +64,10 @@ class Compressor(ABC):
     #: the device, which stalls the backward pass behind it); empty where it reads nothing
     #: (tests run those on meta tensors, which have no values to read)
     host_reads: ClassVar[str] = ""
+    #: why compressing this codec's decoded mean a second time, as two phases do on the rank
+    #: that owns each chunk, costs more loss than the bytes it saves are worth; ``auto`` then
+    #: does not weigh the two-phase route (it can still be asked for). Empty where it does not.
+    twophase_cost: ClassVar[str] = ""
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -114,6 +114,11 @@ def group_mean_magnitudes(flat: Tensor, group: int) -> Tensor:
 
 
 class _ScaledSign(Compressor):
+    twophase_cost = (
+        "a second 1-bit compression keeps only the signs of each chunk's mean (EF-signSGD on the "
+        "demo job, 3 workers: 25.5% above none on two phases, 11.3% on all_gather)"
+    )
+
     def __init__(self, *, group: int = 0) -> None:
         super().__init__(group=group)
         self.group = check_int(group, name="group", low=0)

@@ -89,8 +89,9 @@ def choose_collective(
 ) -> str:
     """The route a bucket takes: one of :data:`ROUTES`, identical on every rank.
 
-    ``auto`` takes, among the routes whose ``auto_takes`` the codec and whose payload does not
-    exceed the raw bytes, plus ``dense``, the one with the fewest bytes sent summed over all
+    ``auto`` takes, among the routes whose ``auto_takes`` the codec (two phases do not take a
+    codec whose second compression costs loss, ``Compressor.twophase_cost``) and whose payload
+    does not exceed the raw bytes, plus ``dense``, the one with the fewest bytes sent summed over all
     ranks (``total_sent_nbytes``, so the choice does not depend on the rank); ties go to the
     earlier in :data:`REGISTRY`. A forced collective is kept, except that a codec whose payload
     for the bucket would exceed the raw bytes sends the bucket ``dense`` (compression never
@@ -144,6 +145,8 @@ def explain_collective(
         text += f"; {', '.join(skipped)} not weighed for {compressor.name}"
         if compressor.aggregatable:
             text += " (its payloads add up: all_reduce sums them)"
+        elif "twophase" in skipped and compressor.twophase_cost:
+            text += f" (two phases cost it loss: {compressor.twophase_cost}; --collective twophase takes them)"
     if ranked[0][0] == "twophase":
         text += "; two phases compress the mean a second time (--collective allgather sends one compression)"
     return text

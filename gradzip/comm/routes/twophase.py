@@ -36,8 +36,9 @@ class TwoPhase(Route):
 
     def auto_takes(self, codec) -> bool:
         # A ring all_reduce already is a reduce-scatter and an all-gather of a summable payload;
-        # two phases would add a second compression for at most a few bytes of rounding.
-        return super().auto_takes(codec) and not codec.aggregatable
+        # two phases would add a second compression for at most a few bytes of rounding. A codec
+        # whose second compression costs loss says so (``twophase_cost``): weighed on quality.
+        return super().auto_takes(codec) and not codec.aggregatable and not codec.twophase_cost
 
     def payload_nbytes(self, codec, numel, dtype, world_size) -> int:
         return plan_chunks(codec, numel, dtype, world_size).total_payload_nbytes

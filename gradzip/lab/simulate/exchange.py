@@ -247,11 +247,13 @@ class Method:
         if payload > dense_bytes:
             return [dense_exchange(numel, dtype)]
         # The compressed routes the reducer's auto weighs; a forced one for codecs that are not
-        # aggregatable (an aggregatable codec's only such route is allreduce).
+        # aggregatable (an aggregatable codec's only such route is allreduce), even one that auto
+        # leaves out for the codec (two phases for the sign codecs).
+        forced = collective != "auto" and not codec.aggregatable
         routes = [
             r for r in ROUTE_REGISTRY.values()
-            if r.family == MEAN and r.compressed and r.auto_takes(codec)
-            and (collective == "auto" or codec.aggregatable or r.name == collective)
+            if r.family == MEAN and r.compressed
+            and (r.name == collective and r.accepts(codec) if forced else r.auto_takes(codec))
         ]
         return [route_exchange(r, codec.payload_nbytes, numel, dtype, p) for r in routes]
 

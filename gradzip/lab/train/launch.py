@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 from gradzip.lab.train import report
 from gradzip.lab.train.config import TrainConfig
 from gradzip.lab.train.data import Corpus
+from gradzip.lab.train.known_gaps import gap_note
 
 #: seconds the other workers get to stop by themselves after one fails (then SIGTERM, SIGKILL)
 GRACE_S = 20.0
@@ -105,6 +106,9 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
 
     for line in idle if os.environ.get("RANK", "0") == "0" else []:
         warn(line)  # after every check, so that a refused run prints its one error line alone
+    note = gap_note(cfg.compressor)
+    if note is not None and cfg.progress and os.environ.get("RANK", "0") == "0":
+        report.status(f"note: {note}")
     if under_torchrun():
         from gradzip.lab.train.loop import train_worker
 

@@ -30,6 +30,7 @@ from gradzip.lab.train.checkpoint import Progress, resume, save_training_state
 from gradzip.lab.train.config import TrainConfig
 from gradzip.lab.train.data import Corpus, batch_generator, sample_batch, val_batches
 from gradzip.lab.train.hooks import warm_up_kernels
+from gradzip.lab.train.known_gaps import gap_note
 from gradzip.lab.train.model import build_model, count_parameters, next_token_loss
 from gradzip.lab.train.optimizers import build_optimizer, owns_communication
 from gradzip.lab.train.outer import build_outer, dense_bytes, describe
@@ -297,6 +298,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     summary["tokens_per_s"] = tokens_per_step / summary["step_s_median"] if summary["step_s_median"] else 0.0
     summary["skipped_steps"] = progress.skipped_steps
     summary["monitor"] = monitor.summary()
+    summary["known_gap"] = gap_note(cfg.compressor)
     if cfg.outer is not None:
         summary.update(outer=cfg.outer, outer_compressor=cfg.outer_compressor, replica_size=cfg.replica_size,
                        inner_compressor=cfg.compressor if cfg.replica_size > 1 else None,
@@ -310,6 +312,8 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     if cfg.progress:
         print(report.summary_table(summary))
         print("\n".join(monitor.summary_lines()))
+        if summary["known_gap"]:
+            print(f"note: {summary['known_gap']}")
         print(f"\nwrote {out}/metrics.jsonl, summary.json, loss.png, {'layer_ratios.png, ' if per_layer else ''}"
               "checkpoints/")
     return summary

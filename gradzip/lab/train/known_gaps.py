@@ -1,0 +1,41 @@
+"""What biased codecs measurably cost in loss under AdamW, said before and after a run.
+
+Top-K and the sign codecs drop most of each gradient and send the rest later through error
+feedback. Under AdamW, which divides every coordinate by its own running magnitude, that bursty
+arrival costs loss that none of the remedies tried closes (``start_step``, a scale per group of
+4096, DGC's sampled threshold; ``benchmarks/results/remedies_main_job``). So that a user does not
+find it out at the end of a long run, ``gradzip train`` says the measured figures for the codec
+it was given when it starts and in its summary (``known_gap`` in ``summary.json``). They are the
+demo job's, not a prediction for another model.
+"""
+
+from __future__ import annotations
+
+from gradzip.choice import CodecChoice, parse_compressor
+
+#: the runs the figures come from (``gradzip train --world-size 3 --steps 200 --seed 1``)
+SOURCE = "the demo job, 3 workers, 200 steps, AdamW; benchmarks/results/remedies_main_job"
+
+#: codec name -> (setting, the study's run folder, final validation loss above ``none`` in %)
+MEASURED: dict[str, tuple[tuple[str, str, float], ...]] = {
+    "topk": (
+        ("Top-K at 1% from step 0", "topk", 20.1),
+        ("with start_step=20", "topk-start20", 13.1),
+    ),
+    "efsignsgd": (
+        ("EF-signSGD from step 0 on all_gather (the route auto takes)", "efsign-ag", 11.3),
+        ("on two phases", "efsign", 25.5),
+        ("with group=4096,start_step=20 on two phases", "efsign-g4096-start20", 8.6),
+    ),
+}
+
+
+def gap_note(compressor: str) -> str | None:
+    """One line: the final validation loss above ``none`` measured for the codec ``compressor``
+    names (a main-job spec), at the settings measured; None where nothing was measured
+    (schedules, anchors, and the codecs that end close to ``none``)."""
+    choice = parse_compressor(compressor)
+    if not isinstance(choice, CodecChoice) or choice.codec.name not in MEASURED:
+        return None
+    figures = "; ".join(f"{setting} +{gap:.1f}%" for setting, _run, gap in MEASURED[choice.codec.name])
+    return f"measured final validation loss above none: {figures} ({SOURCE})"
