@@ -25,8 +25,9 @@ MEASURED: dict[str, tuple[tuple[str, str, float], ...]] = {
     "efsignsgd": (
         ("EF-signSGD from step 0 on all_gather (the route auto takes)", "efsign-ag", 11.3),
         ("on two phases", "efsign", 25.5),
-        ("with group=4096,start_step=20 on two phases", "efsign-g4096-start20", 8.6),
+        ("with group=4096,start_step=20 on all_gather", "efsign-g4096-start20-ag", 6.6),
     ),
+    "dgc": (("DGC at 1% from step 0", "dgc", 21.6),),
 }
 
 
