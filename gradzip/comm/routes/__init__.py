@@ -117,8 +117,8 @@ def _auto_candidates(compressor: Compressor, numel: int, dtype: torch.dtype, wor
         if not REGISTRY[name].compressed
         or (REGISTRY[name].auto_takes(compressor) and REGISTRY[name].payload_nbytes(compressor, numel, dtype, world_size) <= raw)
     ]
-    ranked = sorted(candidates, key=lambda name: (REGISTRY[name].total_sent_nbytes(compressor, numel, dtype, world_size), ROUTES.index(name)))
-    return [(name, REGISTRY[name].total_sent_nbytes(compressor, numel, dtype, world_size)) for name in ranked]
+    totals = [(name, REGISTRY[name].total_sent_nbytes(compressor, numel, dtype, world_size)) for name in candidates]
+    return sorted(totals, key=lambda pair: (pair[1], ROUTES.index(pair[0])))
 
 
 def explain_collective(
@@ -136,9 +136,10 @@ def explain_collective(
         return f"{collective} asked for"
     ranked = _auto_candidates(compressor, numel, dtype, world_size)
     weighed = ", ".join(f"{name} {nbytes:,} B" for name, nbytes in ranked)
+    weighed_names = {name for name, _nbytes in ranked}
     skipped = [
         name for name in ROUTES
-        if REGISTRY[name].compressed and name not in dict(ranked) and REGISTRY[name].accepts(compressor)
+        if REGISTRY[name].compressed and name not in weighed_names and REGISTRY[name].accepts(compressor)
     ]
     text = f"fewest bytes sent over {world_size} ranks ({weighed})"
     if skipped:
