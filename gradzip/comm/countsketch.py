@@ -119,8 +119,7 @@ class CountSketchReducer(SettlingReducer):
         def finish(fut: Future) -> Tensor:
             fut.value()  # re-raises a failed collective
             if nonfinite.received_marker([box["table"]]):
-                self.ledger.mark_nonfinite(step)
-                return nonfinite.marker_like(grad)
+                return self.ledger.marked_result(step, grad)
             with self.metrics.timed("decompress_s", key):
                 bitmap = box["bitmap"]
                 support = wire.unpack_bits(bitmap, 1, numel).bool() if packed else bitmap.bool()
@@ -148,7 +147,6 @@ class CountSketchReducer(SettlingReducer):
             fut.value()
             if not nonfinite.received_marker([tensor]):
                 return tensor
-            self.ledger.mark_nonfinite(step)
-            return nonfinite.marker_like(tensor)
+            return self.ledger.marked_result(step, tensor)
 
         return self.queue.submit(launch, device=grad.device).then(finish)

@@ -292,8 +292,7 @@ class LayeredReducer(SettlingReducer):
         rows = box["recv"].view(world_size, -1)
         gathered = [wire.from_bytes(rows[r], box["gather_like"]) for r in range(world_size)]
         if nonfinite.received_marker(reduced.values()) or any(nonfinite.received_marker(g) for g in gathered):
-            self.ledger.mark_nonfinite(step)
-            return nonfinite.marker_like(grad)
+            return self.ledger.marked_result(step, grad)
         out = torch.empty_like(grad.reshape(-1))
         cursor = {d: 0 for d in reduced}
         g_index = 0

@@ -260,6 +260,12 @@ class StepLedger:
     def mark_nonfinite(self, step: int) -> None:
         self.nonfinite.add(step)
 
+    def marked_result(self, step: int, like: Tensor) -> Tensor:
+        """The result of a bucket some rank sent the marker for: all NaN, shaped and typed as
+        ``like``; ``step`` is marked non-finite, so its changes are put back when settled."""
+        self.mark_nonfinite(step)
+        return marker_like(like)
+
     def note(self, step: int, bad: Tensor) -> None:
         """Record a 0-d device flag (true: some rank sent the marker) for ``step``, copied to the
         host without blocking."""

@@ -347,8 +347,7 @@ class PowerSGDReducer(SettlingReducer):
         def finish(fut: Future) -> Tensor:
             fut.value()  # re-raises a failed collective
             if box["skip"] or nonfinite.received_marker([*round1_parts, round2]):
-                self.ledger.mark_nonfinite(step)
-                return nonfinite.marker_like(grad)
+                return self.ledger.marked_result(step, grad)
             quality = QualityAccumulator() if monitored else None
             with self.metrics.timed("decompress_s", key):
                 offset = 0
@@ -455,8 +454,7 @@ class PowerSGDReducer(SettlingReducer):
             fut.value()  # re-raises a failed collective
             if not nonfinite.received_marker([tensor]):
                 return tensor
-            self.ledger.mark_nonfinite(step)
-            return nonfinite.marker_like(tensor)
+            return self.ledger.marked_result(step, tensor)
 
         return self.queue.submit(lambda: self._all_reduce(key, tensor), device=tensor.device).then(finish)
 

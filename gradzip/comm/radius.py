@@ -155,8 +155,7 @@ class RadiusReducer(SettlingReducer):
             fut.value()  # re-raises a failed collective
             mean = box["payload"]
             if nonfinite.received_marker([mean]):
-                self.ledger.mark_nonfinite(step)
-                return nonfinite.marker_like(grad)
+                return self.ledger.marked_result(step, grad)
             if refresh:
                 with self.metrics.timed("decompress_s", key):
                     starts = codec.select(mean)
@@ -190,8 +189,7 @@ class RadiusReducer(SettlingReducer):
             fut.value()  # re-raises a failed collective
             payload = box["payload"]
             if nonfinite.received_marker([payload]):
-                self.ledger.mark_nonfinite(step)
-                return nonfinite.marker_like(grad)
+                return self.ledger.marked_result(step, grad)
             with self.metrics.timed("decompress_s", key):
                 out = torch.zeros(grad.numel(), dtype=grad.dtype, device=grad.device)
                 out[index] = payload

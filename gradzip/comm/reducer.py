@@ -235,11 +235,6 @@ class CompressedReducer:
 
     # -- what the routes' launches use ---------------------------------------------------------
 
-    def nonfinite_result(self, like: Tensor, step: int) -> Tensor:
-        """The all-NaN result of a bucket some rank marked; the step is put back when settled."""
-        self.ledger.mark_nonfinite(step)
-        return nonfinite.marker_like(like)
-
     def deliver(
         self, bad: bool | Tensor, step: int, like: Tensor, decode: Callable[[], Tensor], *, all_nan: bool = False
     ) -> Tensor:
@@ -250,7 +245,7 @@ class CompressedReducer:
         ``all_nan`` says it is all NaN already wherever some rank sent the marker (a dense sum
         of tensors the sender filled with NaN), which saves the marking pass."""
         if isinstance(bad, bool):
-            return self.nonfinite_result(like, step) if bad else decode()
+            return self.ledger.marked_result(step, like) if bad else decode()
         self.ledger.note(step, bad)
         return decode() if all_nan else nonfinite.poison_where(decode(), bad)
 

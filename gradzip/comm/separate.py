@@ -145,8 +145,7 @@ class SeparateReducer(SettlingReducer):
         def finish(fut: Future) -> Tensor:
             fut.value()  # re-raises a failed collective
             if nonfinite.received_marker([payload]):
-                self.ledger.mark_nonfinite(step)
-                return nonfinite.marker_like(grad)
+                return self.ledger.marked_result(step, grad)
             out = torch.empty_like(flat)
             with self.metrics.timed("decompress_s", key):
                 offset = 0

@@ -216,8 +216,7 @@ class TwoPhaseAllReduce:
                     payload = Payload(wire.from_bytes(part, template.tensors), ctx)
                     bad = nonfinite.received(payload.tensors)
                     if bad is True:
-                        self.ledger.mark_nonfinite(step)
-                        return nonfinite.marker_like(grad)
+                        return self.ledger.marked_result(step, grad)
                     if bad is not False:
                         flags.append(bad)
                     out[start : start + size] = self.compressor.decompress(payload, like=out[start : start + size])
