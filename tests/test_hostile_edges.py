@@ -427,3 +427,21 @@ def test_end_to_end_one_line_and_exit_2(tmp_path, argv, needle):
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.count("\n") == 1 and needle in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
     assert not (tmp_path / "run").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize(
+    "argv, needles",
+    [(["--compressor", "radius:ratio=0"], ["--compressor radius:ratio=0", "ratio"]),
+     (["--outer", "diloco:sync_every=4", "--outer-compressor", "radius:ratio=0"], ["--outer-compressor radius:ratio=0", "ratio"]),
+     (["--outer", "diloco:sync_every=4", "--outer-compressor", "topk:ratio=0.01,warmup_steps=5"], ["--outer-compressor", "warmup_steps"]),
+     (["--outer", ""], ["--outer must be diloco:sync_every=H"])],
+)  # fmt: skip
+def test_codec_errors_name_the_option_they_came_from(no_workers, argv, needles):
+    _assert_one_line_exit_2(["train", *argv, "--out", "run"], *needles)
+
+
+def test_unknown_parameter_lists_each_accepted_name_once():
+    with pytest.raises(SpecError) as info:
+        build("radius:foo=1")
+    accepted = str(info.value).split("it takes ")[1].split(", ")
+    assert "start_step" in accepted and len(accepted) == len(set(accepted)), str(info.value)

@@ -137,3 +137,26 @@ def test_ddp_hook_two_ranks_bit_identical():
     for spec in (SPEC, SPEC8):
         assert torch.isfinite(params[0][spec]).all(), spec
         assert torch.equal(params[0][spec], params[1][spec]), spec
+
+
+def _reduce_in(rank: int, world_size: int) -> dict:
+    """Two steps of one bucket of ``SHAPES`` through plain PowerSGD, in float64 and in float32."""
+    from gradzip.comm import make_reducer
+
+    numel = sum(math.prod(s) for s in SHAPES)
+    out = {}
+    for dtype in (torch.float64, torch.float32):
+        reducer = make_reducer("powersgd:approx_rank=2")
+        out[dtype] = [reducer.reduce(0, bucket_grad(rank, step, numel).to(dtype), step=step, shapes=SHAPES).wait().clone()
+                      for step in range(2)]
+    return out
+
+
+def test_float64_buckets_reduce_as_float32_ones_do():
+    # a float64 bucket's factors are computed in float32 and go out as float64: saturating them
+    # at float64's range once overflowed float32 (a RuntimeError, not a result)
+    ranks = run_ranks(_reduce_in, 2)
+    for wide, narrow in zip(ranks[0][torch.float64], ranks[0][torch.float32]):
+        assert wide.dtype == torch.float64 and torch.isfinite(wide).all()
+        torch.testing.assert_close(wide.float(), narrow, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0][torch.float64], ranks[1][torch.float64]))

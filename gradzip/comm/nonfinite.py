@@ -76,8 +76,11 @@ def one_or_nan(ok: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 def saturate(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
-    """``t`` clamped to the finite range of ``dtype`` (default ``t.dtype``); NaN stays NaN."""
-    limit = torch.finfo(dtype or t.dtype).max
+    """``t`` clamped to the finite range of ``dtype`` (default ``t.dtype``); NaN stays NaN.
+
+    A ``dtype`` wider than ``t``'s (float32 factors bound for a float64 wire) clamps to ``t``'s
+    own range: a bound ``t`` cannot hold would not convert."""
+    limit = min(torch.finfo(dtype or t.dtype).max, torch.finfo(t.dtype).max)
     return t.clamp(-limit, limit)
 
 

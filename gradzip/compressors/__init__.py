@@ -43,7 +43,7 @@ def instantiate(name: str, params: dict[str, Any]) -> Compressor:
     start_step = params.pop("start_step") if "start_step" in params and "start_step" not in accepted else None
     for key in params:
         if key not in accepted:
-            allowed = ", ".join([*accepted, "start_step"])
+            allowed = ", ".join(accepted if "start_step" in accepted else [*accepted, "start_step"])
             raise SpecError(f"{name} has no parameter {key!r}; it takes {allowed}")
     codec = cls(**params)
     if start_step is not None:

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 
 from gradzip.choice import Choice, parse_compressor
 from gradzip.comm.routes import COLLECTIVES
+from gradzip.compressors import SpecError
 from gradzip.control.auto import FIRST_WINDOW_STEPS, SCHEDULES
 from gradzip.lab.options import Int, Num, OneOf, check_fields, option
 from gradzip.lab.train.pretrained import SMOLLM2
@@ -188,7 +189,7 @@ class TrainConfig:
         """
         cached = self.__dict__.get("_choice")
         if cached is None or cached[0] != self.compressor:
-            cached = (self.compressor, parse_compressor(self.compressor))
+            cached = (self.compressor, named_parse("--compressor", self.compressor))
             self.__dict__["_choice"] = cached
         return cached[1]
 
@@ -202,3 +203,16 @@ class TrainConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def named_parse(option: str, spec: str) -> Choice:
+    """``spec`` parsed, a bad one's error naming ``option`` and the spec (the codec's own message
+    names only its parameter: ``ratio must be in (0, 1]``)."""
+    try:
+        return parse_compressor(spec)
+    except ValueError as exc:
+        message = str(exc)
+        if message.startswith("--"):
+            raise
+        kind = SpecError if isinstance(exc, SpecError) else ValueError
+        raise kind(f"{option} {spec}: {message}") from None

@@ -33,7 +33,7 @@ def parse_outer(spec: str) -> dict[str, Any]:
     Raises:
         ValueError: for another name, an unknown key or a missing ``sync_every``.
     """
-    parts = parse_spec(spec)
+    parts = parse_spec(spec) if spec.strip() else []
     if len(parts) != 1 or parts[0][0] != "diloco":
         raise SpecError(f"--outer must be diloco:sync_every=H[,{',' .join(k + '=..' for k in OUTER_KEYS[1:])}]; "
                         f"got {spec!r} (the outer codec goes in --outer-compressor)")
@@ -79,7 +79,7 @@ def check_outer(cfg) -> None:
     Raises:
         ValueError: one line naming the option and its allowed range.
     """
-    from gradzip.choice import parse_compressor
+    from gradzip.lab.train.config import named_parse
 
     if cfg.outer is None:
         if cfg.outer_compressor != "none":
@@ -102,10 +102,13 @@ def check_outer(cfg) -> None:
         raise ValueError(f"--outer wraps the inner adamw; --optimizer {cfg.optimizer} exchanges its own momenta")
     if cfg.no_exchange:
         raise ValueError("--no-exchange measures compute alone; it does not run with --outer")
-    choice = parse_compressor(cfg.outer_compressor)
+    choice = named_parse("--outer-compressor", cfg.outer_compressor)
     if choice.kind != "codec":
         raise ValueError(f"--outer-compressor must be a gradzip codec spec (none, uniform:bits=8, topk:ratio=0.01, ...); "
                          f"{cfg.outer_compressor!r} cannot run on the outer exchange")
+    if choice.warmup:  # DGC's warm-up schedules per-step gradients; the outer exchange has no such reducer
+        raise ValueError(f"--outer-compressor takes a codec alone; {', '.join(choice.warmup)} belong to --compressor "
+                         f"(DGC's warm-up of the per-step gradient exchange)")
     if cfg.replica_size == 1 and cfg.compressor not in (type(cfg).compressor, "none"):
         raise ValueError("--compressor is the codec inside a replica; with --replica-size 1 there is no exchange "
                          "inside a replica (leave it out or give --replica-size N)")
