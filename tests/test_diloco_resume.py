@@ -68,6 +68,18 @@ def test_loading_a_checkpoint_of_other_settings_raises():
         other.load_state_dict(opt.state_dict())
 
 
+def test_loading_a_foreign_or_reshaped_checkpoint_raises_and_changes_nothing():
+    model, opt = _build({"sync_every": 4})
+    with pytest.raises(ValueError, match="not a DiLoCo state_dict"):
+        opt.load_state_dict({})
+    state = opt.state_dict()
+    state["global"] = [g.new_zeros(g.numel() + 1) for g in state["global"]]
+    before = [g.clone() for g in opt.global_params]
+    with pytest.raises(ValueError, match="shape"):
+        opt.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(before, opt.global_params))
+
+
 def resume_shared_replicas(rank, world_size, save_points):
     """2 replicas of 2 ranks sharing the exchange out, saved while an exchange is in flight."""
     from torch.nn.parallel import DistributedDataParallel as DDP

@@ -285,10 +285,18 @@ class DiLoCo:
         """Restore what :meth:`state_dict` returned.
 
         Raises:
-            ValueError: if the checkpoint was made with other settings (codec, schedule, method).
+            ValueError: if it is not a DiLoCo state (missing entries), was made with other settings
+                (codec, schedule, method) or for parameters of other shapes; nothing is changed then.
         """
+        missing = [k for k in ("settings", "inner_steps", "exchanges", "skipped", "global", "outer", "pending",
+                               "reducer", "inner") if not isinstance(state, dict) or k not in state]
+        if missing:
+            raise ValueError(f"not a DiLoCo state_dict: no {', '.join(missing)} (settings: {self._settings()})")
         if state["settings"] != self._settings():
             raise ValueError(f"checkpoint made with settings {state['settings']}, not {self._settings()}")
+        for i, (g, saved) in enumerate(zip(self.global_params, state["global"])):
+            if g.shape != saved.shape:
+                raise ValueError(f"checkpoint parameter {i} has shape {tuple(saved.shape)}; the model's is {tuple(g.shape)}")
         self.inner_steps = state["inner_steps"]
         self.exchanges = state["exchanges"]
         self.skipped = state["skipped"]
