@@ -80,6 +80,17 @@ def test_loading_a_foreign_or_reshaped_checkpoint_raises_and_changes_nothing():
     assert all(torch.equal(a, b) for a, b in zip(before, opt.global_params))
 
 
+def test_a_model_without_trainable_parameters_or_a_non_bool_error_feedback_is_refused():
+    frozen = tiny_model().requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        gradzip.DiLoCo(frozen, torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1), "none", sync_every=2)
+    model = tiny_model()
+    for bad in ("yes", "no", 1):
+        with pytest.raises(ValueError, match="error_feedback must be True, False or None"):
+            gradzip.DiLoCo(model, inner_optimizer(model.parameters(), "adamw"), "topk:ratio=0.5", sync_every=2,
+                           error_feedback=bad)
+
+
 def resume_shared_replicas(rank, world_size, save_points):
     """2 replicas of 2 ranks sharing the exchange out, saved while an exchange is in flight."""
     from torch.nn.parallel import DistributedDataParallel as DDP

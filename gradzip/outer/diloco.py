@@ -147,6 +147,10 @@ class DiLoCo:
         metrics: StepMetrics | None = None,
     ) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("model has no trainable parameters (none with requires_grad) for DiLoCo to synchronise")
+        if error_feedback is not None and not isinstance(error_feedback, bool):
+            raise ValueError(f"error_feedback must be True, False or None (the codec's default); got {error_feedback!r}")
         self.schedule = Schedule(sync_every=sync_every, fragments=fragments, delay=delay, n_tensors=len(self.params))
         self.outer_lr = _check_number(outer_lr, name="outer_lr", low=0, high=math.inf, low_open=True, high_open=True)
         momentum = _check_number(outer_momentum, name="outer_momentum", low=0, high=1, low_open=False, high_open=True)
