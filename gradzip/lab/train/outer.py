@@ -112,16 +112,28 @@ def check_outer(cfg) -> None:
     if cfg.replica_size == 1 and cfg.compressor not in (type(cfg).compressor, "none"):
         raise ValueError("--compressor is the codec inside a replica; with --replica-size 1 there is no exchange "
                          "inside a replica (leave it out or give --replica-size N)")
-    from gradzip.outer import DiLoCo
-
-    tensors = n_tensors(cfg)
     sync_every, fragments = params["sync_every"], params.get("fragments", 1)
+    # the settings but fragments (bounded by the model's tensor count) check without the model,
+    # whose skeleton takes seconds to build: a bad value is refused before that
+    _try_diloco(cfg, choice, {**params, "fragments": 1}, 1)
+    tensors = n_tensors(cfg)
     if isinstance(sync_every, int) and sync_every >= 1 and isinstance(fragments, int) and fragments >= 1 and (
             sync_every % fragments):
         # the library spreads uneven fragments too; the job keeps the exchanges evenly spaced
         fits = [f for f in range(1, min(sync_every, tensors) + 1) if sync_every % f == 0]
         raise ValueError(f"--outer: fragments must divide sync_every={sync_every} so exchanges are evenly spaced: "
                          f"one of {', '.join(map(str, fits))}; got {fragments}")
+    _try_diloco(cfg, choice, params, tensors)
+
+
+def _try_diloco(cfg, choice, params: dict[str, Any], tensors: int) -> None:
+    """Build a throwaway DiLoCo over ``tensors`` stand-in tensors with the run's settings.
+
+    Raises:
+        ValueError: DiLoCo's own message, after ``--outer: ``.
+    """
+    from gradzip.outer import DiLoCo
+
     stand_in = torch.nn.ParameterList(torch.nn.Parameter(torch.zeros(1)) for _ in range(tensors))
     inner = torch.optim.SGD(stand_in.parameters(), lr=0.1)
     try:
