@@ -445,3 +445,18 @@ def test_unknown_parameter_lists_each_accepted_name_once():
         build("radius:foo=1")
     accepted = str(info.value).split("it takes ")[1].split(", ")
     assert "start_step" in accepted and len(accepted) == len(set(accepted)), str(info.value)
+
+
+def test_an_outer_cycle_longer_than_the_run_is_warned_about(no_workers, monkeypatch):
+    from helpers.tiny_run import write_corpus
+
+    data = write_corpus(no_workers / "corpus.txt", n_lines=300)
+    monkeypatch.setenv("GRADZIP_CACHE", str(no_workers / "cache"))
+    argv = ["train", "--data", data, "--vocab-size", "300", "--seq-len", "32", "--out", "run", "--steps", "5",
+            "--outer", "diloco:sync_every=6"]  # fmt: skip
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()), pytest.raises(WouldSpawn):
+        main(argv)
+    assert err.getvalue().splitlines() == [
+        "gradzip: warning: --outer: sync_every=6 is more than --steps 5: the replicas never exchange (each trains alone)"
+    ]

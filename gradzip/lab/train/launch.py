@@ -163,6 +163,13 @@ def preflight(cfg: TrainConfig) -> list[str]:
     if cfg.model is not None:
         lines += [f"--{name.replace('_', '-')} has no effect with --model (its own config sets it)"
                   for name in SCRATCH_ONLY if getattr(cfg, name) != getattr(defaults, name)]
+    if cfg.outer is not None:
+        from gradzip.lab.train.outer import parse_outer
+
+        sync_every = parse_outer(cfg.outer)["sync_every"]  # an integer >= 1 by now: check_outer ran
+        if sync_every > cfg.steps:
+            lines.append(f"--outer: sync_every={sync_every} is more than --steps {cfg.steps}: "
+                         "the replicas never exchange (each trains alone)")
     return lines
 
 
