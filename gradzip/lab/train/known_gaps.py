@@ -11,7 +11,7 @@ demo job's, not a prediction for another model.
 
 from __future__ import annotations
 
-from gradzip.choice import CodecChoice, parse_compressor
+from gradzip.choice import Choice, CodecChoice, parse_compressor
 
 #: the runs the figures come from (``gradzip train --world-size 3 --steps 200 --seed 1``)
 SOURCE = "the demo job, 3 workers, 200 steps, AdamW; benchmarks/results/remedies_main_job"
@@ -31,11 +31,11 @@ MEASURED: dict[str, tuple[tuple[str, str, float], ...]] = {
 }
 
 
-def gap_note(compressor: str) -> str | None:
+def gap_note(compressor: str | Choice) -> str | None:
     """One line: the final validation loss above ``none`` measured for the codec ``compressor``
-    names (a main-job spec), at the settings measured; None where nothing was measured
-    (schedules, anchors, and the codecs that end close to ``none``)."""
-    choice = parse_compressor(compressor)
+    names (a main-job spec, or the choice already parsed from it), at the settings measured; None
+    where nothing was measured (schedules, anchors, and the codecs that end close to ``none``)."""
+    choice = parse_compressor(compressor)  # a parsed choice comes back as it is
     if not isinstance(choice, CodecChoice) or choice.codec.name not in MEASURED:
         return None
     figures = "; ".join(f"{setting} +{gap:.1f}%" for setting, _run, gap in MEASURED[choice.codec.name])

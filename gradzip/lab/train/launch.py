@@ -106,7 +106,7 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
 
     for line in idle if os.environ.get("RANK", "0") == "0" else []:
         warn(line)  # after every check, so that a refused run prints its one error line alone
-    note = gap_note(cfg.compressor)
+    note = gap_note(cfg.choice)
     if note is not None and cfg.progress and os.environ.get("RANK", "0") == "0":
         report.status(f"note: {note}")
     if under_torchrun():

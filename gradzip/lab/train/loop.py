@@ -298,7 +298,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     summary["tokens_per_s"] = tokens_per_step / summary["step_s_median"] if summary["step_s_median"] else 0.0
     summary["skipped_steps"] = progress.skipped_steps
     summary["monitor"] = monitor.summary()
-    summary["known_gap"] = gap_note(cfg.compressor)
+    summary["known_gap"] = gap_note(cfg.choice)
     if cfg.outer is not None:
         summary.update(outer=cfg.outer, outer_compressor=cfg.outer_compressor, replica_size=cfg.replica_size,
                        inner_compressor=cfg.compressor if cfg.replica_size > 1 else None,
