@@ -16,6 +16,14 @@ so no inner step waits on the link until an update is due). The late update is m
 parameters the replica reached in the meantime as the paper does:
 ``theta_local = mix * theta_local + (1 - mix) * theta_global``.
 
+Eager updates (Kale, Douillard & Donchev, "Eager Updates For Overlapped Communication and
+Computation in DiLoCo", arXiv 2502.12996), ``eager=True``: the whole outer exchange overlaps the
+next ``H`` inner steps. Each outer step launches the exchange of this round's pseudo-gradient and
+applies at once, without waiting, the mixture the paper proposes: this replica's own current
+pseudo-gradient, weighted ``1 / M`` for ``M`` replicas, in place of its share of the mean that has
+not arrived, plus the other replicas' share of the previous round's mean, which has:
+``g_t = delta_local_t / M + (mean_{t-1} - delta_local_{t-1} / M)``.
+
 SparseLoCo (Sarfi et al., "Communication Efficient LLM Pre-training with SparseLoCo",
 arXiv 2508.15706), ``method="sparseloco"``: no outer momentum; instead each replica keeps an
 error-feedback accumulator decayed by ``outer_momentum`` (``e = beta * e + delta``, send
@@ -52,6 +60,19 @@ def _check_number(value: Any, *, name: str, low: float, high: float, low_open: b
     return float(value)
 
 
+def _check_eager(eager: Any, *, fragments: int, delay: int, mix: float, method: str) -> None:
+    if not isinstance(eager, bool):
+        raise ValueError(f"eager must be True or False; got {eager!r}")
+    if not eager:
+        return
+    for name, value, wanted in (("fragments", fragments, 1), ("delay", delay, 0), ("mix", mix, 0.0)):
+        if value != wanted:
+            raise ValueError(f"{name} must be {wanted} with eager=True (an eager exchange lands a whole cycle later, "
+                             f"all fragments at once); got {value!r}")
+    if method != "diloco":
+        raise ValueError(f"method must be 'diloco' with eager=True; got {method!r}")
+
+
 class DiLoCo:
     """An outer loop around ``inner_optimizer``: call :meth:`step` where you called
     ``inner_optimizer.step()``.
@@ -82,6 +103,11 @@ class DiLoCo:
         mix: ``alpha`` in [0, 1], the weight of the replica's own parameters when an outer
             update lands (``theta_local = alpha * theta_local + (1 - alpha) * theta_global``);
             0 replaces them by the global parameters, as DiLoCo does.
+        eager: eager updates (see the module docstring): the exchange of each outer step lands
+            at the next one, ``H`` inner steps later, and the outer step applies the replica's
+            own pseudo-gradient at once in place of its share. Needs ``fragments=1``,
+            ``delay=0`` and ``mix=0`` (the exchange is already a whole cycle late) and
+            ``method="diloco"``.
         method: ``"diloco"`` (outer Nesterov momentum; error feedback as ``error_feedback``
             says) or ``"sparseloco"`` (error feedback decayed by ``outer_momentum`` in place of
             outer momentum; single-round codecs).
@@ -117,7 +143,11 @@ class DiLoCo:
     optimizer's own state is left as it is.
 
     What differs from the papers: fragments are strided over parameter tensors, not over
-    transformer blocks; ``mix`` defaults to 0 (replace, as DiLoCo and torchft's default do), while
+    transformer blocks; with ``eager``, the replicas' global parameters differ by their own last
+    pseudo-gradient over ``M`` (and, under outer momentum, by how momentum weighted the own terms
+    a round apart) until :meth:`synchronize`, which lands the last exchange; the own term is the
+    raw pseudo-gradient, so what the codec dropped from it is taken back when the mean arrives;
+    ``mix`` defaults to 0 (replace, as DiLoCo and torchft's default do), while
     Streaming DiLoCo mixes the late update with the local parameters (set ``mix``, its
     ``alpha``); ``delay`` is below ``sync_every // fragments`` (as torchft requires) so at most
     one exchange is in flight; any gradzip codec takes the place of the papers' FP4 / int8 /
@@ -138,6 +168,7 @@ class DiLoCo:
         delay: int = 0,
         mix: float = 0.0,
         method: str = "diloco",
+        eager: bool = False,
         error_feedback: bool | None = None,
         collective: str = "auto",
         min_compress_bytes: int = 0,
@@ -158,6 +189,8 @@ class DiLoCo:
         cap_mb = _check_number(bucket_cap_mb, name="bucket_cap_mb", low=0, high=math.inf, low_open=False, high_open=True)
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+        _check_eager(eager, fragments=fragments, delay=delay, mix=self.mix, method=method)
+        self.eager = eager
         if isinstance(compressor, str) and compressor.strip().lower() == "auto":
             raise ValueError("compressor must be a codec spec or codec; 'auto' cannot run on the outer exchange")
         codec = build(compressor)
@@ -192,6 +225,10 @@ class DiLoCo:
         self.exchanges = 0  # fragment exchanges launched: the reducer's step number
         self.skipped = 0  # outer updates skipped for a non-finite pseudo-gradient
         self.pending: list[Exchange] = []
+        # eager: the own pseudo-gradient of the exchange in flight (what its mean already counts
+        # of this replica, applied a round early)
+        self.group = group
+        self.sent: list[torch.Tensor] | None = None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """The inner optimizer's ``zero_grad``."""
@@ -206,6 +243,10 @@ class DiLoCo:
         """
         loss = self.inner_optimizer.step() if closure is None else self.inner_optimizer.step(closure)
         self.inner_steps += 1
+        if self.eager:
+            if self.schedule.sends_after(self.inner_steps):
+                self._eager_step()
+            return loss
         for exchange in [e for e in self.pending if e.due == self.inner_steps]:
             self.pending.remove(exchange)
             self._apply(exchange)
@@ -231,9 +272,34 @@ class DiLoCo:
         self.exchanges += 1
         return exchange
 
+    @property
+    def replicas(self) -> int:
+        """``M``, the replicas in the outer exchange (the outer group's size)."""
+        return dist.get_world_size(self.group)
+
     @torch.no_grad()
-    def _apply(self, exchange: Exchange) -> None:
-        indices = self.fragments[exchange.fragment]
+    def _eager_step(self) -> None:
+        """One eager outer step (one fragment, holding every tensor): take the previous round's
+        mean, launch this round's exchange, step on ``own / M + (previous mean - previous own / M)``."""
+        indices = self.fragments[0]
+        previous = self._landed(self.pending.pop(0)) if self.pending else None
+        own = [self.global_params[i] - self.params[i] for i in indices]
+        finite = all(bool(torch.isfinite(d).all()) for d in own)
+        self.pending.append(self._launch(0))
+        grads = []
+        for k, i in enumerate(indices):
+            g = own[k] / self.replicas if finite else torch.zeros_like(own[k])
+            if previous is not None:
+                g += previous[i] - self.sent[k] / self.replicas
+            grads.append(g)
+        self.sent = own if finite else [torch.zeros_like(d) for d in own]
+        self.outer.step(indices, grads)
+        for i in indices:
+            self.params[i].copy_(self.global_params[i])
+
+    def _landed(self, exchange: Exchange) -> dict[int, torch.Tensor] | None:
+        """The per-tensor means of an exchange, waiting for it; None (counted in :attr:`skipped`)
+        when some rank's pseudo-gradient was not finite."""
         buckets = self.buckets[exchange.fragment]
         results = exchange.result()
         if self.replica_group is not None:
@@ -241,6 +307,24 @@ class DiLoCo:
         means = unflatten(buckets, results, self.params)
         if means is None:
             self.skipped += 1
+        return means
+
+    @torch.no_grad()
+    def _land_eager(self) -> None:
+        """Land the eager exchange in flight: one outer step on the other replicas' share of it."""
+        indices = self.fragments[0]
+        previous = self._landed(self.pending.pop(0))
+        if previous is not None:
+            self.outer.step(indices, [previous[i] - self.sent[k] / self.replicas for k, i in enumerate(indices)])
+        self.sent = None
+        for i in indices:
+            self.params[i].copy_(self.global_params[i])
+
+    @torch.no_grad()
+    def _apply(self, exchange: Exchange) -> None:
+        indices = self.fragments[exchange.fragment]
+        means = self._landed(exchange)
+        if means is None:
             for i in indices:
                 self.params[i].copy_(self.global_params[i])
             return
@@ -254,7 +338,12 @@ class DiLoCo:
     def synchronize(self) -> None:
         """Wait for every exchange in flight and apply it now (before evaluating or at the end
         of training, so that the model holds every update that was sent). Training may go on
-        afterwards; those updates have then landed earlier than ``delay`` said."""
+        afterwards; those updates have then landed earlier than ``delay`` said. With ``eager``,
+        the last exchange lands as one more outer step on the other replicas' share of it."""
+        if self.eager:
+            if self.pending:
+                self._land_eager()
+            return
         while self.pending:
             self._apply(self.pending.pop(0))
 
@@ -283,6 +372,7 @@ class DiLoCo:
             ],
             "reducer": self.reducer.state_dict(),
             "inner": self.inner_optimizer.state_dict(),
+            **({"sent": None if self.sent is None else [t.clone() for t in self.sent]} if self.eager else {}),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -298,6 +388,8 @@ class DiLoCo:
             raise ValueError(f"not a DiLoCo state_dict: no {', '.join(missing)} (settings: {self._settings()})")
         if state["settings"] != self._settings():
             raise ValueError(f"checkpoint made with settings {state['settings']}, not {self._settings()}")
+        if self.eager and "sent" not in state:
+            raise ValueError("not an eager DiLoCo state_dict: no sent (the pseudo-gradient of the exchange in flight)")
         for i, (g, saved) in enumerate(zip(self.global_params, state["global"])):
             if g.shape != saved.shape:
                 raise ValueError(f"checkpoint parameter {i} has shape {tuple(saved.shape)}; the model's is {tuple(g.shape)}")
@@ -317,11 +409,14 @@ class DiLoCo:
         ]
         self.reducer.load_state_dict(state["reducer"])
         self.inner_optimizer.load_state_dict(state["inner"])
+        if self.eager:
+            self.sent = None if state["sent"] is None else [t.to(self.params[0].device).clone() for t in state["sent"]]
 
     def _settings(self) -> dict[str, Any]:
         s = self.schedule
         return {
             "compressor": self.spec, "method": self.method, "sync_every": s.sync_every,
             "fragments": s.fragments, "delay": s.delay, "n_tensors": s.n_tensors, "replica_size": self._share,
+            **({"eager": True} if self.eager else {}),
         }
 
