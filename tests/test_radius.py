@@ -43,7 +43,7 @@ def test_spec_parses_and_payload_formulas():
     assert codec.payload_nbytes(39, torch.bfloat16) == (2 * 4 + 3) * 2
     assert codec.refresh_payload_nbytes(39) == 39 * 4
     assert codec.payload_nbytes(3) == 3 * 4  # no whole range: the tensor travels whole
-    assert build("radius").payload_nbytes(1 << 20) == round(0.4 * (1 << 14)) * 64 * 4
+    assert build("radius").payload_nbytes(1 << 20) == round(0.6 * (1 << 14)) * 64 * 4
 
 
 def _brute_force_starts(values: list[int], ratio: float, range_size: int) -> list[int]:
