@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from gradzip.compressors import build
 from gradzip.control import knapsack
 from gradzip.control.edgc import EDGCConfig, EDGCController, entropy, map_entropy_change_to_rank, predict_rank
 from gradzip.control.figures import BucketFigures, LayerFigures, WindowFigures
-from gradzip.control.kimad import KimadConfig, KimadController
+from gradzip.control.kimad import COMPUTE_STEPS, KimadConfig, KimadController
 from gradzip.control.legacy import LegacyController
 from gradzip.control.link import Link, LinkEstimator, fit
 from gradzip.control.schedules import layer_controller
@@ -285,3 +286,43 @@ def test_edgc_entropy_is_the_reference_codes_estimate():
     assert entropy(x, stride=4, bins=4) == pytest.approx(math.log(4))
     assert entropy(torch.ones(10)) == 0.0
     assert entropy(torch.tensor([1.0, float("nan"), 3.0]), stride=1, bins=2) == pytest.approx(math.log(2))
+
+
+def test_kimad_sizes_its_budget_to_the_compute_time_by_default():
+    ctl = KimadController(KimadConfig(levels="0.1/0.01", hysteresis=0.1))
+    assert ctl.cfg.target_ms == "compute"
+    ctl.layer_plan(0, SHAPES, torch.float32, 0)
+    errors = [(5.0, 40.0), (1.0, 2.0)]
+
+    def window(period_s, exchange_s, probed=True):
+        w = _kimad_window(errors, rate=5e5, probed=probed)
+        w.period_s, w.exchange_s = period_s, exchange_s
+        return w
+
+    # no period measured yet (a step that probes): nothing to size the budget by
+    assert "measuring the compute time" in ctl.decide(window(0.0, 0.029)).note
+    # a step period of 40 ms of which the exchange took 29 ms: 11 ms of compute, the budget of
+    # the fixed 11 ms above (5,500 bytes at 500 kB/s): one layer dense, the other at 0.1
+    plan = ctl.decide(window(0.040, 0.029))
+    assert "target 11 ms" in plan.note
+    assert ctl.layer_plan(0, SHAPES, torch.float32, 1) == ("none", "topk:ratio=0.1")
+    # the median of the last steps: one long step (a validation pause) does not move it
+    ctl.decide(window(2.0, 0.029, probed=False))
+    assert ctl.compute == pytest.approx([0.011, 1.971])
+    assert ctl.layer_plan(0, SHAPES, torch.float32, 2) == ("none", "none")  # median of two: 991 ms
+    for _ in range(3):
+        ctl.decide(window(0.040, 0.029, probed=False))
+    assert statistics.median(ctl.compute) == pytest.approx(0.011)
+    assert ctl.layer_plan(0, SHAPES, torch.float32, 3) == ("none", "topk:ratio=0.1")
+    # compute ten times longer at the same link: 55,000 bytes, both layers dense
+    for _ in range(COMPUTE_STEPS):
+        ctl.decide(window(0.139, 0.029, probed=False))
+    assert ctl.layer_plan(0, SHAPES, torch.float32, 4) == ("none", "none")
+    # an exchange longer than the period counts as no compute
+    assert ctl.target_s(window(0.010, 0.029)) == pytest.approx(0.110)  # median of 9 + one 0
+    again = KimadController(KimadConfig(levels="0.1/0.01", hysteresis=0.1))
+    again.load_state_dict(ctl.state_dict())
+    assert again.compute == ctl.compute
+    for bad in ("fast", 0, -5):
+        with pytest.raises(ValueError, match="target_ms"):
+            KimadConfig(target_ms=bad).validate()

@@ -9,13 +9,13 @@ gradient is 1.9 MB per step.
 Why these rates make the right choice differ, far from any threshold:
 
 - at 4 Gbit/s (about 3 Gbit/s through gloo on a 2-core machine) the dense exchange takes about
-  5 ms: Kimad's budget (100 ms at the link rate, tens of MB) holds the dense gradient many times
-  over, so every layer stays dense; for ``auto``, ``qsgd:bits=4``'s encoding and decoding (20 ms
+  5 ms: Kimad's budget (the step's compute time, tens of ms, at the link rate: tens of MB) holds
+  the dense gradient many times over, so every layer stays dense; for ``auto``, ``qsgd:bits=4``'s encoding and decoding (20 ms
   on an idle core, several times that on a loaded one) costs more than the 4 ms it would save,
   and ``fp16`` saves a few ms, under 5% of the step, so it keeps ``none`` or ``fp16`` (light:
   2x at most);
-- at 20 Mbit/s the dense exchange takes about 0.75 s: Kimad's budget is about 250 kB, so it
-  must compress about 7x; ``auto`` saves most of that with ``qsgd:bits=4`` (6.3x), far more than
+- at 20 Mbit/s the dense exchange takes about 0.75 s: Kimad's budget (tens of ms at 2.5 MB/s)
+  is a few hundred kB at most, so it must compress several times; ``auto`` saves most of that with ``qsgd:bits=4`` (6.3x), far more than
   its encoding costs (``fp16`` would still take 0.38 s).
 
 ``auto``'s candidates are ``none``, ``fp16`` and ``qsgd:bits=4``, whose relative errors (about

@@ -282,8 +282,10 @@ class AutoReducer:
         if previous is not None and step == previous + 1 and self._step_first_s is not None:
             # The period of step `previous`: counted unless it opened the window (a switch, and
             # the wait for the figures) or closed a window that probes (the probe's encoding).
+            # A window of one step (Kimad's, every step) counts its step unless it probes: a
+            # switch there is rare (a re-plan), and nothing else would ever be measured.
             last = self.window_end - 1 if self.probe_this_window else self.window_end
-            if self.window_start < previous < last:
+            if self.window_start < previous < last or (self._one_step_window() and not self.probe_this_window):
                 self._periods.append(now - self._step_first_s)
         self._step, self._step_first_s = step, now
         if step == self.window_start == 1:
@@ -292,7 +294,7 @@ class AutoReducer:
             self._in_flight_at_start = self.metrics.in_flight_total_s
         mark, flight = self._exchange_total(), self.metrics.in_flight_total_s
         if previous is not None and step == previous + 1 and self._exchange_mark is not None:
-            if self.window_start < previous:  # the window's first step carries a switch
+            if self.window_start < previous or self._one_step_window():  # the first step carries a switch
                 self._exchange.append(mark - self._exchange_mark)
                 self._in_flight.append(flight - self._in_flight_mark)
         self._exchange_mark, self._in_flight_mark = mark, flight
@@ -396,6 +398,9 @@ class AutoReducer:
         if self._in_flight:
             return min(self._in_flight)
         return (self.metrics.in_flight_total_s - self._in_flight_at_start) / steps
+
+    def _one_step_window(self) -> bool:
+        return self.window_end - self.window_start == 1
 
     def _min_window_steps(self) -> int:
         return getattr(self.controller, "min_window_steps", MIN_WINDOW_STEPS)

@@ -97,14 +97,16 @@ class WindowFigures:
         start, end: the window's steps.
         world_size: ranks in the group.
         period_s: median seconds from one step's first bucket to the next step's (max over
-            ranks), over the window's steps less its first (a switch) and last (the probe).
+            ranks), over the window's steps less its first (a switch) and last (the probe); a
+            window of one step: that step, unless it probes (0 then).
         buckets: per-bucket figures, in hook order.
         in_flight_s: wall seconds with some collective of the hook in flight in the window's
             least-disturbed step (the fewest of its steps less its first; a window of one step:
             that step), min over ranks (the last rank to arrive waits least): a rank descheduled
             while its collective is in flight only adds to a step's seconds.
         exchange_s: seconds per step of the whole exchange, encoding, collectives in flight and
-            decoding (max over ranks), over the window's steps less its first.
+            decoding (max over ranks), over the window's steps less its first (a window of one
+            step: that step).
         figures_s: seconds of the previous window's figure all_reduce (min over ranks), 0 for
             the first window; ``figures_bytes`` what it sent per rank. A sample of the link's
             latency at almost no bytes.

@@ -15,7 +15,11 @@ Here, every step (a window of one step of the auto reducer):
 1. the link is re-estimated from the last exchanges (:class:`~gradzip.control.link.LinkEstimator`:
    latency and bandwidth kept apart by the figure all_reduce's tiny sample, following the link
    both ways with a half-life of ``half_life`` steps);
-2. the budget is ``(target - latency * collectives) * bandwidth`` bytes per rank;
+2. the budget is ``(target - latency * collectives) * bandwidth`` bytes per rank, where the
+   target is the step's compute time (``target_ms=compute``, the default: the median over the
+   last :data:`COMPUTE_STEPS` steps of the step period less its exchange, a lower bound of the
+   computation each step, so the exchange is sized to take as long as the computation it can
+   overlap; the median leaves out the validation pauses) or a fixed time in milliseconds;
 3. ``layerwise=true`` (Kimad+, the default): the knapsack over every layer of every bucket, each
    with ``none`` and the codec at each of ``levels`` (a level that would send more than the raw
    layer counts as ``none``); ``layerwise=false`` (Kimad): the gentlest single level whose total
@@ -32,17 +36,18 @@ Every rank decides from the same all-reduced figures, so all reach the same plan
 Reproduced: the per-step budget from the bandwidth estimate and a target time, the per-layer
 split minimising summed squared error by dynamic programming, and Kimad's uniform variant.
 Different: the paper's bandwidth monitor is not specified beyond the last transfers; here it is
-the latency-aware fit above. The target time is a setting (``target_ms``, 100 ms by default), not
-derived from the compute time. The paper's error feedback is EF21; here the plain residual of
-gradzip's reducers. Errors are re-measured every ``error_every`` steps, not every step, since
+the latency-aware fit above. The paper takes the target time as a setting; here it defaults to
+the measured compute time per step (a fixed ``target_ms`` is still taken). The paper's error
+feedback is EF21; here the plain residual of gradzip's reducers. Errors are re-measured every ``error_every`` steps, not every step, since
 pricing every level costs one encode per level and layer.
 
-Spec: ``kimad[:codec=topk,levels=0.001/0.01/0.1,target_ms=100,layerwise=true,error_every=10,
+Spec: ``kimad[:codec=topk,levels=0.001/0.01/0.1,target_ms=compute,layerwise=true,error_every=10,
 units=1000,hysteresis=0.1,half_life=1]``; ``codec=powersgd,levels=1/2/4/8`` splits ranks.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +62,9 @@ from gradzip.control.link import Link, LinkEstimator
 
 NAME = "kimad"
 
+#: steps over which the compute time per step is the median (``target_ms=compute``)
+COMPUTE_STEPS = 9
+
 
 @dataclass
 class KimadConfig:
@@ -68,8 +76,9 @@ class KimadConfig:
     levels: Any = "0.001/0.01/0.1"
     """The candidate levels of every layer, ``/``-separated; ``none`` is always a candidate too."""
 
-    target_ms: float = 100.0
-    """The communication time per step the budget is sized for, in milliseconds."""
+    target_ms: Any = "compute"
+    """The communication time per step the budget is sized for: milliseconds (> 0), or
+    ``compute``, the step's measured compute time (step period less exchange, per window)."""
 
     layerwise: bool = True
     """Kimad+ (the budget split per layer by the knapsack); false: Kimad, one level for all layers."""
@@ -93,7 +102,10 @@ class KimadConfig:
         ladder = Ladder(self.codec)
         for level in self.levels:
             ladder.build(level)
-        check_number(self.target_ms, name="target_ms", low=0, low_open=True)
+        if self.target_ms != "compute":
+            if isinstance(self.target_ms, str):
+                raise ValueError(f"target_ms must be compute or a number of milliseconds > 0; got {self.target_ms!r}")
+            check_number(self.target_ms, name="target_ms", low=0, low_open=True)
         check_number(self.hysteresis, name="hysteresis", low=0)
         check_number(self.half_life, name="half_life", low=0, low_open=True)
         if not isinstance(self.layerwise, bool):
@@ -121,6 +133,7 @@ class KimadController(LayerSchedule):
         self.plans: dict[Hashable, tuple[str, ...]] = {}
         self.budget: float | None = None  # bytes the running plan was solved for
         self.since_probe = 0
+        self.compute: list[float] = []  # the last steps' compute time (period less exchange), s
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> KimadController:
@@ -161,9 +174,12 @@ class KimadController(LayerSchedule):
         if link is None or not keys:
             return Plan({}, 1, {}, "measuring the link and the layers' errors", probe_next, quiet=True)
         collectives = sum(b.collectives for b in window.buckets)
-        target_s = self.cfg.target_ms / 1e3
+        target_s = self.target_s(window)
+        if target_s is None:
+            return Plan({}, 1, {}, "measuring the compute time per step", probe_next, quiet=True)
         budget = link.bytes_within(target_s, collectives)
-        head = f"link {link.mbit:,.1f} Mbit/s, {link.latency_s * 1e3:.2f} ms per collective, budget {budget / 1e6:,.3f} MB"
+        head = (f"link {link.mbit:,.1f} Mbit/s, {link.latency_s * 1e3:.2f} ms per collective, "
+                f"target {target_s * 1e3:,.0f} ms, budget {budget / 1e6:,.3f} MB")
         if not refreshed and self.budget is not None and _within(budget, self.budget, self.cfg.hysteresis):
             return Plan({}, 1, {}, f"{head}: within {self.cfg.hysteresis:.0%} of the plan's; kept", probe_next, quiet=True)
         before = {k: self.plans.get(k) for k in keys}
@@ -173,6 +189,17 @@ class KimadController(LayerSchedule):
             return Plan({}, 1, {}, f"{head}: re-planned, unchanged", probe_next, quiet=True)
         reasons = {k: f"bucket {k}: {_summary(self.plans[k])}" for k in keys}
         return Plan({}, 1, reasons, f"{head}: re-planned", probe_next)
+
+    def target_s(self, window: WindowFigures) -> float | None:
+        """Seconds of communication per step the budget is sized for: ``target_ms``, or the
+        compute time per step, the median of the last :data:`COMPUTE_STEPS` windows' step period
+        less their exchange (at least 0; windows without a period are left out); None until
+        one is measured. Call once per window."""
+        if self.cfg.target_ms != "compute":
+            return self.cfg.target_ms / 1e3
+        if window.period_s > 0:
+            self.compute = [*self.compute, max(0.0, window.period_s - window.exchange_s)][-COMPUTE_STEPS:]
+        return statistics.median(self.compute) if self.compute else None
 
     def _solve(self, keys: list[Hashable], budget: float, world_size: int) -> None:
         items = []  # (key, layer, specs, errors, bytes, the spec of each level, dense first)
@@ -222,13 +249,14 @@ class KimadController(LayerSchedule):
     def state_dict(self) -> dict[str, Any]:
         return {"link": self.link.state_dict(), "errors": {k: [dict(e) for e in v] for k, v in self.errors.items()},
                 "plans": {k: list(v) for k, v in self.plans.items()}, "budget": self.budget,
-                "since_probe": self.since_probe}
+                "since_probe": self.since_probe, "compute": list(self.compute)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.link.load_state_dict(state["link"])
         self.errors = {k: [dict(e) for e in v] for k, v in state["errors"].items()}
         self.plans = {k: tuple(v) for k, v in state["plans"].items()}
         self.budget, self.since_probe = state["budget"], state["since_probe"]
+        self.compute = list(state["compute"])
 
 
 def _within(value: float, reference: float, fraction: float) -> bool:
