@@ -83,22 +83,23 @@ def unsketch(table: Tensor, index: Tensor, hashes: Hashes) -> Tensor:
     counts = torch.zeros(rows * n_cols, dtype=torch.int64, device=index.device)
     counts.index_add_(0, flat_cells.reshape(-1), torch.ones(flat_cells.numel(), dtype=torch.int64, device=index.device))
     values = torch.zeros(index.numel(), dtype=torch.float64, device=index.device)
-    open_ = torch.ones(index.numel(), dtype=torch.bool, device=index.device)
-    while bool(open_.any()):
-        pure = (counts[flat_cells] == 1) & open_.reshape(1, -1)  # rows x support
+    # Each round looks only at the coordinates still open, so a round costs what is left, not
+    # the whole support (near the peeling threshold the rounds are many and the tail is long).
+    left = torch.arange(index.numel(), device=index.device)
+    while left.numel():
+        pure = counts[flat_cells[:, left]] == 1  # rows x open coordinates
         found = pure.any(0)
         if not bool(found.any()):
             break
         first = pure.to(torch.int8).argmax(0)  # the first row whose cell is pure
-        pick = found.nonzero().reshape(-1)
-        row = first[pick]
+        pick = left[found]
+        row = first[found]
         values[pick] = signs[row, pick] * rest[flat_cells[row, pick]]
-        open_[pick] = False
+        left = left[~found]
         # Take the peeled coordinates out of every row's cells.
         cells = flat_cells[:, pick].reshape(-1)
         rest.index_add_(0, cells, -(signs[:, pick] * values[pick].reshape(1, -1)).reshape(-1))
         counts.index_add_(0, cells, torch.full((cells.numel(),), -1, dtype=torch.int64, device=index.device))
-    left = open_.nonzero().reshape(-1)
     if left.numel():
         estimates = signs[:, left] * rest[flat_cells[:, left]]
         values[left] = estimates.median(0).values if rows % 2 else estimates.quantile(0.5, dim=0)
