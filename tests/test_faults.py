@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -118,6 +119,33 @@ def test_killed_worker_stops_the_others_in_bounded_time(tmp_path):
     folder, notes = find_checkpoint(out)
     assert folder.name == "step-000004" and notes == []
     assert load(folder, "rank-1.pt")["rank"] == 1
+
+
+@pytest.mark.e2e
+def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
+    """A scheduler or ``timeout`` stops the launcher with SIGTERM: the workers stop with it, the
+    command exits 143 with one line, and no process of the run is left."""
+    data = write_corpus(tmp_path / "corpus.txt")
+    out = tmp_path / "run"
+    env = dict(os.environ, GRADZIP_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "gradzip", "train", "--data", data, "--vocab-size", "300", "--seq-len", "32",
+           "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "2", "--threads", "1",
+           "--world-size", "2", "--steps", "100000", "--eval-every", "100000", "--out", str(out), "--quiet"]
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # the workers are training
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "no steps"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)  # to the launcher alone, not its group
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == "gradzip: terminated (SIGTERM); the workers were stopped", err
+    assert _group_empty(proc.pid, wait_s=10), "a worker of the run is still running"
 
 
 def _group_empty(pgid: int, wait_s: float) -> bool:

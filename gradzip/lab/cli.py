@@ -131,7 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, OverflowError) as exc:  # bad values, unreadable or missing files
         print(f"gradzip: error: {one_line(exc)}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
+        from gradzip.lab.train.launch import Terminated
+
+        if isinstance(exc, Terminated):
+            print("gradzip: terminated (SIGTERM); the workers were stopped", file=sys.stderr)
+            return 128 + 15
         print("gradzip: interrupted", file=sys.stderr)
         return 130
 

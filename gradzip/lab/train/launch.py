@@ -18,6 +18,7 @@ import multiprocessing.connection
 import os
 import signal
 import tempfile
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -203,6 +204,14 @@ def check_backend(cfg: TrainConfig) -> None:
         )
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM reached the launcher: stopped like an interrupt, so no worker is left running."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated()
+
+
 def spawn_workers(cfg: TrainConfig) -> None:
     """Run ``cfg.world_size`` local workers to the end.
 
@@ -217,13 +226,24 @@ def spawn_workers(cfg: TrainConfig) -> None:
         ctx = mp.start_processes(
             _spawned, args=(cfg, store.port, status_dir), nprocs=cfg.world_size, join=False, start_method="spawn"
         )
+        # SIGTERM (a scheduler's or timeout's stop) unwinds here like Ctrl-C; only the main
+        # thread may set a handler
+        main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
         try:
             failure = wait_for_workers(ctx.processes, status_dir, GRACE_S, store)
         except KeyboardInterrupt:
             for proc in ctx.processes:
                 if proc.is_alive():
                     proc.terminate()
+            for proc in ctx.processes:
+                proc.join(GRACE_S)
+                if proc.is_alive():
+                    proc.kill()
             raise
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
     if failure is not None:
         raise WorkerFailed(failure + _resume_hint(cfg.out)) from None
 
