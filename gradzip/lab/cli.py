@@ -13,6 +13,7 @@ import argparse
 import importlib
 import math
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -136,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if isinstance(exc, Terminated):
             print("gradzip: terminated (SIGTERM); the workers were stopped", file=sys.stderr)
-            return 128 + 15
+            return 128 + signal.SIGTERM
         print("gradzip: interrupted", file=sys.stderr)
         return 130
 

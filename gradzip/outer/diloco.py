@@ -259,12 +259,15 @@ class DiLoCo:
         return loss
 
     @torch.no_grad()
-    def _launch(self, fragment: int) -> Exchange:
-        pseudo = {
-            i: self.global_params[i] - self.params[i]
-            for bucket, mine in zip(self.buckets[fragment], self._mine[fragment]) if mine
-            for i in bucket.indices
-        }
+    def _launch(self, fragment: int, pseudo: dict[int, torch.Tensor] | None = None) -> Exchange:
+        """Start the exchange of ``fragment``'s pseudo-gradients (``pseudo``: already computed,
+        per tensor index, at least for the buckets this rank exchanges)."""
+        if pseudo is None:
+            pseudo = {
+                i: self.global_params[i] - self.params[i]
+                for bucket, mine in zip(self.buckets[fragment], self._mine[fragment]) if mine
+                for i in bucket.indices
+            }
         exchange = launch(
             self.reducer, self.buckets[fragment], pseudo, fragment=fragment,
             due=self.inner_steps + self.schedule.delay, step=self.exchanges, mine=self._mine[fragment],
@@ -285,12 +288,13 @@ class DiLoCo:
         previous = self._landed(self.pending.pop(0)) if self.pending else None
         own = [self.global_params[i] - self.params[i] for i in indices]
         finite = all(bool(torch.isfinite(d).all()) for d in own)
-        self.pending.append(self._launch(0))
+        self.pending.append(self._launch(0, dict(zip(indices, own))))
+        m = self.replicas
         grads = []
         for k, i in enumerate(indices):
-            g = own[k] / self.replicas if finite else torch.zeros_like(own[k])
+            g = own[k] / m if finite else torch.zeros_like(own[k])
             if previous is not None:
-                g += previous[i] - self.sent[k] / self.replicas
+                g += previous[i] - self.sent[k] / m
             grads.append(g)
         self.sent = own if finite else [torch.zeros_like(d) for d in own]
         self.outer.step(indices, grads)
@@ -315,7 +319,8 @@ class DiLoCo:
         indices = self.fragments[0]
         previous = self._landed(self.pending.pop(0))
         if previous is not None:
-            self.outer.step(indices, [previous[i] - self.sent[k] / self.replicas for k, i in enumerate(indices)])
+            m = self.replicas
+            self.outer.step(indices, [previous[i] - self.sent[k] / m for k, i in enumerate(indices)])
         self.sent = None
         for i in indices:
             self.params[i].copy_(self.global_params[i])

@@ -233,13 +233,7 @@ def spawn_workers(cfg: TrainConfig) -> None:
         try:
             failure = wait_for_workers(ctx.processes, status_dir, GRACE_S, store)
         except KeyboardInterrupt:
-            for proc in ctx.processes:
-                if proc.is_alive():
-                    proc.terminate()
-            for proc in ctx.processes:
-                proc.join(GRACE_S)
-                if proc.is_alive():
-                    proc.kill()
+            _stop(ctx.processes, GRACE_S)
             raise
         finally:
             if previous is not None:
@@ -268,6 +262,13 @@ def wait_for_workers(procs, status_dir: str, grace_s: float, store: dist.Store |
         if store is not None:
             _mark_gone(procs, store)
         multiprocessing.connection.wait([p.sentinel for p in procs if p.is_alive()], timeout=0.2)
+    stopped = _stop(procs, grace_s)
+    return _diagnose(procs, status_dir, stopped)
+
+
+def _stop(procs, grace_s: float) -> list[int]:
+    """SIGTERM to every worker still running, ``grace_s`` seconds for each to exit, then SIGKILL;
+    returns the ranks that had to be stopped."""
     stopped = [rank for rank, proc in enumerate(procs) if proc.is_alive()]
     for rank in stopped:
         procs[rank].terminate()
@@ -276,7 +277,7 @@ def wait_for_workers(procs, status_dir: str, grace_s: float, store: dist.Store |
         if procs[rank].is_alive():
             procs[rank].kill()
             procs[rank].join()
-    return _diagnose(procs, status_dir, stopped)
+    return stopped
 
 
 def _mark_gone(procs, store: dist.Store) -> None:
