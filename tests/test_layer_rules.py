@@ -179,7 +179,9 @@ def _kimad_window(errors, *, rate, latency=0.0, probed=True):
 
 
 def test_kimad_splits_the_budget_to_the_layer_that_loses_least():
-    ctl = KimadController(KimadConfig(levels="0.1/0.01", target_ms=11, hysteresis=0.1))
+    # floor=none: every layer's lightest choice is the dense gradient (the default floor, fp16,
+    # is checked below)
+    ctl = KimadController(KimadConfig(levels="0.1/0.01", floor="none", target_ms=11, hysteresis=0.1))
     ctl.layer_plan(0, SHAPES, torch.float32, 0)
     # 2 ranks: a layer sends 4,000 bytes dense, 600 at ratio 0.1 (100 fp32 values and 100 int16
     # indices, all_gathered), 60 at 0.01. Layer 0 loses more than layer 1 at every level.
@@ -202,18 +204,51 @@ def test_kimad_splits_the_budget_to_the_layer_that_loses_least():
     # noise within the hysteresis keeps the plan
     assert "kept" in ctl.decide(_kimad_window(errors, rate=5.2e5, probed=False)).note
     # Kimad (not +): one level for every layer, the gentlest that fits
-    uniform = KimadController(KimadConfig(levels="0.1/0.01", target_ms=11, layerwise=False))
+    uniform = KimadController(KimadConfig(levels="0.1/0.01", floor="none", target_ms=11, layerwise=False))
     uniform.layer_plan(0, SHAPES, torch.float32, 0)
     uniform.decide(_kimad_window(errors, rate=5e5))
     assert uniform.layer_plan(0, SHAPES, torch.float32, 1) == ("topk:ratio=0.1", "topk:ratio=0.1")
     state = ctl.state_dict()
-    again = KimadController(KimadConfig(levels="0.1/0.01", target_ms=11, hysteresis=0.1))
+    again = KimadController(KimadConfig(levels="0.1/0.01", floor="none", target_ms=11, hysteresis=0.1))
     again.load_state_dict(state)
     again.layer_plan(0, SHAPES, torch.float32, 0)
     for rate in (5e4, 5e4, 5e4):
         assert again.decide(_kimad_window(errors, rate=rate, probed=False)).note == ctl.decide(
             _kimad_window(errors, rate=rate, probed=False)).note
     assert again.plans == ctl.plans
+
+
+def test_kimad_keeps_every_layer_on_the_fp16_floor_while_it_fits():
+    ctl = KimadController(KimadConfig(levels="0.1/0.01", target_ms=11, hysteresis=0.1))
+    assert ctl.cfg.floor == "fp16"
+    assert ctl.layer_plan(0, SHAPES, torch.float32, 0) == ("fp16", "fp16")  # before any plan
+    assert ctl.probe_specs(0, SHAPES) == [["fp16", "topk:ratio=0.1", "topk"]] * 2
+    # 2 ranks: a layer sends 2,000 bytes at fp16 (all_reduced), 600 at ratio 0.1, 60 at 0.01.
+    # 250 kB/s for 11 ms: 2,750 bytes, under the floor's 4,000: the layers must be priced first
+    plan = ctl.decide(_kimad_window([(), ()], rate=2.5e5, probed=False))
+    assert plan.probe_next and "pricing" in plan.note
+    assert ctl.layer_plan(0, SHAPES, torch.float32, 1) == ("fp16", "fp16")
+    # priced: fp16 loses almost nothing; the layer that loses less at 0.1 takes 0.1
+    # (2,000 + 600 = 2,600 bytes, error 1 + 1e-6; the other way round 5 + 1e-6)
+    errors = [(1e-6, 5.0, 40.0), (1e-6, 1.0, 2.0)]
+    plan = ctl.decide(_kimad_window(errors, rate=2.5e5))
+    assert "re-planned" in plan.note
+    assert ctl.layer_plan(0, SHAPES, torch.float32, 2) == ("fp16", "topk:ratio=0.1")
+    assert ctl.errors[0][1] == {"fp16": 1e-6, "topk:ratio=0.1": 1.0, "topk": 2.0}
+    # the link recovers to 500 kB/s: 5,500 bytes hold both layers at fp16 again, within 5 steps,
+    # and no probe is asked for while the floor fits
+    followed = []
+    for _ in range(8):
+        plan = ctl.decide(_kimad_window(errors, rate=5e5, probed=False))
+        followed.append(ctl.layer_plan(0, SHAPES, torch.float32, 3) == ("fp16", "fp16"))
+        if followed[-1]:
+            break
+    assert followed[-1] and len(followed) <= 5 and not plan.probe_next
+    # PowerSGD's exchange mixes only with dense layers: its floor is none, and fp16 is refused
+    assert KimadConfig(codec="powersgd", levels="1/2").validate().floor == "none"
+    for bad in ({"floor": "int8"}, {"codec": "powersgd", "levels": "1/2", "floor": "fp16"}):
+        with pytest.raises(ValueError, match="floor"):
+            KimadConfig(**bad).validate()
 
 
 # -- EDGC -----------------------------------------------------------------------------------------
@@ -289,7 +324,7 @@ def test_edgc_entropy_is_the_reference_codes_estimate():
 
 
 def test_kimad_sizes_its_budget_to_the_compute_time_by_default():
-    ctl = KimadController(KimadConfig(levels="0.1/0.01", hysteresis=0.1))
+    ctl = KimadController(KimadConfig(levels="0.1/0.01", floor="none", hysteresis=0.1))
     assert ctl.cfg.target_ms == "compute"
     ctl.layer_plan(0, SHAPES, torch.float32, 0)
     errors = [(5.0, 40.0), (1.0, 2.0)]
@@ -320,7 +355,7 @@ def test_kimad_sizes_its_budget_to_the_compute_time_by_default():
     assert ctl.layer_plan(0, SHAPES, torch.float32, 4) == ("none", "none")
     # an exchange longer than the period counts as no compute
     assert ctl.target_s(window(0.010, 0.029)) == pytest.approx(0.110)  # median of 9 + one 0
-    again = KimadController(KimadConfig(levels="0.1/0.01", hysteresis=0.1))
+    again = KimadController(KimadConfig(levels="0.1/0.01", floor="none", hysteresis=0.1))
     again.load_state_dict(ctl.state_dict())
     assert again.compute == ctl.compute
     for bad in ("fast", 0, -5):

@@ -10,7 +10,7 @@ Why these rates make the right choice differ, far from any threshold:
 
 - at 4 Gbit/s (about 3 Gbit/s through gloo on a 2-core machine) the dense exchange takes about
   5 ms: Kimad's budget (the step's compute time, tens of ms, at the link rate: tens of MB) holds
-  the dense gradient many times over, so every layer stays dense; for ``auto``, ``qsgd:bits=4``'s encoding and decoding (20 ms
+  the gradient many times over, so every layer stays on its floor (``fp16``: light, 2x); for ``auto``, ``qsgd:bits=4``'s encoding and decoding (20 ms
   on an idle core, several times that on a loaded one) costs more than the 4 ms it would save,
   and ``fp16`` saves a few ms, under 5% of the step, so it keeps ``none`` or ``fp16`` (light:
   2x at most);

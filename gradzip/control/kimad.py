@@ -20,12 +20,18 @@ Here, every step (a window of one step of the auto reducer):
    last :data:`COMPUTE_STEPS` steps of the step period less its exchange, a lower bound of the
    computation each step, so the exchange is sized to take as long as the computation it can
    overlap; the median leaves out the validation pauses) or a fixed time in milliseconds;
-3. ``layerwise=true`` (Kimad+, the default): the knapsack over every layer of every bucket, each
-   with ``none`` and the codec at each of ``levels`` (a level that would send more than the raw
-   layer counts as ``none``); ``layerwise=false`` (Kimad): the gentlest single level whose total
-   fits. When nothing fits, every layer takes its strongest level.
+3. while every layer sent at the *floor* fits the budget, every layer takes the floor: ``fp16``
+   by default (half the bytes at a relative error near ``2^-11``: the light compression an idle
+   link calls for), ``none`` with ``floor=none`` and always with ``codec=powersgd`` (whose
+   low-rank exchange mixes only with dense layers). No layer's error is needed for that plan, so
+   none is measured while it holds;
+4. otherwise, ``layerwise=true`` (Kimad+, the default): the knapsack over every layer of every
+   bucket, each with the floor and the codec at each of ``levels`` (a level that would send more
+   than the raw layer counts as the floor); ``layerwise=false`` (Kimad): the gentlest single
+   level whose total fits. When nothing fits, every layer takes its strongest level.
 
-The errors are measured every ``error_every`` steps by a local probe of every layer at every level
+The errors are measured every ``error_every`` steps while the floor does not fit (and at once, the
+step after the budget first falls below the floor), by a local probe of every layer at every level
 (on the layer plus its error-feedback residual, the tensor its codec is handed), max over ranks;
 between probes the last ones stand, and only the budget moves. Hysteresis: a new budget within
 ``hysteresis`` (relative) of the one the running plan was solved for keeps the plan, so noise in
@@ -37,12 +43,14 @@ Reproduced: the per-step budget from the bandwidth estimate and a target time, t
 split minimising summed squared error by dynamic programming, and Kimad's uniform variant.
 Different: the paper's bandwidth monitor is not specified beyond the last transfers; here it is
 the latency-aware fit above. The paper takes the target time as a setting; here it defaults to
-the measured compute time per step (a fixed ``target_ms`` is still taken). The paper's error
+the measured compute time per step (a fixed ``target_ms`` is still taken). The paper's lightest
+choice is the uncompressed gradient; here it is the floor (``fp16`` unless ``floor=none``). The paper's error
 feedback is EF21; here the plain residual of gradzip's reducers. Errors are re-measured every ``error_every`` steps, not every step, since
 pricing every level costs one encode per level and layer.
 
-Spec: ``kimad[:codec=topk,levels=0.001/0.01/0.1,target_ms=compute,layerwise=true,error_every=10,
-units=1000,hysteresis=0.1,half_life=1]``; ``codec=powersgd,levels=1/2/4/8`` splits ranks.
+Spec: ``kimad[:codec=topk,levels=0.001/0.01/0.1,floor=fp16,target_ms=compute,layerwise=true,
+error_every=10,units=1000,hysteresis=0.1,half_life=1]``; ``codec=powersgd,levels=1/2/4/8`` splits
+ranks (its floor is ``none``).
 """
 
 from __future__ import annotations
@@ -65,6 +73,9 @@ NAME = "kimad"
 #: steps over which the compute time per step is the median (``target_ms=compute``)
 COMPUTE_STEPS = 9
 
+#: what ``floor`` may be: the lightest choice of a layer
+FLOORS = (DENSE, "fp16", "bf16")
+
 
 @dataclass
 class KimadConfig:
@@ -75,6 +86,10 @@ class KimadConfig:
 
     levels: Any = "0.001/0.01/0.1"
     """The candidate levels of every layer, ``/``-separated; ``none`` is always a candidate too."""
+
+    floor: Any = None
+    """The lightest choice of every layer: ``fp16``, ``bf16`` or ``none``; unset: ``fp16``, or
+    ``none`` for a codec with its own exchange (PowerSGD), which mixes only with dense layers."""
 
     target_ms: Any = "compute"
     """The communication time per step the budget is sized for: milliseconds (> 0), or
@@ -102,6 +117,13 @@ class KimadConfig:
         ladder = Ladder(self.codec)
         for level in self.levels:
             ladder.build(level)
+        own_exchange = ladder.build(self.levels[0]).multi_round
+        if self.floor is None:
+            self.floor = DENSE if own_exchange else "fp16"
+        if self.floor not in FLOORS:
+            raise ValueError(f"floor must be one of {', '.join(FLOORS)}; got {self.floor!r}")
+        if own_exchange and self.floor != DENSE:
+            raise ValueError(f"floor must be none with codec={self.codec}: its exchange mixes only with dense layers")
         if self.target_ms != "compute":
             if isinstance(self.target_ms, str):
                 raise ValueError(f"target_ms must be compute or a number of milliseconds > 0; got {self.target_ms!r}")
@@ -140,55 +162,69 @@ class KimadController(LayerSchedule):
         return cls(settings_from(KimadConfig, params, schedule=NAME))
 
     def candidates(self, shape: torch.Size, dtype: torch.dtype) -> list[str]:
-        """A layer's candidate specs: ``none`` first, then the levels gentlest first (repeats of
-        ``none`` dropped)."""
-        specs = [DENSE]
+        """A layer's candidate specs: the floor first, then the levels gentlest first (a level
+        that would not send fewer bytes than the raw layer counts as the floor; repeats dropped)."""
+        specs = [self.cfg.floor]
         for level in self.cfg.levels:
-            spec = self.ladder.spec(level, shape, dtype)
+            spec = self._level_spec(level, shape, dtype)
             if spec not in specs:
                 specs.append(spec)
         return specs
 
+    def _level_spec(self, level: Any, shape: torch.Size, dtype: torch.dtype) -> str:
+        spec = self.ladder.spec(level, shape, dtype)
+        return self.cfg.floor if spec == DENSE else spec
+
     def layer_plan(self, key: Hashable, shapes: Sequence[torch.Size], dtype: torch.dtype, step: int) -> tuple[str, ...]:
         self.layout[key] = ([torch.Size(s) for s in shapes], dtype)
         plan = self.plans.get(key)
-        return plan if plan is not None and len(plan) == len(shapes) else (DENSE,) * len(shapes)
+        return plan if plan is not None and len(plan) == len(shapes) else (self.cfg.floor,) * len(shapes)
 
     def probe_specs(self, key: Hashable, shapes: Sequence[torch.Size]) -> list[list[str]]:
+        """Every candidate of every layer but ``none`` (whose error is 0)."""
         dtype = self.layout.get(key, (None, torch.float32))[1]
-        return [self.candidates(torch.Size(s), dtype)[1:] for s in shapes]
+        return [[s for s in self.candidates(torch.Size(shape), dtype) if s != DENSE] for shape in shapes]
 
     def decide(self, window: WindowFigures) -> Plan:
         link = self.link.add(window.link_samples())
         refreshed = False
         for b in window.buckets:
             if b.layers and any(layer.errors for layer in b.layers):
-                dtype = self.layout.get(b.key, (None, torch.float32))[1]
-                self.errors[b.key] = [
-                    dict(zip(self.candidates(layer.shape, dtype)[1:], layer.errors)) for layer in b.layers
-                ]
+                probed = self.probe_specs(b.key, [layer.shape for layer in b.layers])
+                self.errors[b.key] = [dict(zip(specs, layer.errors)) for specs, layer in zip(probed, b.layers)]
                 refreshed = True
         self.since_probe = 0 if refreshed else self.since_probe + 1
-        probe_next = self.since_probe + 1 >= self.cfg.error_every
-        keys = [b.key for b in window.buckets if b.key in self.errors and b.key in self.layout]
+        keys = [b.key for b in window.buckets if b.key in self.layout]
         if link is None or not keys:
-            return Plan({}, 1, {}, "measuring the link and the layers' errors", probe_next, quiet=True)
+            return Plan({}, 1, {}, "measuring the link", False, quiet=True)
         collectives = sum(b.collectives for b in window.buckets)
         target_s = self.target_s(window)
         if target_s is None:
-            return Plan({}, 1, {}, "measuring the compute time per step", probe_next, quiet=True)
+            return Plan({}, 1, {}, "measuring the compute time per step", False, quiet=True)
         budget = link.bytes_within(target_s, collectives)
         head = (f"link {link.mbit:,.1f} Mbit/s, {link.latency_s * 1e3:.2f} ms per collective, "
                 f"target {target_s * 1e3:,.0f} ms, budget {budget / 1e6:,.3f} MB")
+        floor_fits = budget >= self._floor_bytes(keys, window.world_size)
+        probe_next = not floor_fits and self.since_probe + 1 >= self.cfg.error_every
         if not refreshed and self.budget is not None and _within(budget, self.budget, self.cfg.hysteresis):
             return Plan({}, 1, {}, f"{head}: within {self.cfg.hysteresis:.0%} of the plan's; kept", probe_next, quiet=True)
+        if not floor_fits and any(k not in self.errors for k in keys):
+            return Plan({}, 1, {}, f"{head}: the floor does not fit; pricing the layers", True, quiet=True)
         before = {k: self.plans.get(k) for k in keys}
-        self._solve(keys, budget, window.world_size)
+        if floor_fits:
+            self.plans.update({k: (self.cfg.floor,) * len(self.layout[k][0]) for k in keys})
+        else:
+            self._solve(keys, budget, window.world_size)
         self.budget = budget
         if all(self.plans[k] == before[k] for k in keys):
             return Plan({}, 1, {}, f"{head}: re-planned, unchanged", probe_next, quiet=True)
         reasons = {k: f"bucket {k}: {_summary(self.plans[k])}" for k in keys}
         return Plan({}, 1, reasons, f"{head}: re-planned", probe_next)
+
+    def _floor_bytes(self, keys: list[Hashable], world_size: int) -> int:
+        """Bytes one rank sends per step with every layer of ``keys`` at the floor."""
+        floor = self.cfg.floor
+        return sum(sent_bytes(floor, s, self.layout[k][1], world_size) for k in keys for s in self.layout[k][0])
 
     def target_s(self, window: WindowFigures) -> float | None:
         """Seconds of communication per step the budget is sized for: ``target_ms``, or the
@@ -210,12 +246,12 @@ class KimadController(LayerSchedule):
                 continue
             for i, shape in enumerate(shapes):
                 specs = self.candidates(shape, dtype)
-                errs = [0.0] + [errors[i].get(s, 0.0) for s in specs[1:]]
+                errs = [0.0 if s == DENSE else errors[i].get(s, 0.0) for s in specs]
                 sizes = [sent_bytes(s, shape, dtype, world_size) for s in specs]
-                by_level = [DENSE] + [self.ladder.spec(level, shape, dtype) for level in self.cfg.levels]
+                by_level = [self.cfg.floor] + [self._level_spec(level, shape, dtype) for level in self.cfg.levels]
                 items.append((key, i, specs, errs, sizes, by_level))
         choice = self._choose(items, budget)
-        plans = {key: [DENSE] * len(self.layout[key][0]) for key in keys}
+        plans = {key: [self.cfg.floor] * len(self.layout[key][0]) for key in keys}
         for (key, i, specs, *_), c in zip(items, choice):
             plans[key][i] = specs[c]
         self.plans.update({key: tuple(plan) for key, plan in plans.items()})
@@ -226,7 +262,7 @@ class KimadController(LayerSchedule):
         if budget <= 0 or not items:
             return strongest
         if not self.cfg.layerwise:
-            # Kimad: one level for every layer, the gentlest whose bytes fit (dense first).
+            # Kimad: one level for every layer, the gentlest whose bytes fit (the floor first).
             for level in range(len(self.cfg.levels) + 1):
                 pick = [specs.index(by_level[level]) for _, _, specs, _, _, by_level in items]
                 if sum(sizes[c] for (*_, sizes, _), c in zip(items, pick)) <= budget:
