@@ -1,5 +1,5 @@
-"""PowerSGD with fp16 factors (``factor_bits=16``) and int8 factors with shared scales
-(``factor_bits=8``): bytes, ranks bit-identical at 2-4 gloo ranks and equal to a single-process
+"""PowerSGD with fp16 factors (``factor_bits=16``) and int8 factors with shared scales per
+column (``factor_bits=8``): bytes, ranks bit-identical at 2-4 gloo ranks and equal to a single-process
 reference, exact resume, non-finite input and the DDP hook."""
 
 import math
@@ -32,7 +32,7 @@ def test_payload_formula():
     assert codec.matrix_payload_nbytes((12, 10), torch.bfloat16) == (12 + 10) * 2 * 2
     assert codec.matrix_payload_nbytes((3, 2)) == 6 * 4
     assert build("powersgd:approx_rank=2").matrix_payload_nbytes((12, 10)) == (12 + 10) * 2 * 4
-    assert build(SPEC8).matrix_payload_nbytes((12, 10)) == (12 + 10) * 2 + 8
+    assert build(SPEC8).matrix_payload_nbytes((12, 10)) == (12 + 10) * 2 + 2 * 2 * 4  # an fp32 scale per column
     assert build(SPEC8).matrix_payload_nbytes((3, 2)) == 6 * 4
 
 
@@ -44,6 +44,13 @@ def test_int8_levels_keep_the_sum_in_range():
     codes = to_codes(x, 2.0, 31)
     assert codes.dtype == torch.int8 and int(codes.abs().max()) == 31
     assert float((from_codes(codes, 2.0, 31) - x).abs().max()) <= 2.0 / 31 / 2 + 1e-6
+    # a scale per column: each column uses all its levels; a zero column gives zero codes
+    cols = torch.stack([x, x / 100, torch.zeros_like(x)], dim=1)
+    scales = torch.tensor([2.0, 0.02, 0.0])
+    codes = to_codes(cols, scales, 31)
+    assert codes.abs().amax(dim=0).tolist() == [31, 31, 0]
+    back = from_codes(codes, scales, 31)
+    assert torch.all((back - cols).abs() <= scales / 31 / 2 + 1e-7)
 
 
 def _fp16_wire(t: torch.Tensor, world_size: int) -> torch.Tensor:
@@ -53,10 +60,16 @@ def _fp16_wire(t: torch.Tensor, world_size: int) -> torch.Tensor:
 
 
 def _int8_round(factors, world_size):
-    """Each rank's factor as its int8 codes carry it (shared scale, floor(127 / W) levels)."""
+    """Each rank's factor as its int8 codes carry it (a scale per column shared by the ranks,
+    floor(127 / W) levels)."""
     levels = 127 // world_size
-    scale = max(float(f.abs().max()) for f in factors)
-    return [torch.round(f / scale * levels).clamp(-levels, levels) * scale / levels for f in factors]
+    out = [torch.zeros_like(f) for f in factors]
+    for j in range(factors[0].shape[1]):
+        scale = max(float(f[:, j].abs().max()) for f in factors)
+        if scale > 0:
+            for f, o in zip(factors, out):
+                o[:, j] = torch.round(f[:, j] / scale * levels).clamp(-levels, levels) * scale / levels
+    return out
 
 
 def reference(world_size, codec, shapes, steps):

@@ -218,8 +218,12 @@ class PowerSGDReducer(SettlingReducer):
         p_wire = torch.empty(n_p, dtype=factor_dtype, device=grad.device) if low_bit else round1[n_uncompressed:]
         round1_parts = [t for t in ((round1, p_wire) if low_bit else (round1,)) if t.numel()]
         round2 = torch.empty(sum(q.numel() for q in qs), dtype=factor_dtype, device=grad.device)
-        # int8 factors: one fp32 scale per matrix and factor, agreed by an all_reduce MAX first.
-        p_scale = torch.zeros(len(matrices) if int8 else 0, device=grad.device)
+        # int8 factors: one fp32 scale per column of each factor, agreed by an all_reduce MAX
+        # first; matrix j's columns are scales[columns[j]:columns[j + 1]].
+        columns = [0]
+        for q in qs:
+            columns.append(columns[-1] + q.shape[1])
+        p_scale = torch.zeros(columns[-1] if int8 else 0, device=grad.device)
         q_scale = torch.zeros_like(p_scale)
         sent = sum(allreduce_bytes(wire.nbytes([t]), world_size) for t in round1_parts)
         sent += allreduce_bytes(wire.nbytes([round2]), world_size)
@@ -244,10 +248,12 @@ class PowerSGDReducer(SettlingReducer):
         box = {"skip": False}  # int8: some rank's bucket was not finite (seen in a scale round)
 
         def scale_round(factors: list[Tensor], scale: Tensor, finite: bool) -> Future:
-            """All ranks agree on max|factor| per matrix; +inf marks a bucket that was not finite."""
+            """All ranks agree on max|factor| per column of every factor; +inf marks a bucket
+            that was not finite."""
             if finite:
                 for j, f in enumerate(factors):
-                    scale[j] = f.abs().max() if f.numel() else 0.0
+                    if f.numel():
+                        scale[columns[j] : columns[j + 1]] = f.abs().amax(dim=0)
             else:
                 scale.fill_(float("inf"))
             work = dist.all_reduce(scale, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
@@ -278,7 +284,8 @@ class PowerSGDReducer(SettlingReducer):
                 if int8 and matrices:
                     offset = 0
                     for j, p in enumerate(p_local):
-                        p_wire[offset : offset + p.numel()] = to_codes(p, float(p_scale[j]), levels).reshape(-1)
+                        codes = to_codes(p, p_scale[columns[j] : columns[j + 1]], levels)
+                        p_wire[offset : offset + p.numel()] = codes.reshape(-1)
                         offset += p.numel()
                     return all_reduce_round1()
                 if not sendable:
@@ -307,8 +314,8 @@ class PowerSGDReducer(SettlingReducer):
                 for mat, q in zip(matrices, qs):
                     n, r = mat.shape[0], q.shape[1]
                     summed = p_wire[offset : offset + n * r].view(n, r)
-                    # int8: the summed codes span what the scaled sum spans (the scale is one
-                    # positive number), and cannot overflow.
+                    # int8: the summed codes are the sum with each column scaled by a positive
+                    # number, which leaves QR's orthonormal basis as it is; they cannot overflow.
                     p = orthogonalize(summed)
                     p_hat.append(p)
                     q_raw.append(product(mat.T, p))
@@ -329,10 +336,11 @@ class PowerSGDReducer(SettlingReducer):
                 q_offset = 0
                 for j, q_local in enumerate(q_raw):
                     if int8:
-                        codes = to_codes(q_local, float(q_scale[j]), levels)
+                        scale = q_scale[columns[j] : columns[j + 1]]
+                        codes = to_codes(q_local, scale, levels)
                         round2[q_offset : q_offset + q_local.numel()] = codes.reshape(-1)
                         # The residual is taken against this rank's Q as its codes carry it.
-                        q_local_list.append(from_codes(codes, float(q_scale[j]), levels))
+                        q_local_list.append(from_codes(codes, scale, levels))
                         q_offset += q_local.numel()
                         continue
                     q_sent = to_wire(q_local, world_size, factor_dtype)
@@ -361,7 +369,7 @@ class PowerSGDReducer(SettlingReducer):
                     name = tensor_key(key, i)
                     q_mean = round2[q_offset : q_offset + q_local.numel()].view_as(q_local).float()
                     if int8:  # the summed codes, back to the mean of the ranks' Q
-                        q_mean = from_codes(q_mean, float(q_scale[j]), levels * world_size)
+                        q_mean = from_codes(q_mean, q_scale[columns[j] : columns[j + 1]], levels * world_size)
                     q_offset += q_local.numel()
                     o = layout.offsets[i]
                     self._decode(p, q_mean, out[o : o + mat.numel()].view(mat.shape))

@@ -37,17 +37,22 @@ def int8_levels(world_size: int) -> int:
     return 127 // world_size
 
 
-def to_codes(x: Tensor, scale: float, levels: int) -> Tensor:
-    """``round(x / scale * levels)`` as int8 (all zeros for a zero scale); ``|x| <= scale``."""
-    if scale == 0.0:
-        return torch.zeros(x.shape, dtype=torch.int8, device=x.device)
-    return torch.round(x.float() * (levels / scale)).clamp_(-levels, levels).to(torch.int8)
+def to_codes(x: Tensor, scale: float | Tensor, levels: int) -> Tensor:
+    """``round(x / scale * levels)`` as int8; ``|x| <= scale``. ``scale`` is one number or one
+    per column of ``x`` (a tensor of ``x.shape[-1]`` values); a zero scale gives zero codes."""
+    if not isinstance(scale, Tensor):
+        if scale == 0.0:
+            return torch.zeros(x.shape, dtype=torch.int8, device=x.device)
+        return torch.round(x.float() * (levels / scale)).clamp_(-levels, levels).to(torch.int8)
+    factor = torch.where(scale > 0, levels / scale.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+    return torch.round(x.float() * factor).clamp_(-levels, levels).to(torch.int8)
 
 
-def from_codes(codes: Tensor, scale: float, levels: int) -> Tensor:
-    """``codes / levels * scale`` in fp32 (codes of any integer or floating dtype); dividing
-    first keeps ``|result| <= scale`` wherever ``|codes| <= levels``, so a scale near the fp32
-    maximum does not overflow. Pass ``levels * world_size`` to turn summed codes into a mean."""
+def from_codes(codes: Tensor, scale: float | Tensor, levels: int) -> Tensor:
+    """``codes / levels * scale`` in fp32 (codes of any integer or floating dtype; ``scale`` one
+    number or one per column); dividing first keeps ``|result| <= scale`` wherever
+    ``|codes| <= levels``, so a scale near the fp32 maximum does not overflow. Pass
+    ``levels * world_size`` to turn summed codes into a mean."""
     return codes.float().div_(levels).mul_(scale)
 
 
@@ -74,9 +79,13 @@ class PowerSGD(Compressor):
     after the division) flush to zero and are carried by the residual.
 
     ``factor_bits=8``: before each factor round an all_reduce MAX agrees on one fp32 scale per
-    matrix, ``s = max over ranks of max|factor|``; each rank then sends
-    ``round(factor / s * L)`` as int8 with ``L = floor(127 / world_size)`` levels, so the int8
-    sum of all ranks' codes cannot overflow, and every rank decodes ``sum * s / L``. Bytes stay
+    column of each factor, ``s_j = max over ranks of max_i |factor[i, j]|`` (a factor's columns
+    carry magnitudes that follow the singular values, so one scale for the whole factor would
+    leave the weaker columns few levels); each rank then sends ``round(factor[:, j] / s_j * L)``
+    as int8 with ``L = floor(127 / world_size)`` levels, so the int8 sum of all ranks' codes
+    cannot overflow, and every rank decodes ``sum[:, j] * s_j / L``. ``P``'s summed codes are
+    orthogonalized as they are: a positive scale per column does not change the orthonormal basis
+    QR returns. Bytes stay
     one per factor element at every world size; the price is resolution: each rank's factor is
     rounded to ``2 L + 1`` levels (127 at 2 ranks, 31 at 4, 15 at 8; world sizes above 127 are
     refused). Summing int8 codes in a wider integer type instead would keep 255 levels but send
@@ -92,7 +101,8 @@ class PowerSGD(Compressor):
             as fp16; 8 as int8 codes with shared scales.
 
     Payload per matrix: ``(n + m) * r * f`` bytes, ``f = itemsize(dtype)`` at ``factor_bits=32``,
-    2 at ``factor_bits=16``, and 1 plus 8 bytes of scales (two fp32) at ``factor_bits=8``;
+    2 at ``factor_bits=16``, and 1 plus ``8 r`` bytes of scales (an fp32 per column of each
+    factor) at ``factor_bits=8``;
     uncompressed tensors ``numel * itemsize(dtype)``. :meth:`payload_nbytes` takes a flat tensor, which travels
     uncompressed; :meth:`matrix_payload_nbytes` gives the matrix formula.
 
@@ -145,8 +155,9 @@ class PowerSGD(Compressor):
                 numel *= d
             return numel * wire.dtype_nbytes(dtype)
         n, m = matrix_view_shape(shape)
-        scales = 8 if self.factor_bits == 8 else 0
-        return (n + m) * self.effective_rank(n, m) * wire.dtype_nbytes(self.factor_dtype(dtype)) + scales
+        r = self.effective_rank(n, m)
+        scales = 8 * r if self.factor_bits == 8 else 0
+        return (n + m) * r * wire.dtype_nbytes(self.factor_dtype(dtype)) + scales
 
     def payload_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
         return numel * wire.dtype_nbytes(dtype)
