@@ -7,6 +7,19 @@ from gradzip.outer import DiLoCo, replica_groups
 
 __version__ = "0.1.0"
 
+#: subpackages imported on first use (``gradzip.optim.OneBitAdam`` after a plain ``import gradzip``)
+#: rather than at ``import gradzip``; ``integrations`` imports no framework until one of its
+#: modules is used
+_LAZY = ("fsdp", "optim", "integrations")
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return importlib.import_module(f"gradzip.{name}")
+    raise AttributeError(f"module 'gradzip' has no attribute {name!r}")
+
 __all__ = [
     "CompressionState",
     "Compressor",

@@ -208,3 +208,27 @@ def test_core_imports_and_runs_with_the_lab_and_its_dependencies_missing():
     assert result["attempts"] == [] and result["loaded"] == []
     assert result["hook_steps"] == 1 and result["grads_finite"]
     assert result["decoded"] == [0.0, -3.0, 0.0, 0.0, 4.0, 0.0, 0.0, 0.0]  # k = 2: the two largest magnitudes
+
+
+@pytest.mark.dist
+def test_subpackages_load_on_first_use_after_a_plain_import():
+    # gradzip.optim, gradzip.fsdp and the integrations' bridges are reached as attributes after
+    # `import gradzip` alone (as the README's snippets use them), without importing a framework
+    code = textwrap.dedent("""
+        import json, sys
+        import gradzip
+        assert "gradzip.optim" not in sys.modules and "gradzip.fsdp" not in sys.modules
+        names = [gradzip.optim.OneBitAdam.__name__, gradzip.fsdp.compress_reduce_scatter.__name__,
+                 gradzip.integrations.accelerate.register.__name__]
+        try:
+            gradzip.no_such_part
+        except AttributeError as e:
+            names.append(str(e))
+        frameworks = [m for m in sys.modules if m.split(".")[0] in ("accelerate", "lightning", "transformers")]
+        print(json.dumps({"names": names, "frameworks": frameworks}))
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=PACKAGE.parent)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["names"] == ["OneBitAdam", "compress_reduce_scatter", "register",
+                            "module 'gradzip' has no attribute 'no_such_part'"]
+    assert got["frameworks"] == []

@@ -251,6 +251,34 @@ def test_kimad_keeps_every_layer_on_the_fp16_floor_while_it_fits():
             KimadConfig(**bad).validate()
 
 
+def test_kimad_floor_edges():
+    # a budget that crosses the floor's bytes re-plans even within the hysteresis: 380 kB/s for
+    # 11 ms is 4,180 bytes (the floor's 4,000 fit); 350 kB/s is 3,850, 8% lower, and does not
+    ctl = KimadController(KimadConfig(levels="0.1/0.01", target_ms=11, hysteresis=0.1))
+    ctl.layer_plan(0, SHAPES, torch.float32, 0)
+    errors = [(1e-6, 5.0, 40.0), (1e-6, 1.0, 2.0)]
+    ctl.decide(_kimad_window(errors, rate=3.8e5))  # priced once; the floor fits
+    assert ctl.on_floor and ctl.layer_plan(0, SHAPES, torch.float32, 1) == ("fp16", "fp16")
+    plans = []
+    for _ in range(5):
+        ctl.decide(_kimad_window(errors, rate=3.5e5, probed=False))
+        plans.append(ctl.layer_plan(0, SHAPES, torch.float32, 2))
+    assert plans[-1] == ("fp16", "topk:ratio=0.1"), plans
+    # an fp16 or bf16 gradient has floor none: a cast would send as many bytes
+    for dtype in (torch.float16, torch.bfloat16):
+        assert ctl.floor(dtype) == "none" and ctl.candidates(SHAPES[0], dtype)[0] == "none"
+    assert ctl.floor(torch.float32) == "fp16"
+    # levels by the codec's knob when none are given; the finest budget resolution is bounded
+    assert KimadConfig(codec="powersgd").validate().levels == (8, 4, 2, 1)
+    assert KimadConfig(codec="qsgd").validate().levels == (8, 4, 2)
+    with pytest.raises(ValueError, match="units must be an integer between 10 and 100,000"):
+        KimadConfig(units=10**12).validate()
+    # codecs with an exchange of their own other than PowerSGD's are refused, naming the codec
+    for codec in ("countsketch", "separate", "radius"):
+        with pytest.raises(ValueError, match=f"codec must be a single-round codec or powersgd .*; {codec} has its own exchange"):
+            KimadConfig(codec=codec).validate()
+
+
 # -- EDGC -----------------------------------------------------------------------------------------
 
 

@@ -64,6 +64,7 @@ def _ranks(rank: int, world_size: int) -> dict:
         reducer = _make(name, params, metrics)
         out[name] = _run(reducer, rank, range(STEPS), metrics, uneven=True)
         out[name + " decided"] = [e["step"] for e in metrics.events if e["kind"] == "auto"]
+        out[name + " named"] = {e["schedule"] for e in metrics.events if e["kind"] == "auto"}
         if name == "kimad":  # the buckets whose layers' errors reached the controller in a window's figures
             out["kimad priced"] = sorted(reducer.controller.errors)
     # resume: LEGACY, and EDGC past its probe (r_max given), from a state taken mid-run
@@ -92,6 +93,8 @@ def test_layered_exchange_and_schedules_on_ranks(world_size):
             for key in SHAPES:
                 assert all(torch.equal(h[step][1][key], histories[0][step][1][key]) for h in histories), (name, step)
         assert all(r[name + " decided"] == results[0][name + " decided"] for r in results)
+        # each decision is recorded under the schedule that made it (the summary's "step N: kimad: ...")
+        assert all(r[name + " named"] <= {name} for r in results), name
         if name != "kimad":  # Kimad plans from the measured link, so whether it re-plans here depends on
             # the machine's timing; its re-planning on a drop and a recovery is tested on scripted figures
             # (test_layer_rules); here every rank must plan alike, whatever the link read

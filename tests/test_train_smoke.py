@@ -40,6 +40,8 @@ def test_train_writes_metrics_summary_plot_and_checkpoint(tmp_path):
     note = gap_note("topk:ratio=0.05")
     assert "Top-K at 1% from step 0" in note and summary["known_gap"] == note
     assert f"gradzip train: note: {note}" in proc.stdout and proc.stdout.count(f"note: {note}") == 2
+    # the default 20 warm-up steps cover this 12-step run: said once, before training
+    assert proc.stdout.count("note: --warmup-steps 20 covers all 12 steps") == 1
     routes = summary["monitor"]["routes"]
     assert routes and all(len(e["taken"]) == 1 for e in routes.values())
     for name, entry in routes.items():

@@ -142,7 +142,7 @@ class AutoReducer:
         # Window state. Step 0 is left out: DDP rebuilds its buckets after it.
         self.window_start = 1
         self.window_end = 1 + max(self._min_window_steps(), controller.first_window_steps())
-        self.probe_this_window = True
+        self.probe_this_window = getattr(controller, "probe_first_window", True)
         self._order: list[Hashable] = []
         self._seen: set[Hashable] = set()  # buckets hooked in this window (DDP's layout may change)
         self._periods: list[float] = []
@@ -370,7 +370,8 @@ class AutoReducer:
             self.metrics.link = {"mbit": link.mbit, "latency_ms": link.latency_s * 1e3, "step": step}
         if not plan.quiet:
             self.metrics.add_event({
-                "kind": "auto", "step": step, "window": [window.start, window.end], "period_s": window.period_s,
+                "kind": "auto", "schedule": getattr(self.controller, "name", "auto"), "step": step,
+                "window": [window.start, window.end], "period_s": window.period_s,
                 "figures_s": window.figures_s, "note": plan.note, "choices": self._event_choices(order),
                 "reasons": {label(k): r for k, r in plan.reasons.items()},
             })

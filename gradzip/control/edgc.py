@@ -134,6 +134,8 @@ def entropy(x: Tensor, *, stride: int = 4, bins: int = 1000) -> float:
 class EDGCController(LayerSchedule):
     """EDGC (see the module docstring)."""
 
+    name = NAME
+
     def __init__(self, cfg: EDGCConfig) -> None:
         self.cfg = cfg.validate()
         self.entropy_every = cfg.sample_every

@@ -23,8 +23,10 @@ Here, every step (a window of one step of the auto reducer):
 3. while every layer sent at the *floor* fits the budget, every layer takes the floor: ``fp16``
    by default (half the bytes at a relative error near ``2^-11``: the light compression an idle
    link calls for), ``none`` with ``floor=none`` and always with ``codec=powersgd`` (whose
-   low-rank exchange mixes only with dense layers). No layer's error is needed for that plan, so
-   none is measured while it holds;
+   low-rank exchange mixes only with dense layers), and ``none`` for a layer whose gradient is
+   already fp16 or bf16 (a cast would save nothing). No layer's error is needed for that plan,
+   so none is measured while it holds, and a budget crossing the floor's bytes either way
+   re-plans at once, whatever the hysteresis;
 4. otherwise, ``layerwise=true`` (Kimad+, the default): the knapsack over every layer of every
    bucket, each with the floor and the codec at each of ``levels`` (a level that would send more
    than the raw layer counts as the floor); ``layerwise=false`` (Kimad): the gentlest single
@@ -49,8 +51,10 @@ feedback is EF21; here the plain residual of gradzip's reducers. Errors are re-m
 pricing every level costs one encode per level and layer.
 
 Spec: ``kimad[:codec=topk,levels=0.001/0.01/0.1,floor=fp16,target_ms=compute,layerwise=true,
-error_every=10,units=1000,hysteresis=0.1,half_life=1]``; ``codec=powersgd,levels=1/2/4/8`` splits
-ranks (its floor is ``none``).
+error_every=10,units=1000,hysteresis=0.1,half_life=1]``; ``codec=powersgd`` splits ranks (levels
+``1/2/4/8`` unless given; its floor is ``none``), a quantizer bits (``2/4/8``). Codecs with an
+exchange of their own other than PowerSGD's (``separate``, ``radius``, ``countsketch``) are
+refused: the per-layer exchange does not run them.
 """
 
 from __future__ import annotations
@@ -62,10 +66,20 @@ from typing import Any
 
 import torch
 
+from gradzip.compressors import build
 from gradzip.compressors.values import check_number
 from gradzip.control import knapsack
 from gradzip.control.figures import Plan, WindowFigures
-from gradzip.control.layers import DENSE, Ladder, LayerSchedule, knob_of, levels_text, sent_bytes, settings_from
+from gradzip.control.layers import (
+    DEFAULT_LEVELS,
+    DENSE,
+    Ladder,
+    LayerSchedule,
+    knob_of,
+    levels_text,
+    sent_bytes,
+    settings_from,
+)
 from gradzip.control.link import Link, LinkEstimator
 
 NAME = "kimad"
@@ -76,6 +90,9 @@ COMPUTE_STEPS = 9
 #: what ``floor`` may be: the lightest choice of a layer
 FLOORS = (DENSE, "fp16", "bf16")
 
+#: the finest budget resolution: the dynamic programme holds layers x units numbers
+MAX_UNITS = 100_000
+
 
 @dataclass
 class KimadConfig:
@@ -84,8 +101,9 @@ class KimadConfig:
     codec: str = "topk"
     """The codec of every compressed layer; ``levels`` are its ratio (rank for powersgd, bits for quantizers)."""
 
-    levels: Any = "0.001/0.01/0.1"
-    """The candidate levels of every layer, ``/``-separated; ``none`` is always a candidate too."""
+    levels: Any = None
+    """The candidate levels of every layer, ``/``-separated, besides the floor; unset:
+    ``0.001/0.01/0.1`` for a ratio, ``1/2/4/8`` for a rank, ``2/4/8`` for bits."""
 
     floor: Any = None
     """The lightest choice of every layer: ``fp16``, ``bf16`` or ``none``; unset: ``fp16``, or
@@ -111,10 +129,13 @@ class KimadConfig:
     """Steps after which a link sample counts half."""
 
     def validate(self) -> KimadConfig:
-        kind = float if knob_of(self.codec) == "ratio" else int
+        knob = knob_of(self.codec)
+        ladder = Ladder(self.codec)
+        kind = float if knob == "ratio" else int
+        if self.levels is None:
+            self.levels = DEFAULT_LEVELS[knob]
         # gentlest first: the largest ratio, rank or bits
         self.levels = tuple(sorted(set(levels_text(self.levels, name="levels", kind=kind)), reverse=True))
-        ladder = Ladder(self.codec)
         for level in self.levels:
             ladder.build(level)
         own_exchange = ladder.build(self.levels[0]).multi_round
@@ -132,17 +153,21 @@ class KimadConfig:
         check_number(self.half_life, name="half_life", low=0, low_open=True)
         if not isinstance(self.layerwise, bool):
             raise ValueError(f"layerwise must be true or false; got {self.layerwise!r}")
-        for name, low in (("error_every", 1), ("units", 10)):
+        for name, low, high in (("error_every", 1, None), ("units", 10, MAX_UNITS)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}; got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
+                limit = f"between {low} and {high:,}" if high else f">= {low}"
+                raise ValueError(f"{name} must be an integer {limit}; got {value!r}")
         return self
 
 
 class KimadController(LayerSchedule):
     """Kimad and Kimad+ (see the module docstring)."""
 
+    name = NAME
     min_window_steps = 1
+    #: the first window prices no layer: while the floor fits no error is needed
+    probe_first_window = False
 
     def __init__(self, cfg: KimadConfig) -> None:
         self.cfg = cfg.validate()
@@ -154,6 +179,7 @@ class KimadController(LayerSchedule):
         self.errors: dict[Hashable, list[dict[str, float]]] = {}  # per layer: spec -> squared error
         self.plans: dict[Hashable, tuple[str, ...]] = {}
         self.budget: float | None = None  # bytes the running plan was solved for
+        self.on_floor: bool | None = None  # whether the running plan is every layer at the floor
         self.since_probe = 0
         self.compute: list[float] = []  # the last steps' compute time (period less exchange), s
 
@@ -161,10 +187,17 @@ class KimadController(LayerSchedule):
     def from_params(cls, params: dict[str, Any]) -> KimadController:
         return cls(settings_from(KimadConfig, params, schedule=NAME))
 
+    def floor(self, dtype: torch.dtype) -> str:
+        """The floor of a layer whose gradient is ``dtype``: ``none`` where the floor would send
+        no fewer bytes than the raw gradient (an fp16 or bf16 gradient)."""
+        if self.cfg.floor == DENSE or build(self.cfg.floor).payload_nbytes(1, dtype) >= dtype.itemsize:
+            return DENSE
+        return self.cfg.floor
+
     def candidates(self, shape: torch.Size, dtype: torch.dtype) -> list[str]:
         """A layer's candidate specs: the floor first, then the levels gentlest first (a level
         that would not send fewer bytes than the raw layer counts as the floor; repeats dropped)."""
-        specs = [self.cfg.floor]
+        specs = [self.floor(dtype)]
         for level in self.cfg.levels:
             spec = self._level_spec(level, shape, dtype)
             if spec not in specs:
@@ -173,12 +206,12 @@ class KimadController(LayerSchedule):
 
     def _level_spec(self, level: Any, shape: torch.Size, dtype: torch.dtype) -> str:
         spec = self.ladder.spec(level, shape, dtype)
-        return self.cfg.floor if spec == DENSE else spec
+        return self.floor(dtype) if spec == DENSE else spec
 
     def layer_plan(self, key: Hashable, shapes: Sequence[torch.Size], dtype: torch.dtype, step: int) -> tuple[str, ...]:
         self.layout[key] = ([torch.Size(s) for s in shapes], dtype)
         plan = self.plans.get(key)
-        return plan if plan is not None and len(plan) == len(shapes) else (self.cfg.floor,) * len(shapes)
+        return plan if plan is not None and len(plan) == len(shapes) else (self.floor(dtype),) * len(shapes)
 
     def probe_specs(self, key: Hashable, shapes: Sequence[torch.Size]) -> list[list[str]]:
         """Every candidate of every layer but ``none`` (whose error is 0)."""
@@ -206,13 +239,15 @@ class KimadController(LayerSchedule):
                 f"target {target_s * 1e3:,.0f} ms, budget {budget / 1e6:,.3f} MB")
         floor_fits = budget >= self._floor_bytes(keys, window.world_size)
         probe_next = not floor_fits and self.since_probe + 1 >= self.cfg.error_every
-        if not refreshed and self.budget is not None and _within(budget, self.budget, self.cfg.hysteresis):
+        crossed = self.on_floor is not None and floor_fits != self.on_floor  # hysteresis holds no plan across it
+        if not refreshed and not crossed and self.budget is not None and _within(budget, self.budget, self.cfg.hysteresis):
             return Plan({}, 1, {}, f"{head}: within {self.cfg.hysteresis:.0%} of the plan's; kept", probe_next, quiet=True)
         if not floor_fits and any(k not in self.errors for k in keys):
             return Plan({}, 1, {}, f"{head}: the floor does not fit; pricing the layers", True, quiet=True)
         before = {k: self.plans.get(k) for k in keys}
+        self.on_floor = floor_fits
         if floor_fits:
-            self.plans.update({k: (self.cfg.floor,) * len(self.layout[k][0]) for k in keys})
+            self.plans.update({k: (self.floor(self.layout[k][1]),) * len(self.layout[k][0]) for k in keys})
         else:
             self._solve(keys, budget, window.world_size)
         self.budget = budget
@@ -223,8 +258,12 @@ class KimadController(LayerSchedule):
 
     def _floor_bytes(self, keys: list[Hashable], world_size: int) -> int:
         """Bytes one rank sends per step with every layer of ``keys`` at the floor."""
-        floor = self.cfg.floor
-        return sum(sent_bytes(floor, s, self.layout[k][1], world_size) for k in keys for s in self.layout[k][0])
+        total = 0
+        for k in keys:
+            shapes, dtype = self.layout[k]
+            floor = self.floor(dtype)
+            total += sum(sent_bytes(floor, s, dtype, world_size) for s in shapes)
+        return total
 
     def target_s(self, window: WindowFigures) -> float | None:
         """Seconds of communication per step the budget is sized for: ``target_ms``, or the
@@ -248,10 +287,10 @@ class KimadController(LayerSchedule):
                 specs = self.candidates(shape, dtype)
                 errs = [0.0 if s == DENSE else errors[i].get(s, 0.0) for s in specs]
                 sizes = [sent_bytes(s, shape, dtype, world_size) for s in specs]
-                by_level = [self.cfg.floor] + [self._level_spec(level, shape, dtype) for level in self.cfg.levels]
+                by_level = [self.floor(dtype)] + [self._level_spec(level, shape, dtype) for level in self.cfg.levels]
                 items.append((key, i, specs, errs, sizes, by_level))
         choice = self._choose(items, budget)
-        plans = {key: [self.cfg.floor] * len(self.layout[key][0]) for key in keys}
+        plans = {key: [self.floor(self.layout[key][1])] * len(self.layout[key][0]) for key in keys}
         for (key, i, specs, *_), c in zip(items, choice):
             plans[key][i] = specs[c]
         self.plans.update({key: tuple(plan) for key, plan in plans.items()})
@@ -285,7 +324,7 @@ class KimadController(LayerSchedule):
     def state_dict(self) -> dict[str, Any]:
         return {"link": self.link.state_dict(), "errors": {k: [dict(e) for e in v] for k, v in self.errors.items()},
                 "plans": {k: list(v) for k, v in self.plans.items()}, "budget": self.budget,
-                "since_probe": self.since_probe, "compute": list(self.compute)}
+                "since_probe": self.since_probe, "compute": list(self.compute), "on_floor": self.on_floor}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.link.load_state_dict(state["link"])
@@ -293,6 +332,7 @@ class KimadController(LayerSchedule):
         self.plans = {k: tuple(v) for k, v in state["plans"].items()}
         self.budget, self.since_probe = state["budget"], state["since_probe"]
         self.compute = list(state["compute"])
+        self.on_floor = state.get("on_floor")
 
 
 def _within(value: float, reference: float, fraction: float) -> bool:

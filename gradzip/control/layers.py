@@ -25,6 +25,10 @@ from gradzip.compressors import REGISTRY, Compressor, SpecError, build
 DENSE = "none"
 #: the knob of a codec, in order of preference among its parameters
 KNOBS = ("ratio", "approx_rank", "bits")
+#: the one codec with its own exchange that the per-layer exchange runs (its two rounds)
+LOW_RANK = "powersgd"
+#: a schedule's levels when none are given, by knob: ratios, ranks, bits
+DEFAULT_LEVELS = {"ratio": "0.001/0.01/0.1", "approx_rank": "1/2/4/8", "bits": "2/4/8"}
 
 
 def knob_of(codec: str) -> str:
@@ -52,6 +56,11 @@ class Ladder:
 
     def __init__(self, codec: str, **extra: Any) -> None:
         self.knob = knob_of(codec)
+        if REGISTRY[codec].multi_round and codec != LOW_RANK:
+            raise ValueError(
+                f"codec must be a single-round codec or {LOW_RANK} (the per-layer exchange runs those); "
+                f"{codec} has its own exchange"
+            )
         self.codec = codec
         self.extra = extra
         self._built: dict[Any, Compressor] = {}

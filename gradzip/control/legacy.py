@@ -83,6 +83,8 @@ class LegacyController(LayerSchedule):
     """LEGACY's table lookup (see the module docstring). Needs no figures: every plan is a
     function of the step and the layer's size, the same on every rank."""
 
+    name = NAME
+
     def __init__(self, cfg: LegacyConfig) -> None:
         self.cfg = cfg.validate()
         self.ladder = Ladder(cfg.codec)

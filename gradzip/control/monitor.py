@@ -241,7 +241,7 @@ class QualityMonitor:
                     lines.append(f"step {e['step']}: bucket {e['bucket']}: {e['from']} -> {e['to']}"
                                  + (f" ({reason})" if reason else ""))
             elif e.get("note") and e["note"] != "no change":
-                lines.append(f"step {e['step']}: auto: {e['note']}")
+                lines.append(f"step {e['step']}: {e.get('schedule', 'auto')}: {e['note']}")
         if s["norm_warning"]:
             lines.append(f"WARNING: {s['norm_warning']}")
         elif any(not ep.get("cleared") for ep in s["norm_warning_episodes"]):

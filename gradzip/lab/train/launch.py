@@ -107,9 +107,13 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
 
     for line in idle if os.environ.get("RANK", "0") == "0" else []:
         warn(line)  # after every check, so that a refused run prints its one error line alone
-    note = gap_note(cfg.choice)
-    if note is not None and cfg.progress and os.environ.get("RANK", "0") == "0":
-        report.status(f"note: {note}")
+    notes = [gap_note(cfg.choice)]
+    if cfg.warmup_steps >= cfg.steps > 0 and not cfg.resume:
+        notes.append(f"--warmup-steps {cfg.warmup_steps} covers all {cfg.steps} steps: the learning rate never "
+                     f"reaches --lr {cfg.lr:g} and never decays (lower --warmup-steps for a short run)")
+    for note in notes if cfg.progress and os.environ.get("RANK", "0") == "0" else []:
+        if note is not None:
+            report.status(f"note: {note}")
     if under_torchrun():
         from gradzip.lab.train.loop import train_worker
 
