@@ -302,6 +302,14 @@ def test_list_shows_every_codec_and_powersgd_as_a_matrix(capsys):
     assert cli.main(["list"]) == 0
     out = capsys.readouterr().out
     assert "1024 x 1024" in out and all(name in out for name in REGISTRY)
+    # the columns line up whatever a codec's defaults (each row as long as the header, the
+    # property columns at the header's places) and the schedules are named below the table
+    table = out.split("\n\n")[0].splitlines()
+    header, rows = table[0], table[2:]
+    assert len(rows) == len(REGISTRY) and {len(r) for r in rows} == {len(header)}
+    aggr = header.index("aggr")
+    assert all(r[aggr : aggr + 4].strip() in ("yes", "-") for r in rows)
+    assert all(name in out for name in ("auto", "kimad", "legacy", "edgc", "torch:powersgd"))
 
 
 def test_bench_json_has_exactly_the_fields(capsys):

@@ -74,3 +74,12 @@ def test_train_and_compare_write_the_plot_for_per_layer_runs_only(tmp_path):
     assert (out / "layer_ratios.png").stat().st_size > 0
     paths = write_plots(out, results[:1], rows[:1], setup, None)
     assert [p.name for p in paths] == ["loss_vs_time.png", "loss_vs_bytes.png"]
+
+
+def test_every_layer_is_named_up_to_the_cap_and_the_largest_beyond():
+    assert layer_ratios.named_rows([10, 1] * 26) == list(range(52))  # the demo GPT's 52 layers
+    # 200 rows alternating large and small: 90 stretches of 2 or 3 rows, each names a large one
+    numels = [1000 if i % 2 == 0 else 10 for i in range(200)]
+    shown = layer_ratios.named_rows(numels)
+    assert len(shown) == layer_ratios.MAX_NAMES and all(numels[i] == 1000 for i in shown)
+    assert shown == sorted(set(shown))

@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> int:
                   "pip install 'gradzip[lab]'", file=sys.stderr)
             return 2
         raise
+    except BrokenPipeError:  # the reader went away (gradzip list | head): stop quietly, as cat does
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 141
     except (ValueError, OSError, OverflowError) as exc:  # bad values, unreadable or missing files
         print(f"gradzip: error: {one_line(exc)}", file=sys.stderr)
         return 2

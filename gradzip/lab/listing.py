@@ -18,16 +18,19 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
+    names = [r["codec"].split(":")[0] for r in rows]
+    defaults = [_shown(r["defaults"]) for r in rows]
+    wn, wd = max(5, *map(len, names)), max(8, *map(len, defaults))
     header = (
-        f"{'codec':<10} {'defaults':<50} {'aggr':>4} {'unb':>4} {'seed':>4} {'ef':>3} {'bytes@1M':>10} {'ratio':>7}"
+        f"{'codec':<{wn}} {'defaults':<{wd}} {'aggr':>4} {'unb':>4} {'seed':>4} {'ef':>3} {'bytes@1M':>10} {'ratio':>7}"
     )
     print(header)
     print("-" * len(header))
     yes = {True: "yes", False: "-"}
-    for r in rows:
+    for r, name, shown in zip(rows, names, defaults):
         mark = "*" if "matrix" in r["example"] else ""
         print(
-            f"{r['codec'].split(':')[0]:<10} {r['defaults']:<50} {yes[r['aggregatable']]:>4} {yes[r['unbiased']]:>4} "
+            f"{name:<{wn}} {shown:<{wd}} {yes[r['aggregatable']]:>4} {yes[r['unbiased']]:>4} "
             f"{yes[r['shared_seed']]:>4} {yes[r['error_feedback']]:>3} {r['payload_bytes_1m']:>10,}"
             f"{mark:1}{r['compression_ratio']:>6.1f}x"
         )
@@ -37,8 +40,17 @@ def run(args: argparse.Namespace) -> int:
         "flat tensors travel uncompressed). aggr: aggregatable (all_reduce); unb: unbiased; seed: needs a "
         "seed shared by all ranks; ef: error feedback by default. Every codec also takes start_step=N "
         "(default 0): the first N steps are exchanged dense, e.g. topk:ratio=0.01,start_step=20."
+        "\n\nAlso taken by --compressor: schedules that pick a codec per bucket or per layer as training runs "
+        "(auto, kimad, legacy, edgc; see docs/auto-and-monitoring.md), PyTorch's own hooks as anchors "
+        "(torch:allreduce, torch:fp16, torch:bf16, torch:powersgd[:approx_rank=R]), and a sparsifier "
+        "followed by a quantizer of its values (topk:ratio=0.01+uniform:bits=8)."
     )
     return 0
+
+
+def _shown(defaults: str) -> str:
+    """A codec's defaults without ``start_step=0``, which every codec takes (said below the table)."""
+    return ",".join(part for part in defaults.split(",") if part and part != "start_step=0")
 
 
 def add_parser(sub) -> None:

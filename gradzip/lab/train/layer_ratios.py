@@ -90,14 +90,30 @@ def draw(ax, ratios: LayerRatios, norm) -> Any:
     rows = np.arange(len(ratios.labels) + 1) - 0.5
     mesh = ax.pcolormesh(edges, rows, np.ma.masked_invalid(np.asarray(ratios.ratios, dtype=float)), norm=norm,
                          cmap="viridis", shading="flat")  # fmt: skip
-    every = max(1, math.ceil(len(ratios.labels) / 40))  # at most 40 names on the axis
-    ax.set_yticks(range(0, len(ratios.labels), every))
-    ax.set_yticklabels(ratios.labels[::every], fontsize=6)
+    # every layer named up to MAX_NAMES rows; beyond, the largest layers of each stretch, so the
+    # names left out are the small ones (a GPT block alternates weights and biases)
+    shown = named_rows(ratios.numels)
+    ax.set_yticks(shown)
+    ax.set_yticklabels([ratios.labels[i] for i in shown], fontsize=6)
     ax.invert_yaxis()  # bucket 0's first layer at the top
     ax.xaxis.get_major_locator().set_params(integer=True)
     ax.set_xlabel("step")
     ax.set_ylabel("layer (bucket.index, size)")
     return mesh
+
+
+#: the most layer names on the heatmap's axis (a row of 6-point text each at the figure's height)
+MAX_NAMES = 90
+
+
+def named_rows(numels: Sequence[int]) -> list[int]:
+    """The rows whose layer is named: all up to :data:`MAX_NAMES`; beyond, the rows split into
+    :data:`MAX_NAMES` equal stretches and the largest layer of each named."""
+    n = len(numels)
+    if n <= MAX_NAMES:
+        return list(range(n))
+    bounds = [round(k * n / MAX_NAMES) for k in range(MAX_NAMES + 1)]
+    return [max(range(lo, hi), key=lambda i: numels[i]) for lo, hi in zip(bounds, bounds[1:]) if hi > lo]
 
 
 def height(ratios: LayerRatios) -> float:

@@ -307,7 +307,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     out = Path(cfg.out)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     title = f"{summary['compressor']} on {world_size} workers" + (f", {cfg.model}" if cfg.model else "")
-    report.plot_losses(log.records, out / "loss.png", title)
+    report.plot_losses(log.records, out / "loss.png", title, summary["initial_val_loss"])
     per_layer = layer_ratios.plot(log.records, out / "layer_ratios.png", f"Compression ratio per layer: {title}")
     if cfg.progress:
         print(report.summary_table(summary))

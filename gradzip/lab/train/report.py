@@ -135,20 +135,35 @@ def summary_table(s: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot_losses(records: list[dict[str, Any]], path: Path, title: str) -> None:
-    """Train loss (raw and smoothed) and validation loss against step, as a PNG."""
+def loss_curves(
+    records: list[dict[str, Any]], initial_val_loss: float | None = None
+) -> tuple[list[int], list[float], list[float], list[tuple[int, float]]]:
+    """What :func:`plot_losses` draws: steps, train losses, their trailing mean over ``max(1,
+    n // 20)`` steps (a window that follows the run's length, so a short run's curve does not lag
+    behind its losses), and the validation points, the loss before training (``initial_val_loss``)
+    at step 0 first."""
+    steps = [r["step"] for r in records]
+    losses = [r["loss"] for r in records]
+    window = max(1, len(losses) // 20)
+    smooth = []
+    for i in range(len(losses)):
+        recent = losses[max(0, i + 1 - window) : i + 1]
+        smooth.append(sum(recent) / len(recent))
+    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    if initial_val_loss is not None and not (val and val[0][0] == 0):
+        val.insert(0, (0, initial_val_loss))
+    return steps, losses, smooth, val
+
+
+def plot_losses(records: list[dict[str, Any]], path: Path, title: str, initial_val_loss: float | None = None) -> None:
+    """Train loss (raw and smoothed) and validation loss against step, as a PNG (see
+    :func:`loss_curves`)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in records]
-    losses = [r["loss"] for r in records]
-    smooth, acc = [], None
-    for value in losses:
-        acc = value if acc is None else 0.9 * acc + 0.1 * value
-        smooth.append(acc)
-    val = [(r["step"], r["val_loss"]) for r in records if r.get("val_loss") is not None]
+    steps, losses, smooth, val = loss_curves(records, initial_val_loss)
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot(steps, losses, color="tab:blue", alpha=0.25, linewidth=0.8, label="train (rank 0)")
     ax.plot(steps, smooth, color="tab:blue", label="train, smoothed")
