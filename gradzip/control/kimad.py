@@ -59,6 +59,7 @@ refused: the per-layer exchange does not run them.
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -190,9 +191,7 @@ class KimadController(LayerSchedule):
     def floor(self, dtype: torch.dtype) -> str:
         """The floor of a layer whose gradient is ``dtype``: ``none`` where the floor would send
         no fewer bytes than the raw gradient (an fp16 or bf16 gradient)."""
-        if self.cfg.floor == DENSE or build(self.cfg.floor).payload_nbytes(1, dtype) >= dtype.itemsize:
-            return DENSE
-        return self.cfg.floor
+        return _floor_for(self.cfg.floor, dtype)
 
     def candidates(self, shape: torch.Size, dtype: torch.dtype) -> list[str]:
         """A layer's candidate specs: the floor first, then the levels gentlest first (a level
@@ -333,6 +332,14 @@ class KimadController(LayerSchedule):
         self.budget, self.since_probe = state["budget"], state["since_probe"]
         self.compute = list(state["compute"])
         self.on_floor = state.get("on_floor")
+
+
+@functools.lru_cache(maxsize=64)
+def _floor_for(floor: str, dtype: torch.dtype) -> str:
+    # cached: every plan asks it for every layer
+    if floor == DENSE or build(floor).payload_nbytes(1, dtype) >= dtype.itemsize:
+        return DENSE
+    return floor
 
 
 def _within(value: float, reference: float, fraction: float) -> bool:
