@@ -219,12 +219,11 @@ class PowerSGDReducer(SettlingReducer):
         round1_parts = [t for t in ((round1, p_wire) if low_bit else (round1,)) if t.numel()]
         round2 = torch.empty(sum(q.numel() for q in qs), dtype=factor_dtype, device=grad.device)
         # int8 factors: one fp32 scale per column of each factor, agreed by an all_reduce MAX
-        # first; matrix j's columns are scales[columns[j]:columns[j + 1]].
-        columns = [0]
-        for q in qs:
-            columns.append(columns[-1] + q.shape[1])
-        p_scale = torch.zeros(columns[-1] if int8 else 0, device=grad.device)
+        # first; p_scales[j] and q_scales[j] are matrix j's columns of them (views).
+        p_scale = torch.zeros(sum(q.shape[1] for q in qs) if int8 else 0, device=grad.device)
         q_scale = torch.zeros_like(p_scale)
+        widths = [q.shape[1] for q in qs] if int8 else []
+        p_scales, q_scales = p_scale.split(widths), q_scale.split(widths)
         sent = sum(allreduce_bytes(wire.nbytes([t]), world_size) for t in round1_parts)
         sent += allreduce_bytes(wire.nbytes([round2]), world_size)
         sent += 2 * allreduce_bytes(wire.nbytes([p_scale]), world_size)
@@ -247,13 +246,13 @@ class PowerSGDReducer(SettlingReducer):
         q_raw: list[Tensor] = []  # int8: this rank's Q, waiting for the shared scale
         box = {"skip": False}  # int8: some rank's bucket was not finite (seen in a scale round)
 
-        def scale_round(factors: list[Tensor], scale: Tensor, finite: bool) -> Future:
-            """All ranks agree on max|factor| per column of every factor; +inf marks a bucket
-            that was not finite."""
+        def scale_round(factors: list[Tensor], scale: Tensor, columns: tuple[Tensor, ...], finite: bool) -> Future:
+            """All ranks agree on max|factor| per column of every factor (``columns``: views of
+            ``scale``, one per factor); +inf marks a bucket that was not finite."""
             if finite:
-                for j, f in enumerate(factors):
+                for f, column_scales in zip(factors, columns):
                     if f.numel():
-                        scale[columns[j] : columns[j + 1]] = f.abs().amax(dim=0)
+                        column_scales.copy_(f.abs().amax(dim=0))
             else:
                 scale.fill_(float("inf"))
             work = dist.all_reduce(scale, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
@@ -269,7 +268,7 @@ class PowerSGDReducer(SettlingReducer):
             with self.metrics.timed("compress_s", key):
                 if sendable:
                     p_local.extend(product(mat, q) for mat, q in zip(matrices, qs))
-            return scale_round(p_local, p_scale, sendable)
+            return scale_round(p_local, p_scale, p_scales, sendable)
 
         def all_reduce_round1() -> Future:
             futures = [self._all_reduce(key, t) for t in round1_parts]
@@ -284,7 +283,7 @@ class PowerSGDReducer(SettlingReducer):
                 if int8 and matrices:
                     offset = 0
                     for j, p in enumerate(p_local):
-                        codes = to_codes(p, p_scale[columns[j] : columns[j + 1]], levels)
+                        codes = to_codes(p, p_scales[j], levels)
                         p_wire[offset : offset + p.numel()] = codes.reshape(-1)
                         offset += p.numel()
                     return all_reduce_round1()
@@ -325,7 +324,7 @@ class PowerSGDReducer(SettlingReducer):
         def launch_q_scale() -> Future:
             if not prepare_q():
                 return completed(None)
-            return scale_round(q_raw, q_scale, True)
+            return scale_round(q_raw, q_scale, q_scales, True)
 
         def launch_q() -> Future:
             if int8 and scale_marker(q_scale):
@@ -336,11 +335,10 @@ class PowerSGDReducer(SettlingReducer):
                 q_offset = 0
                 for j, q_local in enumerate(q_raw):
                     if int8:
-                        scale = q_scale[columns[j] : columns[j + 1]]
-                        codes = to_codes(q_local, scale, levels)
+                        codes = to_codes(q_local, q_scales[j], levels)
                         round2[q_offset : q_offset + q_local.numel()] = codes.reshape(-1)
                         # The residual is taken against this rank's Q as its codes carry it.
-                        q_local_list.append(from_codes(codes, scale, levels))
+                        q_local_list.append(from_codes(codes, q_scales[j], levels))
                         q_offset += q_local.numel()
                         continue
                     q_sent = to_wire(q_local, world_size, factor_dtype)
@@ -369,7 +367,7 @@ class PowerSGDReducer(SettlingReducer):
                     name = tensor_key(key, i)
                     q_mean = round2[q_offset : q_offset + q_local.numel()].view_as(q_local).float()
                     if int8:  # the summed codes, back to the mean of the ranks' Q
-                        q_mean = from_codes(q_mean, q_scale[columns[j] : columns[j + 1]], levels * world_size)
+                        q_mean = from_codes(q_mean, q_scales[j], levels * world_size)
                     q_offset += q_local.numel()
                     o = layout.offsets[i]
                     self._decode(p, q_mean, out[o : o + mat.numel()].view(mat.shape))

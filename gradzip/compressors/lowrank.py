@@ -40,10 +40,7 @@ def int8_levels(world_size: int) -> int:
 def to_codes(x: Tensor, scale: float | Tensor, levels: int) -> Tensor:
     """``round(x / scale * levels)`` as int8; ``|x| <= scale``. ``scale`` is one number or one
     per column of ``x`` (a tensor of ``x.shape[-1]`` values); a zero scale gives zero codes."""
-    if not isinstance(scale, Tensor):
-        if scale == 0.0:
-            return torch.zeros(x.shape, dtype=torch.int8, device=x.device)
-        return torch.round(x.float() * (levels / scale)).clamp_(-levels, levels).to(torch.int8)
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
     factor = torch.where(scale > 0, levels / scale.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
     return torch.round(x.float() * factor).clamp_(-levels, levels).to(torch.int8)
 

@@ -46,9 +46,10 @@ split minimising summed squared error by dynamic programming, and Kimad's unifor
 Different: the paper's bandwidth monitor is not specified beyond the last transfers; here it is
 the latency-aware fit above. The paper takes the target time as a setting; here it defaults to
 the measured compute time per step (a fixed ``target_ms`` is still taken). The paper's lightest
-choice is the uncompressed gradient; here it is the floor (``fp16`` unless ``floor=none``). The paper's error
-feedback is EF21; here the plain residual of gradzip's reducers. Errors are re-measured every ``error_every`` steps, not every step, since
-pricing every level costs one encode per level and layer.
+choice is the uncompressed gradient; here it is the floor (``fp16`` unless ``floor=none``). The
+paper's error feedback is EF21; here the plain residual of gradzip's reducers. Errors are
+re-measured every ``error_every`` steps, not every step, since pricing every level costs one
+encode per level and layer.
 
 Spec: ``kimad[:codec=topk,levels=0.001/0.01/0.1,floor=fp16,target_ms=compute,layerwise=true,
 error_every=10,units=1000,hysteresis=0.1,half_life=1]``; ``codec=powersgd`` splits ranks (levels
@@ -210,7 +211,7 @@ class KimadController(LayerSchedule):
     def layer_plan(self, key: Hashable, shapes: Sequence[torch.Size], dtype: torch.dtype, step: int) -> tuple[str, ...]:
         self.layout[key] = ([torch.Size(s) for s in shapes], dtype)
         plan = self.plans.get(key)
-        return plan if plan is not None and len(plan) == len(shapes) else (self.floor(dtype),) * len(shapes)
+        return plan if plan is not None and len(plan) == len(shapes) else self._floor_plan(key)
 
     def probe_specs(self, key: Hashable, shapes: Sequence[torch.Size]) -> list[list[str]]:
         """Every candidate of every layer but ``none`` (whose error is 0)."""
@@ -246,7 +247,7 @@ class KimadController(LayerSchedule):
         before = {k: self.plans.get(k) for k in keys}
         self.on_floor = floor_fits
         if floor_fits:
-            self.plans.update({k: (self.floor(self.layout[k][1]),) * len(self.layout[k][0]) for k in keys})
+            self.plans.update({k: self._floor_plan(k) for k in keys})
         else:
             self._solve(keys, budget, window.world_size)
         self.budget = budget
@@ -254,6 +255,11 @@ class KimadController(LayerSchedule):
             return Plan({}, 1, {}, f"{head}: re-planned, unchanged", probe_next, quiet=True)
         reasons = {k: f"bucket {k}: {_summary(self.plans[k])}" for k in keys}
         return Plan({}, 1, reasons, f"{head}: re-planned", probe_next)
+
+    def _floor_plan(self, key: Hashable) -> tuple[str, ...]:
+        """Every layer of bucket ``key`` at its floor."""
+        shapes, dtype = self.layout[key]
+        return (self.floor(dtype),) * len(shapes)
 
     def _floor_bytes(self, keys: list[Hashable], world_size: int) -> int:
         """Bytes one rank sends per step with every layer of ``keys`` at the floor."""
@@ -289,7 +295,7 @@ class KimadController(LayerSchedule):
                 by_level = [self.floor(dtype)] + [self._level_spec(level, shape, dtype) for level in self.cfg.levels]
                 items.append((key, i, specs, errs, sizes, by_level))
         choice = self._choose(items, budget)
-        plans = {key: [self.floor(self.layout[key][1])] * len(self.layout[key][0]) for key in keys}
+        plans = {key: list(self._floor_plan(key)) for key in keys}
         for (key, i, specs, *_), c in zip(items, choice):
             plans[key][i] = specs[c]
         self.plans.update({key: tuple(plan) for key, plan in plans.items()})

@@ -111,8 +111,8 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
     if cfg.warmup_steps >= cfg.steps > 0 and not cfg.resume:
         notes.append(f"--warmup-steps {cfg.warmup_steps} covers all {cfg.steps} steps: the learning rate never "
                      f"reaches --lr {cfg.lr:g} and never decays (lower --warmup-steps for a short run)")
-    for note in notes if cfg.progress and os.environ.get("RANK", "0") == "0" else []:
-        if note is not None:
+    if cfg.progress and os.environ.get("RANK", "0") == "0":
+        for note in filter(None, notes):
             report.status(f"note: {note}")
     if under_torchrun():
         from gradzip.lab.train.loop import train_worker
