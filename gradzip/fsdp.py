@@ -7,8 +7,9 @@
     ...  # train as usual; state.metrics.pop() after each step, state.state_dict() in checkpoints
 
 The codec may differ per module: pass a function of the module's name and the module instead
-of a spec, as TAGC's policy compresses the large MLP and embedding layers and sends attention
-dense (``lambda name, module: "none" if name.endswith("attn") else "countsketch"``).
+of a spec, in the manner of TAGC's policy, which compresses the large MLP and embedding layers
+and sends attention dense (``lambda name, module: "none" if name.endswith("attn") else
+"topk:ratio=0.2"``). The count sketch itself brings its own rounds and runs on DDP only.
 
 In every backward pass FSDP copies each module's gradients into one flat padded buffer and
 reduce-scatters it. :func:`compress_reduce_scatter` installs, per FSDP module with parameters, a

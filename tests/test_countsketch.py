@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 from helpers.aggregatable_runs import bucket_grad, check_nonfinite, ddp_steps, reduce_steps
+
+from gradzip.comm import make_reducer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -21,7 +23,7 @@ STEPS, RESUME_AT = 4, 2
 
 @pytest.mark.parametrize(
     "params",
-    [{"ratio": 0}, {"ratio": 1.5}, {"rows": 0}, {"rows": 16}, {"width": 0}, {"width": -1.0}, {"seed": -1}, {"start_step": -1}],
+    [{"ratio": 0}, {"ratio": 1.5}, {"rows": 0}, {"rows": 16}, {"width": 0}, {"width": -1.0}, {"seed": -1}, {"start_step": -1}, {"min_numel": -1}],
 )
 def test_bad_parameters_raise_value_error_naming_them(params):
     with pytest.raises(ValueError, match=next(iter(params))):
@@ -111,3 +113,40 @@ def test_ddp_hook_two_ranks_bit_identical():
     params = run_ranks(ddp_steps, 2, "countsketch:ratio=0.1,width=3")
     assert torch.isfinite(params[0]).all()
     assert torch.equal(params[0], params[1])
+
+
+def _small_and_large(rank: int, world_size: int, spec: str, small: int, large: int) -> dict:
+    """One step of a small and a large bucket through one reducer: outputs and bytes of each."""
+    reducer = make_reducer(spec)
+    out = {}
+    for key, numel in (("small", small), ("large", large)):
+        got = reducer.reduce(key, bucket_grad(rank, 0, numel), step=0).wait().clone()
+        bucket = reducer.metrics.pop()["buckets"][key]
+        out[key] = (got, bucket["payload_bytes"], bucket["collective"])
+    return out
+
+
+def test_buckets_below_min_numel_travel_dense_and_larger_ones_are_sketched():
+    """TAGC's policy by size: the 60-element bucket is averaged exactly and sends its raw bytes;
+    the 300-element one is sketched and equals the mean of the sparsified inputs."""
+    spec = "countsketch:ratio=0.1,width=3,min_numel=100"
+    results = run_ranks(_small_and_large, 3, spec, 60, 300)
+    codec = build(spec)
+    dense_mean = sum(bucket_grad(r, 0, 60) for r in range(3)) / 3
+    sketched_mean = sum(_sparsified(bucket_grad(r, 0, 300), 0.1) for r in range(3)) / 3
+    for res in results:
+        got, nbytes, collective = res["small"]
+        torch.testing.assert_close(got, dense_mean, rtol=1e-6, atol=1e-7)
+        assert (nbytes, collective) == (60 * 4, "dense")
+        got, nbytes, collective = res["large"]
+        torch.testing.assert_close(got, sketched_mean, rtol=1e-5, atol=1e-5)
+        assert (nbytes, collective) == (codec.payload_nbytes(300), "allreduce")
+        assert nbytes < 300 * 4
+
+
+def test_defaults_are_tagcs_a_fifth_kept_and_a_sketch_of_half_the_entries():
+    codec = build("countsketch")
+    numel = 1_200_000
+    assert codec.ratio == 0.2 and codec.rows == 3 and codec.min_numel == 0
+    assert codec.rows * codec.cols(numel) == numel // 2
+    assert codec.payload_nbytes(numel) == numel // 8 + (numel // 2) * 4

@@ -1,6 +1,8 @@
 """The count-sketch reducer (TAGC-style; arithmetic in :mod:`gradzip.compressors.countsketch`).
 
-For one bucket at a step past ``start_step``, in one launch of the group's queue:
+For one bucket at a step past ``start_step`` with at least ``min_numel`` elements (smaller ones,
+and those whose payload would not be smaller than their raw bytes, take a plain all_reduce), in
+one launch of the group's queue:
 
 1. Error-compensate the flat bucket in fp32; keep its top entries (``ratio``); encode the packed
    bitmap of the kept coordinates and a count sketch of the kept values divided by world_size.
@@ -82,7 +84,8 @@ class CountSketchReducer(SettlingReducer):
         codec = self.compressor
         numel = grad.numel()
         raw = numel * grad.element_size()
-        if step < codec.start_step or codec.payload_nbytes(numel, packed=packed_bitmaps(self.group)) >= raw:
+        dense = numel < codec.min_numel or codec.payload_nbytes(numel, packed=packed_bitmaps(self.group)) >= raw
+        if step < codec.start_step or dense:
             return self._reduce_dense(key, grad, world_size, step)
         packed = packed_bitmaps(self.group)
         payload_bytes = codec.payload_nbytes(numel, packed=packed)
@@ -128,7 +131,8 @@ class CountSketchReducer(SettlingReducer):
         return self.queue.submit(launch, device=grad.device).then(finish)
 
     def _reduce_dense(self, key: Hashable, grad: Tensor, world_size: int, step: int) -> Future:
-        """Before ``start_step``, or where the payload would not be smaller: the plain mean."""
+        """Before ``start_step``, below ``min_numel``, or where the payload would not be smaller:
+        the plain mean."""
         tensor = grad.div(world_size)
         if not nonfinite.is_finite(grad):
             tensor.fill_(float("nan"))  # the marker; an inf alone could pass for an overflow

@@ -58,4 +58,7 @@ def codec_rows(numel: int = EXAMPLE_NUMEL) -> list[dict]:
 
 
 def _text(value) -> str:
-    return str(value).lower() if isinstance(value, bool) else str(value)
+    """A default as shown: booleans lower-case, floats to 4 significant digits (5/6 as 0.8333)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"{value:.4g}" if isinstance(value, float) else str(value)

@@ -129,25 +129,39 @@ class CountSketch(Compressor):
     Aggregatable (the sketch is linear and the bitmap an OR); biased (thresholding), with error
     feedback of what thresholding drops; collision errors after aggregation are not fed back.
 
+    TAGC's defaults (its reference training script): 80% of the entries dropped (``ratio=0.2``
+    here), a sketch of ``numel / 2`` cells (its ``compress_ratio=2``; here ``rows * cols`` with
+    ``width = 5/6`` at ``ratio=0.2`` and 3 rows), and only the large layers compressed: GPT-2's
+    MLP and embedding matrices, attention and everything smaller sent dense. Its policy tests the
+    size of each FSDP unit; ``min_numel`` does the same for DDP buckets (a bucket with fewer
+    elements is sent dense), and under FSDP :func:`gradzip.fsdp.compress_reduce_scatter` takes a
+    codec per module. The default ``min_numel=0`` compresses every bucket.
+
     What differs from TAGC: its code sums packed uint8 bitmaps, which carries into neighbouring
     bits; here the bitmaps are OR-ed (``ReduceOp.BOR`` on gloo; MAX on one byte per element on
-    backends without BOR). The kept set is the top ``k`` by magnitude (TAGC thresholds by a
-    value; a fraction is the library's ``ratio`` convention). TAGC's per-module choice under
-    FSDP is not implemented.
+    backends without BOR). The kept set is the top ``k`` by magnitude (TAGC bisects a threshold
+    over a fixed ladder of values until at least the fraction is dropped; a fraction is the
+    library's ``ratio`` convention). Its sketch is the lossless-homomorphic-compression layout
+    in blocks of 1,024 elements; here a count sketch of ``rows`` hash rows.
 
     Args:
         ratio: fraction of entries each rank keeps, in (0, 1].
         rows: hash rows of the sketch, an integer in [1, 15] (odd counts give a true median).
-        width: sketch columns per kept entry, a number > 0.
+        width: sketch columns per kept entry, a number > 0; the default 5/6 gives TAGC's sketch of
+            ``numel / 2`` cells at ``ratio=0.2`` and 3 rows (raise it with a smaller ``ratio``:
+            the support peels completely only below about ``rows * cols / 1.23`` coordinates).
+        min_numel: flat tensors (buckets) with fewer elements are sent dense, an integer >= 0.
         seed: seed of the hashes (the same on every rank), an integer >= 0.
         start_step: steps of plain all_reduce before compression starts (>= 0).
 
     Payload per flat tensor of ``numel`` elements: ``ceil(numel / 8) + rows * cols * 4`` bytes
-    (bitmap and fp32 sketch); on backends without BOR the bitmap is ``numel`` bytes.
+    (bitmap and fp32 sketch); on backends without BOR the bitmap is ``numel`` bytes. A tensor
+    below ``min_numel``, before ``start_step``, or whose payload would not be smaller than its
+    raw bytes travels dense (``numel * itemsize``).
 
     Raises:
         ValueError: naming the parameter, for ``ratio`` outside (0, 1], ``rows`` outside
-            [1, 15], ``width <= 0``, ``seed < 0`` or ``start_step < 0``.
+            [1, 15], ``width <= 0``, ``seed < 0``, ``start_step < 0`` or ``min_numel < 0``.
     """
 
     name = "countsketch"
@@ -159,9 +173,16 @@ class CountSketch(Compressor):
     own_reducer = "gradzip.comm.countsketch:CountSketchReducer"  # the bitmap is OR-ed, the sketch summed
 
     def __init__(
-        self, *, ratio: float = 0.01, rows: int = 3, width: float = 2.0, seed: int = 0, start_step: int = 0
+        self,
+        *,
+        ratio: float = 0.2,
+        rows: int = 3,
+        width: float = 5 / 6,
+        seed: int = 0,
+        start_step: int = 0,
+        min_numel: int = 0,
     ) -> None:
-        super().__init__(ratio=ratio, rows=rows, width=width, seed=seed, start_step=start_step)
+        super().__init__(ratio=ratio, rows=rows, width=width, seed=seed, start_step=start_step, min_numel=min_numel)
         self.ratio = check_ratio(ratio)
         self.rows = check_int(rows, name="rows", low=1, high=15)
         if isinstance(width, bool) or not isinstance(width, (int, float)) or not math.isfinite(width) or width <= 0:
@@ -169,6 +190,7 @@ class CountSketch(Compressor):
         self.width = float(width)
         self.seed = check_int(seed, name="seed", low=0)
         self.start_step = check_int(start_step, name="start_step", low=0)
+        self.min_numel = check_int(min_numel, name="min_numel", low=0)
 
     def cols(self, numel: int) -> int:
         """Sketch columns for a tensor of ``numel`` elements: ``ceil(width * k)``."""

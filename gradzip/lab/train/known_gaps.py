@@ -1,9 +1,11 @@
-"""What biased codecs measurably cost in loss under AdamW, said before and after a run.
+"""What lossy codecs measurably cost in loss under AdamW, said before and after a run.
 
 Top-K and the sign codecs drop most of each gradient and send the rest later through error
 feedback. Under AdamW, which divides every coordinate by its own running magnitude, that bursty
 arrival costs loss that none of the remedies tried closes (``start_step``, a scale per group of
-4096, DGC's sampled threshold; ``benchmarks/results/remedies_main_job``). So that a user does not
+4096, DGC's sampled threshold; ``benchmarks/results/remedies_main_job``). The count sketch sends
+a Top-K selection and shares its gap; SEPARATE's random projection adds a variance that grows
+as its rank shrinks. So that a user does not
 find it out at the end of a long run, ``gradzip train`` says the measured figures for the codec
 it was given when it starts and in its summary (``known_gap`` in ``summary.json``). They are the
 demo job's, not a prediction for another model.
@@ -28,6 +30,15 @@ MEASURED: dict[str, tuple[tuple[str, str, float], ...]] = {
         ("with group=4096,start_step=20 on all_gather", "efsign-g4096-start20-ag", 6.6),
     ),
     "dgc": (("DGC at 1% from step 0", "dgc", 21.6),),
+    "countsketch": (
+        ("the count sketch at TAGC's defaults (20% kept) on every bucket", "countsketch-tagc-all", 1.5),
+        ("at 1% kept", "countsketch", 22.6),
+    ),
+    "separate": (
+        ("SEPARATE at rank 4 (its default)", "separate", 19.7),
+        ("rank 16", "separate-r16", 11.6),
+        ("rank 64", "separate-r64", 5.9),
+    ),
 }
 
 
