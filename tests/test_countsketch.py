@@ -7,11 +7,10 @@ import math
 import pytest
 import torch
 from helpers.aggregatable_runs import bucket_grad, check_nonfinite, ddp_steps, reduce_steps
-
-from gradzip.comm import make_reducer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gradzip.comm import make_reducer
 from gradzip.compressors import Payload, build
 from gradzip.compressors.countsketch import CountSketch, Hashes, sketch, unsketch
 from gradzip.testing import run_ranks
