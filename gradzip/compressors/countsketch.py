@@ -63,6 +63,18 @@ def sketch(values: Tensor, index: Tensor, hashes: Hashes) -> Tensor:
     return out.clamp_(-limit, limit).float().view(rows, hashes.cols)
 
 
+def _first_true_row(mask: Tensor) -> Tensor:
+    """Per column of ``mask`` (``rows x n`` bool), the first row that is True (0 where none is).
+
+    A masked select per row, last row first: ``argmax`` over the strided row axis of a mask
+    as wide as the support cost ten times as much, and it ran once per peeling round.
+    """
+    first = torch.zeros(mask.shape[1], dtype=torch.int64, device=mask.device)
+    for row in range(mask.shape[0] - 1, 0, -1):
+        first = torch.where(mask[row], row, first)
+    return torch.where(mask[0], 0, first)
+
+
 def unsketch(table: Tensor, index: Tensor, hashes: Hashes) -> Tensor:
     """Values at ``index`` (the known support) from a count sketch ``table`` (``rows x cols``).
 
@@ -91,7 +103,7 @@ def unsketch(table: Tensor, index: Tensor, hashes: Hashes) -> Tensor:
         found = pure.any(0)
         if not bool(found.any()):
             break
-        first = pure.to(torch.int8).argmax(0)  # the first row whose cell is pure
+        first = _first_true_row(pure)
         pick = left[found]
         row = first[found]
         values[pick] = signs[row, pick] * rest[flat_cells[row, pick]]
@@ -141,7 +153,8 @@ class CountSketch(Compressor):
     bits; here the bitmaps are OR-ed (``ReduceOp.BOR`` on gloo; MAX on one byte per element on
     backends without BOR). The kept set is the top ``k`` by magnitude (TAGC's threshold is the
     largest value on a fixed ladder, 1e-20 to 0.5, that drops less than the fraction, so it
-    keeps more than ``ratio``: 22% to 37% of the demo model's gradient at 0.8 dropped). Its sketch is the lossless-homomorphic-compression layout
+    keeps more: a third of the demo model's gradient at 0.8 dropped, whose union over 3 ranks,
+    54% of the coordinates, a sketch of half the entries cannot peel, 5% decoded exactly). Its sketch is the lossless-homomorphic-compression layout
     in blocks of 1,024 elements; here a count sketch of ``rows`` hash rows.
 
     Args:
