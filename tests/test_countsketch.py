@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from gradzip.comm import make_reducer
 from gradzip.compressors import Payload, build
-from gradzip.compressors.countsketch import CountSketch, Hashes, sketch, unsketch
+from gradzip.compressors.countsketch import CountSketch, Hashes, _first_true_row, sketch, unsketch
 from gradzip.testing import run_ranks
 
 SHAPES = [(12, 10), (10,), (6, 8), (3, 2)]
@@ -42,6 +42,14 @@ def test_sparse_vector_decodes_exactly_from_a_large_enough_sketch(numel, sparsit
     hashes = Hashes.draw(seed, 0, "k", rows, 4 * s)
     got = unsketch(sketch(values, index, hashes), index, hashes)
     torch.testing.assert_close(got.float(), values, rtol=1e-5, atol=1e-6)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(rows=st.integers(1, 15), cols=st.integers(0, 40), seed=st.integers(0, 10**6))
+def test_first_true_row_is_the_lowest_true_index_per_column(rows, cols, seed):
+    mask = torch.rand(rows, cols, generator=torch.Generator().manual_seed(seed)) < 0.3
+    expected = [next((r for r in range(rows) if mask[r, c]), 0) for c in range(cols)]
+    assert _first_true_row(mask).tolist() == expected
 
 
 def test_too_small_a_sketch_does_not_decode_exactly():
