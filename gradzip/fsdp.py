@@ -49,8 +49,9 @@ try:  # public since torch 2.6; under torch.distributed._composable.fsdp before
 except ImportError:  # pragma: no cover - older torch
     from torch.distributed._composable.fsdp import FSDPModule
 
-#: what ``CompressedReduceScatter.last_exchange`` may say: a shard route's label, or PowerSGD's
-EXCHANGES = (*(r.metric_name for r in REGISTRY.values() if r.family == SHARD), "powersgd")
+#: what ``CompressedReduceScatter.last_exchange`` may say: a shard route's label, PowerSGD's, or
+#: ``allreduce`` for the other codecs that bring a reducer of their own (their payloads add up)
+EXCHANGES = (*(r.metric_name for r in REGISTRY.values() if r.family == SHARD), "powersgd", "allreduce")
 
 
 def _shard_shapes(module: nn.Module) -> list[torch.Size] | None:

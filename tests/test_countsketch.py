@@ -22,7 +22,8 @@ STEPS, RESUME_AT = 4, 2
 
 @pytest.mark.parametrize(
     "params",
-    [{"ratio": 0}, {"ratio": 1.5}, {"rows": 0}, {"rows": 16}, {"width": 0}, {"width": -1.0}, {"seed": -1}, {"start_step": -1}, {"min_numel": -1}],
+    [{"ratio": 0}, {"ratio": 1.5}, {"rows": 0}, {"rows": 16}, {"width": 0}, {"width": -1.0}, {"seed": -1}, {"start_step": -1}, {"min_numel": -1}, {"width": 1e308},
+     {"width": float("nan")}],
 )
 def test_bad_parameters_raise_value_error_naming_them(params):
     with pytest.raises(ValueError, match=next(iter(params))):
@@ -50,6 +51,35 @@ def test_first_true_row_is_the_lowest_true_index_per_column(rows, cols, seed):
     mask = torch.rand(rows, cols, generator=torch.Generator().manual_seed(seed)) < 0.3
     expected = [next((r for r in range(rows) if mask[r, c]), 0) for c in range(cols)]
     assert _first_true_row(mask).tolist() == expected
+
+
+@pytest.mark.parametrize("layout", ["random", "blocks"])
+def test_the_defaults_decode_a_fifth_of_a_large_vector_exactly_at_every_draw(layout):
+    """2.5 cells per kept entry, twice the peeling threshold: every hash draw resolves every
+    kept coordinate, for a random support and for contiguous blocks (a linear hash left sets of
+    8 coordinates colliding in all 3 rows here, in about a third of the draws)."""
+    numel = 200_000
+    gen = torch.Generator().manual_seed(0)
+    if layout == "random":
+        x = torch.randn(numel, generator=gen)
+    else:
+        x = torch.zeros(numel)
+        index = torch.cat([torch.arange(b * 2500, b * 2500 + 500) for b in range(80)])
+        x[index] = torch.randn(index.numel(), generator=gen) + 3
+    codec = build("countsketch")
+    kept = torch.where(codec.keep(x), x, torch.zeros_like(x))
+    for step in range(8):
+        got = codec.decompress(codec.compress(x, step=step, key="b"), like=x)
+        torch.testing.assert_close(got, kept, rtol=1e-6, atol=1e-6, msg=f"step {step}")
+
+
+def test_ties_keep_exactly_k_entries():
+    codec = build("countsketch:ratio=0.2,width=2")
+    x = torch.ones(1000)
+    x[::2] = -1.0
+    assert int(codec.keep(x).sum()) == 200
+    got = codec.decompress(codec.compress(x, step=0, key="b"), like=x)
+    torch.testing.assert_close(got, torch.where(codec.keep(x), x, torch.zeros_like(x)))
 
 
 def test_too_small_a_sketch_does_not_decode_exactly():

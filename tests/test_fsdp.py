@@ -173,7 +173,7 @@ def _check_powersgd_feedback_invariant(spec, per_rank, full, true_means, world_s
             for t in range(STEPS):
                 torch.testing.assert_close(matrix(full[t]), matrix(true_means[t]), msg=spec)
             continue
-        residuals = [per_rank[r]["state"]["powersgd"]["feedback"]["residuals"][("m", compressed)] for r in range(world_size)]
+        residuals = [per_rank[r]["state"]["own"]["feedback"]["residuals"][("m", compressed)] for r in range(world_size)]
         compressed += 1
         decoded = sum(matrix(full[t]) for t in range(STEPS))
         truth = sum(matrix(true_means[t]) for t in range(STEPS))

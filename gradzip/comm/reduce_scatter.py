@@ -18,14 +18,19 @@ codec's declared properties:
    all_to_all: on a ring reduce-scatter (NCCL), not on gloo, whose reduce-scatter moves as
    much as an all_reduce (``2 (W-1)/W`` of the buffer per rank, measured; see
    :func:`gradzip.comm.traffic.reduce_scatter_bytes`).
-3. PowerSGD (Vogels et al. 2019, arXiv 1905.13727), a multi-round codec with its own reducer:
-   each parameter of 2 or more dims is taken as the matrix its ``world_size`` chunks stack into
-   (``(world_size * rows, cols)``, the padded unsharded gradient for FSDP's default
-   ``Shard(0)``) and reduced by :class:`~gradzip.comm.powersgd.PowerSGDReducer`, exactly as the
-   DDP hook reduces it (``P`` and ``Q`` all_reduced, shared warm start); each rank keeps its own
-   rows. The other parameters (1-D, or too small to gain) are reduce-scattered uncompressed.
-   PowerSGD needs the parameters' shard shapes; where they are unknown the whole buffer travels
-   uncompressed, with a warning.
+3. Codecs with a reducer of their own whose payloads add up (PowerSGD, Vogels et al. 2019,
+   arXiv 1905.13727; SEPARATE; Radius; the count sketch): each parameter is taken as the tensor
+   its ``world_size`` chunks stack into (``(world_size * rows, cols...)``, the padded unsharded
+   gradient for FSDP's default ``Shard(0)``) and the module's gradient is reduced by the codec's
+   reducer exactly as the DDP hook reduces a bucket (one compression per rank, summed by
+   ``all_reduce``, shared seeds and warm starts); each rank keeps its own rows of the mean. So
+   each rank hands the codec's all_reduce payload for the whole module, the same at every world
+   size, where a reduce-scatter of the raw buffer hands ``(W - 1) / W`` of it. PowerSGD's other
+   parameters (1-D, or too small to gain) are reduce-scattered uncompressed; the other codecs
+   take the whole module (SEPARATE sends its 1-D parameters dense in its own all_reduce). The
+   matrix codecs (PowerSGD, SEPARATE) need the parameters' shard shapes; where they are unknown
+   the whole buffer travels uncompressed, with a warning; the flat codecs (Radius, the count
+   sketch) then reduce the buffer as it is.
 
 A compressed exchange that would hand more bytes to its collective than the raw buffer falls
 back to FSDP's plain reduce-scatter (route ``dense_reduce_scatter``, recorded as ``dense``) and
@@ -57,8 +62,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradzip.comm import compat, nonfinite
-from gradzip.comm.powersgd import PowerSGDReducer
+from gradzip.comm import compat, nonfinite, own_reducer
 from gradzip.comm.queue import CollectiveQueue, completed
 from gradzip.comm.routes import REGISTRY, choose_shard_route
 from gradzip.compressors import Compressor, Payload
@@ -170,7 +174,7 @@ class CompressedReduceScatter(ReduceScatterBase):
         self.step = 0
         self.calls = 0
         #: the exchange of the latest call: a shard route's label (``reduce_scatter``,
-        #: ``all_to_all``, ``dense``) or ``powersgd``
+        #: ``all_to_all``, ``dense``), ``powersgd``, or ``allreduce`` (another codec's own reducer)
         self.last_exchange: str | None = None
         self._warned_layout = False
         self._floating: dict[tuple[int, torch.dtype], bool] = {}
@@ -178,12 +182,16 @@ class CompressedReduceScatter(ReduceScatterBase):
             # A slot for the NaN marker where the payload has no floating tensor (2 bytes, counted).
             compressor = self.compressor = nonfinite.with_marker_slot(compressor)
         if compressor.multi_round:
-            if not isinstance(compressor, PowerSGD):
-                raise ValueError(f"fsdp: multi-round codec {compressor.name!r} has no reduce-scatter exchange; use powersgd or a single-round codec")
-            self.powersgd = PowerSGDReducer(compressor, queue=queue or CollectiveQueue(), metrics=self.metrics)
+            if not compressor.aggregatable:
+                raise ValueError(
+                    f"fsdp: codec {compressor.name!r} brings its own rounds and its payloads do not add up; "
+                    "no reduce-scatter exchange carries it"
+                )
+            #: the codec's own reducer (PowerSGD's two rounds, SEPARATE's, Radius's, the sketch's)
+            self.own = own_reducer(compressor, queue=queue or CollectiveQueue(), metrics=self.metrics)
             self.feedback = None
         else:
-            self.powersgd = None
+            self.own = None
             use_feedback = compressor.error_feedback if error_feedback is None else error_feedback
             # fp32 residuals keep what a bf16 or fp16 wire drops from flushing to zero; updates are
             # staged until the exchange shows whether some rank sent the NaN marker.
@@ -192,7 +200,7 @@ class CompressedReduceScatter(ReduceScatterBase):
     @property
     def keeps_residuals(self) -> bool:
         """Whether this reduce-scatter keeps error-feedback state."""
-        return self.powersgd is not None or self.feedback is not None
+        return self.own is not None or self.feedback is not None
 
     def allocate(self, size: Sequence[int], *, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A fresh buffer for FSDP to copy gradients into (or to receive into)."""
@@ -227,8 +235,10 @@ class CompressedReduceScatter(ReduceScatterBase):
         step = self.step
         if world_size == 1:
             output_tensor.copy_(input_tensor if kind != "premul" else input_tensor * factor)
-        elif self.powersgd is not None:
+        elif isinstance(self.compressor, PowerSGD):
             self._powersgd(output_tensor, input_tensor, group, op, kind, factor, step, world_size, group.rank())
+        elif self.own is not None:
+            self._summed(output_tensor, input_tensor, group, op, kind, factor, step, world_size, group.rank())
         else:
             route = self.route(output_tensor.numel(), input_tensor.dtype, group, step=step)
             route.launch(self, output_tensor, input_tensor, group, op, step=step)
@@ -323,10 +333,10 @@ class CompressedReduceScatter(ReduceScatterBase):
         rest_ids = [i for i in range(len(shapes)) if i not in set(matrices)]
 
         if matrices:
-            self.powersgd.group = group
+            self.own.group = group
             with self.metrics.timed("compress_s", self.name):
                 flat = torch.cat([grid[:, offsets[i] : offsets[i] + shapes[i].numel()].reshape(-1) for i in matrices])
-            mean = self.powersgd.reduce(
+            mean = self.own.reduce(
                 self.name, flat, step=step, shapes=[stacked_shapes[i] for i in matrices]
             ).wait()
             # PowerSGDReducer returns the mean; scale it to what the op asks for.
@@ -354,6 +364,51 @@ class CompressedReduceScatter(ReduceScatterBase):
                 output[offsets[i] : offsets[i] + numel] = recv[offset : offset + numel]
                 offset += numel
 
+    # -- the other codecs with a reducer of their own ----------------------------------------
+
+    def _summed(self, output, input, group, op, kind, factor, step, world_size, rank) -> None:
+        """The whole module through the codec's own reducer; this rank keeps its rows."""
+        chunk_numel = output.numel()
+        shapes = self.shard_shapes
+        known = shapes is not None and sum(s.numel() for s in shapes) == chunk_numel
+        matrix_codec = hasattr(self.compressor, "compresses")
+        dense = REGISTRY["dense_reduce_scatter"]
+        if matrix_codec and not known:
+            if not self._warned_layout:
+                warnings.warn(
+                    f"fsdp: module {self.name!r}: parameter layout of its reduce-scatter buffer unknown "
+                    f"({chunk_numel} elements per chunk); {self.compressor.name} sends it uncompressed",
+                    stacklevel=3,
+                )
+                self._warned_layout = True
+            dense.launch(self, output, input, group, op, step=step)
+            return
+        if step < self.compressor.start_step:
+            dense.launch(self, output, input, group, op, step=step)
+            return
+        self.last_exchange = "allreduce"
+        grid = input.view(world_size, chunk_numel)
+        if known:
+            # Each parameter's chunks stacked into its unsharded (padded) gradient, end to end.
+            spans, start = [], 0
+            for s in shapes:
+                spans.append((start, s.numel()))
+                start += s.numel()
+            with self.metrics.timed("compress_s", self.name):
+                flat = torch.cat([grid[:, a : a + n].reshape(-1) for a, n in spans])
+            stacked = [torch.Size((world_size * s[0], *s[1:])) if len(s) else torch.Size((world_size,)) for s in shapes]
+        else:
+            spans, flat, stacked = [(0, chunk_numel)], input, None
+        self.own.group = group
+        mean = self.own.reduce(self.name, flat, step=step, shapes=stacked).wait()
+        scale = {"avg": 1.0, "sum": float(world_size), "premul": world_size * factor}[kind]
+        with self.metrics.timed("decompress_s", self.name):
+            offset = 0
+            for a, n in spans:
+                own = mean[offset : offset + world_size * n].view(world_size, n)[rank]
+                output[a : a + n] = own if scale == 1.0 else own * scale
+                offset += world_size * n
+
     # -- checkpoints ----------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
@@ -362,7 +417,7 @@ class CompressedReduceScatter(ReduceScatterBase):
             "step": self.step,
             "compressor": self.compressor.state_dict(),
             "feedback": None if self.feedback is None else self.feedback.state_dict(),
-            "powersgd": None if self.powersgd is None else self.powersgd.state_dict(),
+            "own": None if self.own is None else self.own.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -371,8 +426,9 @@ class CompressedReduceScatter(ReduceScatterBase):
         self.compressor.load_state_dict(state["compressor"])
         if self.feedback is not None and state["feedback"] is not None:
             self.feedback.load_state_dict(state["feedback"])
-        if self.powersgd is not None and state["powersgd"] is not None:
-            self.powersgd.load_state_dict(state["powersgd"])
+        own = state.get("own", state.get("powersgd"))  # "powersgd": the key before other codecs had one
+        if self.own is not None and own is not None:
+            self.own.load_state_dict(own)
 
 
 __all__ = ["CompressedReduceScatter", "ReduceScatterBase", "decode_sum", "encode_chunk", "op_kind", "wire_op"]

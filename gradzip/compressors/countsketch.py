@@ -20,33 +20,53 @@ from gradzip.compressors.base import Compressor, Payload, check_int, check_ratio
 from gradzip.compressors.kernels import wire
 from gradzip.compressors.kernels.placement import to_device
 
-#: the Mersenne prime of the hash family ``((a i + b) mod p)``: ``a i`` stays below 2^62 in int64
+#: the Mersenne prime of the hash polynomials: a product of two residues stays below 2^62 in int64
 _PRIME = (1 << 31) - 1
+
+
+#: the most sketch columns per kept entry (far past where peeling stops needing more)
+MAX_WIDTH = 1e4
+
+#: coefficients per hash polynomial: degree 3, so the family is 4-wise independent
+_TERMS = 4
+
+
+def _poly(coeffs: Tensor, i: Tensor) -> Tensor:
+    """``(c_0 i^3 + c_1 i^2 + c_2 i + c_3) mod p`` per row of ``coeffs`` (``rows x 4``) by Horner,
+    reduced after every product so that each stays below ``2^62`` in int64."""
+    out = coeffs[:, 0:1].expand(-1, i.shape[1])
+    for t in range(1, _TERMS):
+        out = (out * i + coeffs[:, t : t + 1]) % _PRIME
+    return out
 
 
 @dataclass(frozen=True)
 class Hashes:
     """``rows`` hash functions, the same on every rank for the same ``(seed, step, key)``.
 
-    Row ``j`` sends coordinate ``i`` to column ``((a_j i + b_j) mod p) mod cols`` with sign
-    ``+1`` or ``-1`` from the low bit of ``((c_j i + d_j) mod p)`` (a 2-universal family, so two
-    coordinates share a cell with probability about ``1 / cols``).
+    Row ``j`` sends coordinate ``i`` to column ``h_j(i) mod cols`` with sign ``+1`` or ``-1``
+    from the low bit of ``g_j(i)``, where ``h_j`` and ``g_j`` are random polynomials of degree 3
+    over the integers modulo the prime ``p = 2^31 - 1`` (``i`` taken modulo ``p``): a 4-wise
+    independent family. A linear hash ``(a i + b) mod p`` would be only pairwise independent,
+    and its collisions are translation-invariant (``i`` and ``i + d`` collide in a row for the
+    same ``d`` whatever ``i``), which builds sets of 8 coordinates colliding in every row of 3
+    (the corners of a cube) that peeling cannot resolve even far above its threshold.
     """
 
-    coeffs: Tensor  # rows x 4 int64: a, b, c, d
+    coeffs: Tensor  # rows x 8 int64: the column polynomial's coefficients, then the sign's
     cols: int
 
     @classmethod
     def draw(cls, seed: int, step: int, key: Hashable, rows: int, cols: int) -> Hashes:
         gen = seeded_generator(seed, step, key)
-        return cls(torch.randint(1, _PRIME, (rows, 4), generator=gen, dtype=torch.int64), cols)
+        return cls(torch.randint(1, _PRIME, (rows, 2 * _TERMS), generator=gen, dtype=torch.int64), cols)
 
     def cells(self, index: Tensor) -> tuple[Tensor, Tensor]:
         """Columns (``rows x len(index)`` int64) and signs (fp32, +-1) of the coordinates ``index``."""
         coeffs = to_device(self.coeffs, index.device)  # drawn on the host: the same on every device
-        i = index.reshape(1, -1)
-        cols = ((coeffs[:, 0:1] * i + coeffs[:, 1:2]) % _PRIME) % self.cols
-        signs = (((coeffs[:, 2:3] * i + coeffs[:, 3:4]) % _PRIME) & 1).to(torch.float32).mul_(2).sub_(1)
+        i = (index.reshape(1, -1) % _PRIME).to(torch.int64)
+        cols = _poly(coeffs[:, :_TERMS], i) % self.cols
+        signs = (_poly(coeffs[:, _TERMS:], i) & 1).to(torch.float32).mul_(2).sub_(1)
         return cols, signs
 
 
@@ -126,8 +146,8 @@ class CountSketch(Compressor):
     Training" (EuroMLSys 2025, arXiv 2504.05638), after lossless homomorphic compression.
 
     Each rank keeps the ``k = clamp(round(ratio * numel), 1, numel)`` largest-magnitude nonzero
-    entries of its (error-compensated) flat tensor: every entry at least the ``k``-th largest
-    magnitude, so ties can keep a few more. It sends (1) the bitmap of the kept coordinates,
+    entries of its (error-compensated) flat tensor (exactly ``k``, ties broken by
+    ``torch.topk``; fewer where fewer are nonzero). It sends (1) the bitmap of the kept coordinates,
     packed one bit per element, combined across ranks by a bitwise OR, and (2) a count sketch
     (``rows x cols`` fp32, ``cols = ceil(width * k)``) of the kept values divided by world_size,
     summed across ranks; hashes and signs come from a generator seeded from ``(seed, step, key)``.
@@ -160,7 +180,7 @@ class CountSketch(Compressor):
     Args:
         ratio: fraction of entries each rank keeps, in (0, 1].
         rows: hash rows of the sketch, an integer in [1, 15] (odd counts give a true median).
-        width: sketch columns per kept entry, a number > 0; the default 5/6 gives TAGC's sketch of
+        width: sketch columns per kept entry, a number in (0, 1e4]; the default 5/6 gives TAGC's sketch of
             ``numel / 2`` cells at ``ratio=0.2`` and 3 rows (raise it with a smaller ``ratio``:
             the support peels completely only below about ``rows * cols / 1.23`` coordinates).
         min_numel: flat tensors (buckets) with fewer elements are sent dense, an integer >= 0.
@@ -174,7 +194,7 @@ class CountSketch(Compressor):
 
     Raises:
         ValueError: naming the parameter, for ``ratio`` outside (0, 1], ``rows`` outside
-            [1, 15], ``width <= 0``, ``seed < 0``, ``start_step < 0`` or ``min_numel < 0``.
+            [1, 15], ``width`` outside (0, 1e4], ``seed < 0``, ``start_step < 0`` or ``min_numel < 0``.
     """
 
     name = "countsketch"
@@ -198,8 +218,8 @@ class CountSketch(Compressor):
         super().__init__(ratio=ratio, rows=rows, width=width, seed=seed, start_step=start_step, min_numel=min_numel)
         self.ratio = check_ratio(ratio)
         self.rows = check_int(rows, name="rows", low=1, high=15)
-        if isinstance(width, bool) or not isinstance(width, (int, float)) or not math.isfinite(width) or width <= 0:
-            raise ValueError(f"width must be a number > 0; got {width!r}")
+        if isinstance(width, bool) or not isinstance(width, (int, float)) or not 0 < width <= MAX_WIDTH:
+            raise ValueError(f"width must be a number in (0, {MAX_WIDTH:g}]; got {width!r}")
         self.width = float(width)
         self.seed = check_int(seed, name="seed", low=0)
         self.start_step = check_int(start_step, name="start_step", low=0)
@@ -222,11 +242,16 @@ class CountSketch(Compressor):
         return Hashes.draw(self.seed, step, key, self.rows, self.cols(numel))
 
     def keep(self, x: Tensor) -> Tensor:
-        """The kept mask of flat ``x``: nonzero entries at least the ``k``-th largest magnitude."""
+        """The kept mask of flat ``x``: its ``k`` largest magnitudes that are nonzero.
+
+        Exactly ``k`` (ties broken by ``torch.topk``): keeping every entry tied with the
+        ``k``-th would let a constant tensor put its whole support into a sketch sized for ``k``.
+        """
         magnitude = x.abs()
         k = kept_count(x.numel(), self.ratio)
-        threshold = torch.topk(magnitude.float(), k, sorted=False).values.min()
-        return (magnitude >= threshold) & (magnitude > 0)
+        mask = torch.zeros(x.numel(), dtype=torch.bool, device=x.device)
+        mask[torch.topk(magnitude.float(), k, sorted=False).indices] = True
+        return mask & (magnitude > 0)
 
     def encode(self, x: Tensor, *, step: int, key: Hashable, scale: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
         """``(mask, bitmap, table)`` of flat ``x``: the kept mask, its packed bitmap (uint8) and
