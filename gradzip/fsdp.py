@@ -7,9 +7,8 @@
     ...  # train as usual; state.metrics.pop() after each step, state.state_dict() in checkpoints
 
 The codec may differ per module: pass a function of the module's name and the module instead
-of a spec, in the manner of TAGC's policy, which compresses the large MLP and embedding layers
-and sends attention dense (``lambda name, module: "none" if name.endswith("attn") else
-"topk:ratio=0.2"``). The count sketch itself brings its own rounds and runs on DDP only.
+of a spec, as TAGC's policy sketches the large MLP and embedding layers and sends attention
+dense (``lambda name, module: "none" if name.endswith("attn") else "countsketch"``).
 
 In every backward pass FSDP copies each module's gradients into one flat padded buffer and
 reduce-scatters it. :func:`compress_reduce_scatter` installs, per FSDP module with parameters, a
@@ -161,8 +160,8 @@ def compress_reduce_scatter(
             codec; every module gets its own instance, built from the (canonical) spec. Or a
             function of each FSDP module's name (``""`` for the root) and the module, returning
             that module's spec or codec: a codec per module.
-        error_feedback: override the codec's default (single-round codecs; PowerSGD always
-            keeps residuals).
+        error_feedback: override the codec's default (single-round codecs; the codecs with a
+            reducer of their own, PowerSGD, SEPARATE, Radius and the count sketch, keep theirs).
         reduce_scatter_unused_params: reduce-scatter zeros for parameters without a gradient
             so the buffer layout never changes; None turns it on exactly when residuals are kept.
         metrics: where bytes and times go; a new :class:`~gradzip.metrics.StepMetrics` if None.

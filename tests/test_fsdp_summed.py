@@ -126,3 +126,50 @@ def _no_layout(rank: int, world_size: int):
         warnings.simplefilter("always")
         comm(output, _buffer(rank, 0, world_size), dist.group.WORLD, dist.ReduceOp.AVG)
     return output, comm.last_exchange, any("layout" in str(w.message) for w in caught)
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn = torch.nn.Linear(12, 12)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(12, 40), torch.nn.ReLU(), torch.nn.Linear(40, 12))
+        self.head = torch.nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.head(self.mlp(torch.relu(self.attn(x))))
+
+
+def _train_per_module(rank: int, world_size: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    from gradzip.fsdp import compress_reduce_scatter
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        net = _Net()
+    fully_shard(net.attn)
+    fully_shard(net.mlp)
+    fully_shard(net)
+    policy = {"attn": "none", "mlp": "countsketch:ratio=0.2,width=2", "": "separate:approx_rank=2"}
+    state = compress_reduce_scatter(net, lambda name, module: policy[name])
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(rank)
+    exchanges = []
+    for _ in range(3):
+        opt.zero_grad()
+        net(torch.randn(16, 12, generator=gen)).square().mean().backward()
+        opt.step()
+        exchanges.append({name: comm.last_exchange for name, comm in state.comms.items()})
+    full = torch.cat([p.full_tensor().reshape(-1) for p in net.parameters()])
+    return {"params": full, "exchanges": exchanges, "specs": state.state_dict()["compressor"]}
+
+
+def test_a_module_policy_with_the_summed_codecs_trains_alike_on_every_rank():
+    """The docs' per-module policy with the count sketch on a fully_shard model: every rank ends
+    with the same parameters, and each module took the exchange its codec asks for."""
+    results = run_ranks(_train_per_module, 2, timeout_s=300)
+    assert torch.isfinite(results[0]["params"]).all()
+    assert torch.equal(results[0]["params"], results[1]["params"])
+    for res in results:
+        assert res["specs"] == {"": "separate:approx_rank=2", "attn": "none", "mlp": build("countsketch:width=2").spec}
+        assert res["exchanges"][-1] == {"": "allreduce", "attn": "reduce_scatter", "mlp": "allreduce"}

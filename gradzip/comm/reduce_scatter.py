@@ -142,19 +142,23 @@ class CompressedReduceScatter(ReduceScatterBase):
     Args:
         compressor: a built codec (this module's own instance).
         name: the module's name; keys metrics and seeds (``(name, chunk)``).
-        shard_shapes: the parameters' shapes within one chunk, in buffer order (PowerSGD needs
-            them); None if unknown.
+        shard_shapes: the parameters' shapes within one chunk, in buffer order (PowerSGD and
+            SEPARATE need them); None if unknown.
         error_feedback: keep a residual per destination chunk; None uses the codec's default.
-            PowerSGD always keeps one.
+            The codecs with a reducer of their own keep theirs.
         metrics: where bytes and times go (shared by the modules of a model).
-        queue: the ordered launch queue of the group (PowerSGD's two rounds go through it).
+        queue: the ordered launch queue of the group (the own reducers' rounds go through it).
 
     ``__call__(output_tensor, input_tensor, group, op)`` reduces ``input_tensor`` (1-D,
     ``world_size * c`` elements, fp32, bf16 or fp16) into ``output_tensor`` (``c`` elements,
     same dtype) synchronously. Payload handed to collectives per call: the route's ``nbytes``
     (``world_size * payload_nbytes(c, dtype)`` for the compressed single-round routes); for
     PowerSGD ``sum((n + m) * r) * itemsize`` for the matrices plus ``world_size * u * itemsize``
-    for the ``u`` uncompressed elements per chunk.
+    for the ``u`` uncompressed elements per chunk; for the other codecs with a reducer of their
+    own, what that reducer hands for the module's ``world_size * c`` elements (as under DDP).
+
+    Raises:
+        ValueError: for a codec with a reducer of its own whose payloads do not add up.
     """
 
     def __init__(

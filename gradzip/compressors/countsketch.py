@@ -167,7 +167,8 @@ class CountSketch(Compressor):
     MLP and embedding matrices, attention and everything smaller sent dense. Its policy tests the
     size of each FSDP unit; ``min_numel`` does the same for DDP buckets (a bucket with fewer
     elements is sent dense), and under FSDP :func:`gradzip.fsdp.compress_reduce_scatter` takes a
-    codec per module. The default ``min_numel=0`` compresses every bucket.
+    codec per module (each module's buffer goes through this codec's reducer whole, and each
+    rank keeps its rows). The default ``min_numel=0`` compresses every bucket.
 
     What differs from TAGC: its code sums packed uint8 bitmaps, which carries into neighbouring
     bits; here the bitmaps are OR-ed (``ReduceOp.BOR`` on gloo; MAX on one byte per element on
