@@ -150,7 +150,8 @@ def _train_per_module(rank: int, world_size: int) -> dict:
     fully_shard(net.attn)
     fully_shard(net.mlp)
     fully_shard(net)
-    policy = {"attn": "none", "mlp": "countsketch:ratio=0.2,width=2", "": "separate:approx_rank=2"}
+    # mlp: 1,012 elements, sketched in 2,551 bytes against 4,048 raw (compressed, not the fallback)
+    policy = {"attn": "none", "mlp": "countsketch:ratio=0.1,width=2", "": "separate:approx_rank=2"}
     state = compress_reduce_scatter(net, lambda name, module: policy[name])
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     gen = torch.Generator().manual_seed(rank)
@@ -171,5 +172,29 @@ def test_a_module_policy_with_the_summed_codecs_trains_alike_on_every_rank():
     assert torch.isfinite(results[0]["params"]).all()
     assert torch.equal(results[0]["params"], results[1]["params"])
     for res in results:
-        assert res["specs"] == {"": "separate:approx_rank=2", "attn": "none", "mlp": build("countsketch:width=2").spec}
+        assert res["specs"] == {"": "separate:approx_rank=2", "attn": "none", "mlp": "countsketch:ratio=0.1,width=2.0"}
         assert res["exchanges"][-1] == {"": "allreduce", "attn": "reduce_scatter", "mlp": "allreduce"}
+
+
+def _edges(rank: int, world_size: int) -> dict:
+    """An empty chunk, a payload that falls back to dense, and an fp16 SUM near the fp16 maximum."""
+    out = {}
+    for spec in SPECS:
+        empty = torch.empty(0)
+        CompressedReduceScatter(build(spec), name="m", shard_shapes=[])(empty, torch.empty(0), dist.group.WORLD, dist.ReduceOp.AVG)
+        big = torch.full((world_size * CHUNK,), 60000.0, dtype=torch.float16)
+        summed = torch.empty(CHUNK, dtype=torch.float16)
+        CompressedReduceScatter(build(spec), name="m", shard_shapes=SHARD_SHAPES)(summed, big, dist.group.WORLD, dist.ReduceOp.SUM)
+        out[spec] = {"empty": empty.numel(), "sum_finite": bool(torch.isfinite(summed).all())}
+    fallback = CompressedReduceScatter(build("countsketch:ratio=0.5,width=3"), name="m", shard_shapes=SHARD_SHAPES)
+    output = torch.empty(CHUNK)
+    fallback(output, _buffer(rank, 0, world_size), dist.group.WORLD, dist.ReduceOp.AVG)
+    out["fallback"] = fallback.last_exchange
+    return out
+
+
+def test_empty_chunks_fallbacks_and_fp16_sums_near_the_maximum():
+    for res in run_ranks(_edges, 2):
+        for spec in SPECS:
+            assert res[spec] == {"empty": 0, "sum_finite": True}, spec
+        assert res["fallback"] == "dense"  # its payload is larger than the raw buffer

@@ -136,6 +136,12 @@ def decode_sum(codec: Compressor, payloads: Sequence[Payload], like: Tensor) -> 
     return total
 
 
+def _scaled(mean: Tensor, scale: float) -> Tensor:
+    """``scale * mean`` (the sum an op asks for), computed in fp32 and saturated at ``mean``'s
+    range: an fp16 mean of finite gradients must not become inf when multiplied out."""
+    return nonfinite.saturate(mean.float() * scale, mean.dtype).to(mean.dtype)
+
+
 class CompressedReduceScatter(ReduceScatterBase):
     """One FSDP module's reduce-scatter, compressed (FSDP's ``ReduceScatter`` interface).
 
@@ -337,12 +343,9 @@ class CompressedReduceScatter(ReduceScatterBase):
         rest_ids = [i for i in range(len(shapes)) if i not in set(matrices)]
 
         if matrices:
-            self.own.group = group
             with self.metrics.timed("compress_s", self.name):
                 flat = torch.cat([grid[:, offsets[i] : offsets[i] + shapes[i].numel()].reshape(-1) for i in matrices])
-            mean = self.own.reduce(
-                self.name, flat, step=step, shapes=[stacked_shapes[i] for i in matrices]
-            ).wait()
+            mean = self._own_reduce(flat, group, step, [stacked_shapes[i] for i in matrices])
             # PowerSGDReducer returns the mean; scale it to what the op asks for.
             scale = {"avg": 1.0, "sum": float(world_size), "premul": world_size * factor}[kind]
             with self.metrics.timed("decompress_s", self.name):
@@ -350,7 +353,7 @@ class CompressedReduceScatter(ReduceScatterBase):
                 for i in matrices:
                     numel = shapes[i].numel()
                     own = mean[offset : offset + world_size * numel].view(world_size, numel)[rank]
-                    output[offsets[i] : offsets[i] + numel] = own if scale == 1.0 else own * scale
+                    output[offsets[i] : offsets[i] + numel] = own if scale == 1.0 else _scaled(own, scale)
                     offset += world_size * numel
         if rest_ids:
             rest = torch.cat([grid[:, offsets[i] : offsets[i] + shapes[i].numel()] for i in rest_ids], dim=1)
@@ -390,7 +393,9 @@ class CompressedReduceScatter(ReduceScatterBase):
         if step < self.compressor.start_step:
             dense.launch(self, output, input, group, op, step=step)
             return
-        self.last_exchange = "allreduce"
+        if chunk_numel == 0:
+            self.last_exchange = "dense"
+            return
         grid = input.view(world_size, chunk_numel)
         if known:
             # Each parameter's chunks stacked into its unsharded (padded) gradient, end to end.
@@ -403,15 +408,27 @@ class CompressedReduceScatter(ReduceScatterBase):
             stacked = [torch.Size((world_size * s[0], *s[1:])) if len(s) else torch.Size((world_size,)) for s in shapes]
         else:
             spans, flat, stacked = [(0, chunk_numel)], input, None
-        self.own.group = group
-        mean = self.own.reduce(self.name, flat, step=step, shapes=stacked).wait()
+        mean = self._own_reduce(flat, group, step, stacked)
+        # The reducer's own record: "allreduce", or "dense" where the payload would not be smaller.
+        self.last_exchange = self.metrics.buckets.get(self.name, {}).get("collective", "allreduce")
         scale = {"avg": 1.0, "sum": float(world_size), "premul": world_size * factor}[kind]
         with self.metrics.timed("decompress_s", self.name):
             offset = 0
             for a, n in spans:
                 own = mean[offset : offset + world_size * n].view(world_size, n)[rank]
-                output[a : a + n] = own if scale == 1.0 else own * scale
+                output[a : a + n] = own if scale == 1.0 else _scaled(own, scale)
                 offset += world_size * n
+
+    def _own_reduce(self, flat: Tensor, group: dist.ProcessGroup, step: int, shapes) -> Tensor:
+        """The mean of ``flat`` over ``group`` through the codec's own reducer. The reducer holds
+        the group only for the call: a gloo callback can drop the last reference to the reducer
+        after the call, and a group released there is destroyed on its own worker thread, which
+        then joins itself and aborts the process."""
+        self.own.group = group
+        try:
+            return self.own.reduce(self.name, flat, step=step, shapes=shapes).wait()
+        finally:
+            self.own.group = None
 
     # -- checkpoints ----------------------------------------------------------------------
 

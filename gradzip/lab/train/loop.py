@@ -137,7 +137,8 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     is_main = rank == 0
 
     if is_main and cfg.progress:
-        report.status(f"{world_size} workers up ({backend}); building the model, DDP and the codec's kernels")
+        wrapper = "FSDP" if cfg.fsdp else "DDP"
+        report.status(f"{world_size} workers up ({backend}); building the model, {wrapper} and the codec's kernels")
     # Data and model.
     corpus = Corpus.load(cfg.data, cfg.vocab_size, model=cfg.model)
     corpus.check_fits(cfg.seq_len)
