@@ -315,23 +315,34 @@ class CompressedReduceScatter(ReduceScatterBase):
 
     # -- PowerSGD -------------------------------------------------------------------------
 
-    def _powersgd(self, output, input, group, op, kind, factor, step, world_size, rank) -> None:
-        chunk_numel = output.numel()
+    def _layout_known(self, chunk_numel: int) -> bool:
+        """Whether the shard shapes are known and fill the chunk."""
         shapes = self.shard_shapes
-        dense = REGISTRY["dense_reduce_scatter"]
-        if shapes is None or sum(s.numel() for s in shapes) != chunk_numel:
+        return shapes is not None and sum(s.numel() for s in shapes) == chunk_numel
+
+    def _sent_dense(self, output, input, group, op, step: int, *, needs_layout: bool) -> bool:
+        """Reduce-scatter uncompressed, and say so, before ``start_step`` or where a codec that
+        needs the shard shapes lacks them (warned once per module)."""
+        chunk_numel = output.numel()
+        if needs_layout and not self._layout_known(chunk_numel):
             if not self._warned_layout:
                 warnings.warn(
                     f"fsdp: module {self.name!r}: parameter layout of its reduce-scatter buffer unknown "
-                    f"({chunk_numel} elements per chunk); powersgd sends it uncompressed",
-                    stacklevel=3,
+                    f"({chunk_numel} elements per chunk); {self.compressor.name} sends it uncompressed",
+                    stacklevel=4,
                 )
                 self._warned_layout = True
-            dense.launch(self, output, input, group, op, step=step)
+        elif step >= self.compressor.start_step:
+            return False
+        REGISTRY["dense_reduce_scatter"].launch(self, output, input, group, op, step=step)
+        return True
+
+    def _powersgd(self, output, input, group, op, kind, factor, step, world_size, rank) -> None:
+        if self._sent_dense(output, input, group, op, step, needs_layout=True):
             return
-        if step < self.compressor.start_step:
-            dense.launch(self, output, input, group, op, step=step)
-            return
+        chunk_numel = output.numel()
+        shapes = self.shard_shapes
+        dense = REGISTRY["dense_reduce_scatter"]
         self.last_exchange = "powersgd"
         grid = input.view(world_size, chunk_numel)
         offsets = [0]
@@ -375,24 +386,12 @@ class CompressedReduceScatter(ReduceScatterBase):
 
     def _summed(self, output, input, group, op, kind, factor, step, world_size, rank) -> None:
         """The whole module through the codec's own reducer; this rank keeps its rows."""
+        # The matrix codecs (SEPARATE) need the shard shapes; the flat ones take the buffer as is.
+        if self._sent_dense(output, input, group, op, step, needs_layout=hasattr(self.compressor, "compresses")):
+            return
         chunk_numel = output.numel()
         shapes = self.shard_shapes
-        known = shapes is not None and sum(s.numel() for s in shapes) == chunk_numel
-        matrix_codec = hasattr(self.compressor, "compresses")
-        dense = REGISTRY["dense_reduce_scatter"]
-        if matrix_codec and not known:
-            if not self._warned_layout:
-                warnings.warn(
-                    f"fsdp: module {self.name!r}: parameter layout of its reduce-scatter buffer unknown "
-                    f"({chunk_numel} elements per chunk); {self.compressor.name} sends it uncompressed",
-                    stacklevel=3,
-                )
-                self._warned_layout = True
-            dense.launch(self, output, input, group, op, step=step)
-            return
-        if step < self.compressor.start_step:
-            dense.launch(self, output, input, group, op, step=step)
-            return
+        known = self._layout_known(chunk_numel)
         if chunk_numel == 0:
             self.last_exchange = "dense"
             return
