@@ -150,7 +150,7 @@ class CountSketch(Compressor):
     ``torch.topk``; fewer where fewer are nonzero). It sends (1) the bitmap of the kept coordinates,
     packed one bit per element, combined across ranks by a bitwise OR, and (2) a count sketch
     (``rows x cols`` fp32, ``cols = ceil(width * k)``) of the kept values divided by world_size,
-    summed across ranks; hashes and signs come from a generator seeded from ``(seed, step, key)``.
+    summed across ranks; the hashes (:class:`Hashes`) are drawn from ``(seed, step, key)``.
     Every rank decodes the OR-ed support from the summed sketch by peeling, then median
     estimates (:func:`unsketch`), and gets bit-identical results.
 
@@ -172,18 +172,20 @@ class CountSketch(Compressor):
 
     What differs from TAGC: its code sums packed uint8 bitmaps, which carries into neighbouring
     bits; here the bitmaps are OR-ed (``ReduceOp.BOR`` on gloo; MAX on one byte per element on
-    backends without BOR). The kept set is the top ``k`` by magnitude (TAGC's threshold is the
-    largest value on a fixed ladder, 1e-20 to 0.5, that drops less than the fraction, so it
-    keeps more: a third of the demo model's gradient at 0.8 dropped, whose union over 3 ranks,
-    54% of the coordinates, a sketch of half the entries cannot peel, 16% decoded exactly). Its sketch is the lossless-homomorphic-compression layout
-    in blocks of 1,024 elements; here a count sketch of ``rows`` hash rows.
+    backends without BOR). The kept set is exactly the top ``k`` by magnitude. TAGC's threshold
+    is the largest value on a fixed ladder (1e-20 to 0.5) that drops less than the fraction, so
+    it keeps more: a third of the demo model's gradient at 0.8 dropped, whose union over 3
+    ranks (54% of the coordinates) a sketch of half the entries cannot peel (16% decoded
+    exactly). TAGC's sketch is the lossless-homomorphic-compression layout in blocks of 1,024
+    elements; here a count sketch of ``rows`` hash rows with 4-wise independent hashes.
 
     Args:
         ratio: fraction of entries each rank keeps, in (0, 1].
         rows: hash rows of the sketch, an integer in [1, 15] (odd counts give a true median).
-        width: sketch columns per kept entry, a number in (0, 1e4]; the default 5/6 gives TAGC's sketch of
-            ``numel / 2`` cells at ``ratio=0.2`` and 3 rows (raise it with a smaller ``ratio``:
-            the support peels completely only below about ``rows * cols / 1.23`` coordinates).
+        width: sketch columns per kept entry, a number in (0, 1e4]; the default 5/6 gives
+            TAGC's sketch of ``numel / 2`` cells at ``ratio=0.2`` and 3 rows (raise it with a
+            smaller ``ratio``: the support peels completely only below about
+            ``rows * cols / 1.23`` coordinates).
         min_numel: flat tensors (buckets) with fewer elements are sent dense, an integer >= 0.
         seed: seed of the hashes (the same on every rank), an integer >= 0.
         start_step: steps of plain all_reduce before compression starts (>= 0).
@@ -196,7 +198,8 @@ class CountSketch(Compressor):
 
     Raises:
         ValueError: naming the parameter, for ``ratio`` outside (0, 1], ``rows`` outside
-            [1, 15], ``width`` outside (0, 1e4], ``seed < 0``, ``start_step < 0`` or ``min_numel < 0``.
+            [1, 15], ``width`` outside (0, 1e4], ``seed < 0``, ``start_step < 0`` or
+            ``min_numel < 0``.
     """
 
     name = "countsketch"
