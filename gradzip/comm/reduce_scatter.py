@@ -313,7 +313,7 @@ class CompressedReduceScatter(ReduceScatterBase):
         expected = chunks.shape[0] * self.compressor.payload_nbytes(chunks.shape[1], chunks.dtype)
         assert handed == expected, f"{self.compressor.name}: handed {handed} bytes, formula says {expected}"
 
-    # -- PowerSGD -------------------------------------------------------------------------
+    # -- the codecs with a reducer of their own (PowerSGD, SEPARATE, Radius, the count sketch) --
 
     def _layout_known(self, chunk_numel: int) -> bool:
         """Whether the shard shapes are known and fill the chunk."""
@@ -340,49 +340,32 @@ class CompressedReduceScatter(ReduceScatterBase):
     def _powersgd(self, output, input, group, op, kind, factor, step, world_size, rank) -> None:
         if self._sent_dense(output, input, group, op, step, needs_layout=True):
             return
-        chunk_numel = output.numel()
-        shapes = self.shard_shapes
         dense = REGISTRY["dense_reduce_scatter"]
         self.last_exchange = "powersgd"
-        grid = input.view(world_size, chunk_numel)
-        offsets = [0]
-        for s in shapes[:-1]:
-            offsets.append(offsets[-1] + s.numel())
-        # The matrix a parameter's chunks stack into: (world_size * rows, cols...).
-        stacked_shapes = [torch.Size((world_size * s[0], *s[1:])) if len(s) else s for s in shapes]
+        grid = input.view(world_size, output.numel())
+        spans, stacked_shapes = self._spans(), self._stacked_shapes(world_size)
         matrices = [i for i, s in enumerate(stacked_shapes) if self.compressor.compresses(s)]
-        rest_ids = [i for i in range(len(shapes)) if i not in set(matrices)]
+        rest = [spans[i] for i in range(len(spans)) if i not in set(matrices)]
 
         if matrices:
-            with self.metrics.timed("compress_s", self.name):
-                flat = torch.cat([grid[:, offsets[i] : offsets[i] + shapes[i].numel()].reshape(-1) for i in matrices])
+            flat = self._stack(grid, [spans[i] for i in matrices])
             mean = self._own_reduce(flat, group, step, [stacked_shapes[i] for i in matrices])
-            # PowerSGDReducer returns the mean; scale it to what the op asks for.
-            scale = {"avg": 1.0, "sum": float(world_size), "premul": world_size * factor}[kind]
-            with self.metrics.timed("decompress_s", self.name):
-                offset = 0
-                for i in matrices:
-                    numel = shapes[i].numel()
-                    own = mean[offset : offset + world_size * numel].view(world_size, numel)[rank]
-                    output[offsets[i] : offsets[i] + numel] = own if scale == 1.0 else _scaled(own, scale)
-                    offset += world_size * numel
-        if rest_ids:
-            rest = torch.cat([grid[:, offsets[i] : offsets[i] + shapes[i].numel()] for i in rest_ids], dim=1)
-            recv = rest.new_empty(rest.shape[1])
-            nbytes = wire.nbytes([rest])
-            self.reduce_scatter(recv, rest.reshape(-1), group, op)
-            sent = dense.sent_nbytes(self.compressor, rest.numel(), rest.dtype, world_size, backend=dist.get_backend(group))
+            self._keep_rows(output, mean, [spans[i] for i in matrices], rank, world_size, kind, factor)
+        if rest:
+            plain = torch.cat([grid[:, a : a + n] for a, n in rest], dim=1)
+            recv = plain.new_empty(plain.shape[1])
+            nbytes = wire.nbytes([plain])
+            self.reduce_scatter(recv, plain.reshape(-1), group, op)
+            backend = dist.get_backend(group)
+            sent = dense.sent_nbytes(self.compressor, plain.numel(), plain.dtype, world_size, backend=backend)
             self.metrics.add_bucket(
                 self.name, payload_bytes=nbytes, dense_bytes=nbytes, collective="reduce_scatter",
                 compressed=bool(matrices), sent_bytes=sent, received_bytes=sent,
             )
             offset = 0
-            for i in rest_ids:
-                numel = shapes[i].numel()
-                output[offsets[i] : offsets[i] + numel] = recv[offset : offset + numel]
-                offset += numel
-
-    # -- the other codecs with a reducer of their own ----------------------------------------
+            for a, n in rest:
+                output[a : a + n] = recv[offset : offset + n]
+                offset += n
 
     def _summed(self, output, input, group, op, kind, factor, step, world_size, rank) -> None:
         """The whole module through the codec's own reducer; this rank keeps its rows."""
@@ -390,26 +373,43 @@ class CompressedReduceScatter(ReduceScatterBase):
         if self._sent_dense(output, input, group, op, step, needs_layout=hasattr(self.compressor, "compresses")):
             return
         chunk_numel = output.numel()
-        shapes = self.shard_shapes
-        known = self._layout_known(chunk_numel)
         if chunk_numel == 0:
             self.last_exchange = "dense"
             return
-        grid = input.view(world_size, chunk_numel)
-        if known:
-            # Each parameter's chunks stacked into its unsharded (padded) gradient, end to end.
-            spans, start = [], 0
-            for s in shapes:
-                spans.append((start, s.numel()))
-                start += s.numel()
-            with self.metrics.timed("compress_s", self.name):
-                flat = torch.cat([grid[:, a : a + n].reshape(-1) for a, n in spans])
-            stacked = [torch.Size((world_size * s[0], *s[1:])) if len(s) else torch.Size((world_size,)) for s in shapes]
+        if self._layout_known(chunk_numel):
+            spans = self._spans()
+            flat = self._stack(input.view(world_size, chunk_numel), spans)
+            stacked = self._stacked_shapes(world_size)
         else:
             spans, flat, stacked = [(0, chunk_numel)], input, None
         mean = self._own_reduce(flat, group, step, stacked)
         # The reducer's own record: "allreduce", or "dense" where the payload would not be smaller.
         self.last_exchange = self.metrics.buckets.get(self.name, {}).get("collective", "allreduce")
+        self._keep_rows(output, mean, spans, rank, world_size, kind, factor)
+
+    def _spans(self) -> list[tuple[int, int]]:
+        """``(start, numel)`` of each parameter within a chunk (the shard shapes are known)."""
+        spans, start = [], 0
+        for s in self.shard_shapes:
+            spans.append((start, s.numel()))
+            start += s.numel()
+        return spans
+
+    def _stacked_shapes(self, world_size: int) -> list[torch.Size]:
+        """The tensor each parameter's ``world_size`` chunks stack into: ``(world_size * rows,
+        cols...)``, the padded unsharded gradient under FSDP's default ``Shard(0)``."""
+        return [
+            torch.Size((world_size * s[0], *s[1:])) if len(s) else torch.Size((world_size,)) for s in self.shard_shapes
+        ]
+
+    def _stack(self, grid: Tensor, spans: Sequence[tuple[int, int]]) -> Tensor:
+        """The parameters at ``spans``, each stacked from its chunks (rows of ``grid``), end to end."""
+        with self.metrics.timed("compress_s", self.name):
+            return torch.cat([grid[:, a : a + n].reshape(-1) for a, n in spans])
+
+    def _keep_rows(self, output, mean, spans, rank: int, world_size: int, kind: str, factor: float) -> None:
+        """Write this rank's rows of each stacked parameter of ``mean`` (the reducer's mean, laid
+        out as :meth:`_stack` lays it) into ``output`` at ``spans``, scaled to what the op asks."""
         scale = {"avg": 1.0, "sum": float(world_size), "premul": world_size * factor}[kind]
         with self.metrics.timed("decompress_s", self.name):
             offset = 0

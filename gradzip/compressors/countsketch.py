@@ -90,9 +90,9 @@ def _first_true_row(mask: Tensor) -> Tensor:
     as wide as the support cost ten times as much, and it ran once per peeling round.
     """
     first = torch.zeros(mask.shape[1], dtype=torch.int64, device=mask.device)
-    for row in range(mask.shape[0] - 1, 0, -1):
+    for row in range(mask.shape[0] - 1, -1, -1):
         first = torch.where(mask[row], row, first)
-    return torch.where(mask[0], 0, first)
+    return first
 
 
 def unsketch(table: Tensor, index: Tensor, hashes: Hashes) -> Tensor:
