@@ -14,6 +14,7 @@ STEPS = 9  # ends mid-cycle for "streaming", with an exchange in flight
 CONFIGS = {
     "diloco": {"sync_every": 3},
     "streaming": {"sync_every": 4, "fragments": 2, "delay": 1, "mix": 0.5},
+    "streaming_carry": {"sync_every": 6, "fragments": 2, "delay": 2, "carry": True, "outer_momentum": 0.5},
     "streaming_replace": {"sync_every": 6, "fragments": 3, "delay": 1, "outer_momentum": 0.5, "outer_lr": 0.9},
 }
 

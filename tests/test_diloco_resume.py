@@ -14,6 +14,7 @@ from gradzip.testing import run_ranks
 STEPS = 10
 CONFIGS = {
     "streaming_topk": {"compressor": "topk:ratio=0.3", "error_feedback": True, "sync_every": 4, "fragments": 2, "delay": 1, "mix": 0.5},
+    "streaming_carry": {"compressor": "uniform:bits=4", "sync_every": 4, "fragments": 2, "delay": 1, "carry": True},
     "sparseloco": {"compressor": "topk:ratio=0.3", "method": "sparseloco", "sync_every": 3, "delay": 2, "outer_lr": 1.0},
 }
 

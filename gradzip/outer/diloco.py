@@ -14,7 +14,12 @@ outer update ``D`` inner steps later, the collectives running in the background 
 (they go through the group's ordered :class:`~gradzip.comm.queue.CollectiveQueue`, asynchronous,
 so no inner step waits on the link until an update is due). The late update is merged with the
 parameters the replica reached in the meantime as the paper does:
-``theta_local = mix * theta_local + (1 - mix) * theta_global``.
+``theta_local = mix * theta_local + (1 - mix) * theta_global``. With ``carry=True`` (an option of
+gradzip's own, in neither paper) the replica keeps instead what it did while the exchange ran,
+rebased on the new global parameters:
+``theta_local = theta_global + (theta_local - theta_local_at_launch)``; those inner steps then
+count in the next pseudo-gradient instead of being dropped (``mix = 0``) or shrunk with the
+whole replica towards the global parameters (``mix > 0``).
 
 Eager updates (Kale, Douillard & Donchev, "Eager Updates For Overlapped Communication and
 Computation in DiLoCo", arXiv 2502.12996), ``eager=True``: the whole outer exchange overlaps the
@@ -60,6 +65,14 @@ def _check_number(value: Any, *, name: str, low: float, high: float, low_open: b
     return float(value)
 
 
+def _check_carry(carry: Any, *, delay: int, mix: float, eager: bool) -> None:
+    if not isinstance(carry, bool):
+        raise ValueError(f"carry must be True or False; got {carry!r}")
+    if carry and (delay < 1 or mix != 0 or eager):
+        raise ValueError("carry=True keeps the inner steps taken while a late update was in flight: it needs "
+                         f"delay >= 1, mix=0 and eager=False; got delay={delay}, mix={mix}, eager={eager}")
+
+
 def _check_eager(eager: Any, *, fragments: int, delay: int, mix: float, method: str) -> None:
     if not isinstance(eager, bool):
         raise ValueError(f"eager must be True or False; got {eager!r}")
@@ -103,6 +116,8 @@ class DiLoCo:
         mix: ``alpha`` in [0, 1], the weight of the replica's own parameters when an outer
             update lands (``theta_local = alpha * theta_local + (1 - alpha) * theta_global``);
             0 replaces them by the global parameters, as DiLoCo does.
+        carry: with ``delay >= 1``, keep the inner steps taken while an exchange ran when its
+            update lands (see the module docstring); needs ``mix=0`` and not ``eager``.
         eager: eager updates (see the module docstring): the exchange of each outer step lands
             at the next one, ``H`` inner steps later, and the outer step applies the replica's
             own pseudo-gradient at once in place of its share. Needs ``fragments=1``,
@@ -169,6 +184,7 @@ class DiLoCo:
         mix: float = 0.0,
         method: str = "diloco",
         eager: bool = False,
+        carry: bool = False,
         error_feedback: bool | None = None,
         collective: str = "auto",
         min_compress_bytes: int = 0,
@@ -190,7 +206,12 @@ class DiLoCo:
         if method not in METHODS:
             raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
         _check_eager(eager, fragments=fragments, delay=delay, mix=self.mix, method=method)
+        _check_carry(carry, delay=delay, mix=self.mix, eager=eager)
         self.eager = eager
+        self.carry = carry
+        # carry: each exchange in flight's fragment parameters as they were at its launch, by
+        # reducer step (what the replica has done since is kept when the update lands)
+        self.launched_from: dict[int, list[torch.Tensor]] = {}
         if isinstance(compressor, str) and compressor.strip().lower() == "auto":
             raise ValueError("compressor must be a codec spec or codec; 'auto' cannot run on the outer exchange")
         codec = build(compressor)
@@ -272,6 +293,8 @@ class DiLoCo:
             self.reducer, self.buckets[fragment], pseudo, fragment=fragment,
             due=self.inner_steps + self.schedule.delay, step=self.exchanges, mine=self._mine[fragment],
         )
+        if self.carry:
+            self.launched_from[exchange.step] = [self.params[i].detach().clone() for i in self.fragments[fragment]]
         self.exchanges += 1
         return exchange
 
@@ -329,13 +352,15 @@ class DiLoCo:
     def _apply(self, exchange: Exchange) -> None:
         indices = self.fragments[exchange.fragment]
         means = self._landed(exchange)
-        if means is None:
-            for i in indices:
-                self.params[i].copy_(self.global_params[i])
-            return
-        self.outer.step(indices, [means[i] for i in indices])
-        for i in indices:
-            if self.mix == 0:
+        since = None
+        if self.carry:  # the inner steps taken while the exchange ran
+            since = [self.params[i] - start for i, start in zip(indices, self.launched_from.pop(exchange.step))]
+        if means is not None:
+            self.outer.step(indices, [means[i] for i in indices])
+        for k, i in enumerate(indices):
+            if since is not None:
+                torch.add(self.global_params[i], since[k], out=self.params[i])
+            elif means is None or self.mix == 0:
                 self.params[i].copy_(self.global_params[i])
             else:
                 self.params[i].lerp_(self.global_params[i], 1 - self.mix)
@@ -377,6 +402,8 @@ class DiLoCo:
             ],
             "reducer": self.reducer.state_dict(),
             "inner": self.inner_optimizer.state_dict(),
+            **({"launched_from": {k: [t.clone() for t in v] for k, v in self.launched_from.items()}}
+               if self.carry else {}),
             **({"sent": None if self.sent is None else [t.clone() for t in self.sent]} if self.eager else {}),
         }
 
@@ -393,6 +420,8 @@ class DiLoCo:
             raise ValueError(f"not a DiLoCo state_dict: no {', '.join(missing)} (settings: {self._settings()})")
         if state["settings"] != self._settings():
             raise ValueError(f"checkpoint made with settings {state['settings']}, not {self._settings()}")
+        if self.carry and "launched_from" not in state:
+            raise ValueError("not a carry DiLoCo state_dict: no launched_from (the parameters at each launch in flight)")
         if self.eager and "sent" not in state:
             raise ValueError("not an eager DiLoCo state_dict: no sent (the pseudo-gradient of the exchange in flight)")
         for i, (g, saved) in enumerate(zip(self.global_params, state["global"])):
@@ -414,6 +443,9 @@ class DiLoCo:
         ]
         self.reducer.load_state_dict(state["reducer"])
         self.inner_optimizer.load_state_dict(state["inner"])
+        if self.carry:
+            self.launched_from = {int(k): [t.to(self.params[0].device).clone() for t in v]
+                                  for k, v in state["launched_from"].items()}
         if self.eager:
             self.sent = None if state["sent"] is None else [t.to(self.params[0].device).clone() for t in state["sent"]]
 
@@ -423,5 +455,6 @@ class DiLoCo:
             "compressor": self.spec, "method": self.method, "sync_every": s.sync_every,
             "fragments": s.fragments, "delay": s.delay, "n_tensors": s.n_tensors, "replica_size": self._share,
             **({"eager": True} if self.eager else {}),
+            **({"carry": True} if self.carry else {}),
         }
 

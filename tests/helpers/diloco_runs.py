@@ -62,9 +62,11 @@ def reference(replicas: int, steps: int, cfg: dict, *, inner: str = "adamw", ran
     summed in rank order) and stepped with ``torch.optim.SGD`` (Nesterov). A replica of several
     ranks averages their gradients as DDP does (for 2 ranks, (a + b) / 2 bit for bit).
     Updates still in flight after the last step are applied then, as ``synchronize()`` does.
+    With ``carry`` each replica's fragment is copied at the send and, when the update lands,
+    set to the new global parameters plus what the replica did since that copy.
     Returns each replica's final parameters (flat) and the global parameters (flat)."""
     H, F, D = cfg["sync_every"], cfg.get("fragments", 1), cfg.get("delay", 0)
-    mix = cfg.get("mix", 0.0)
+    mix, carry = cfg.get("mix", 0.0), cfg.get("carry", False)
     lr, momentum = cfg.get("outer_lr", 0.7), cfg.get("outer_momentum", 0.9)
     models = [tiny_model() for _ in range(replicas)]
     opts = [inner_optimizer(m.parameters(), inner) for m in models]
@@ -101,7 +103,8 @@ def reference(replicas: int, steps: int, cfg: dict, *, inner: str = "adamw", ran
                         for d in deltas[1:]:
                             total += d
                         means[i] = total
-                sends.append((step + D, p, means))
+                    snaps = [[params[r][i].detach().clone() for i in frags[p]] for r in range(replicas)] if carry else None
+                sends.append((step + D, p, means, snaps))
         for entry in due + [e for e in sends if D == 0]:
             _apply(entry, frags, global_params, outer, params, mix)
         pending += [e for e in sends if D > 0]
@@ -118,14 +121,16 @@ def _ddp_mean(grads):
 
 
 def _apply(entry, frags, global_params, outer, params, mix):
-    _, p, means = entry
+    _, p, means, snaps = entry
     for i, g in enumerate(global_params):
         g.grad = means.get(i)
     outer.step()
     with torch.no_grad():
-        for replica in params:
-            for i in frags[p]:
-                if mix == 0:
+        for r, replica in enumerate(params):
+            for k, i in enumerate(frags[p]):
+                if snaps is not None:
+                    replica[i].copy_(global_params[i] + (replica[i] - snaps[r][k]))
+                elif mix == 0:
                     replica[i].copy_(global_params[i])
                 else:
                     replica[i].lerp_(global_params[i], 1 - mix)

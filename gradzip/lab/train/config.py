@@ -48,9 +48,10 @@ class TrainConfig:
         metavar="SPEC", must_match=True)
     outer: str | None = option(
         None, "DiLoCo across replicas: diloco:sync_every=H[,outer_lr=L,outer_momentum=M,fragments=F,delay=D,mix=A,"
-        "method=diloco|sparseloco,eager=true]: H inner AdamW steps per replica, then an outer Nesterov step on the "
+        "method=diloco|sparseloco,eager=true,carry=true]: H inner AdamW steps per replica, then an outer Nesterov step on the "
         "averaged pseudo-gradient (defaults L=0.7, M=0.9, F=1, D=0, A=0; eager: the exchange overlaps the next H "
-        "steps, each replica applying its own pseudo-gradient at once; see gradzip.DiLoCo)", metavar="SPEC",
+        "steps, each replica applying its own pseudo-gradient at once; carry: with D >= 1 the replica keeps the steps "
+        "it took while the exchange ran; see gradzip.DiLoCo)", metavar="SPEC",
         must_match=True)
     outer_compressor: str = option("none", "--outer: codec of the pseudo-gradient exchange between replicas "
                                    "(any gradzip codec spec; not auto)", metavar="SPEC", must_match=True)

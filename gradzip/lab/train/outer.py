@@ -24,7 +24,7 @@ import torch
 from gradzip.compressors import SpecError, parse_spec
 
 #: what ``--outer diloco:...`` takes (DiLoCo's keyword arguments)
-OUTER_KEYS = ("sync_every", "outer_lr", "outer_momentum", "fragments", "delay", "mix", "method", "eager")
+OUTER_KEYS = ("sync_every", "outer_lr", "outer_momentum", "fragments", "delay", "mix", "method", "eager", "carry")
 
 
 def parse_outer(spec: str) -> dict[str, Any]:
