@@ -143,3 +143,36 @@ def test_bad_outer_input_is_one_line_and_exit_code_2(args, message, capsys, tmp_
     assert message in err, err
     assert err.count("\n") == 1
     assert not (tmp_path / "x").exists()  # refused before any worker started
+
+
+def _skip_worker(rank: int, world_size: int, out: str, data: str) -> dict:
+    import os
+
+    from gradzip.lab.train.faults import ENV
+
+    without_plots()
+    os.environ[ENV] = "nonfinite:rank=1,step=2"
+    train_worker(tiny_config(data, out, world_size=world_size, steps=6, checkpoint_every=1, keep_checkpoints=0,
+                             outer="diloco:sync_every=3", outer_compressor="none"))
+    state = {step: load(Path(out) / "checkpoints" / f"step-{step:06d}", f"rank-{rank}.pt")["optimizer"]
+             for step in (2, 3, 6)}
+    return {
+        "inner_unchanged": same(state[2]["inner"]["state"], state[3]["inner"]["state"]),  # its moments
+        "inner_steps": state[3]["inner_steps"],
+        "exchanges": state[6]["exchanges"],
+        "global": state[6]["global"],
+    }
+
+
+@pytest.mark.e2e
+def test_a_nonfinite_gradient_skips_the_step_on_its_replica_only(tmp_path, monkeypatch):
+    # no collective between outer exchanges: the other replica takes its step, and both keep
+    # counting inner steps so that the exchanges stay in step
+    monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path / "cache"))
+    data = write_corpus(tmp_path / "corpus.txt")
+    results = run_ranks(_skip_worker, 2, str(tmp_path / "run"), data, timeout_s=300)
+    assert results[1]["inner_unchanged"]  # rank 1's inner AdamW did not take step 2
+    assert not results[0]["inner_unchanged"]  # rank 0's did
+    assert [r["inner_steps"] for r in results] == [3, 3]
+    assert [r["exchanges"] for r in results] == [2, 2]
+    assert same(results[0]["global"], results[1]["global"])

@@ -263,11 +263,27 @@ class DiLoCo:
             RuntimeError: if an outer exchange failed (a replica stopped, the link timed out).
         """
         loss = self.inner_optimizer.step() if closure is None else self.inner_optimizer.step(closure)
+        self._advance()
+        return loss
+
+    def skip_step(self) -> None:
+        """Count an inner step that this replica skips (say its gradient was not finite) without
+        stepping the inner optimizer: the outer schedule advances as :meth:`step` advances it, so
+        this replica launches and applies its exchanges at the same inner steps as the others and
+        no replica waits on another between exchanges. Each replica may skip its own steps.
+
+        Raises:
+            RuntimeError: if an outer exchange failed (as :meth:`step`).
+        """
+        self._advance()
+
+    def _advance(self) -> None:
+        """One inner step taken: apply the outer updates due now, launch the exchanges that start now."""
         self.inner_steps += 1
         if self.eager:
             if self.schedule.sends_after(self.inner_steps):
                 self._eager_step()
-            return loss
+            return
         for exchange in [e for e in self.pending if e.due == self.inner_steps]:
             self.pending.remove(exchange)
             self._apply(exchange)
@@ -277,7 +293,6 @@ class DiLoCo:
                 self._apply(exchange)
             else:
                 self.pending.append(exchange)
-        return loss
 
     @torch.no_grad()
     def _launch(self, fragment: int, pseudo: dict[int, torch.Tensor] | None = None) -> Exchange:

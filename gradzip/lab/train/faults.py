@@ -5,7 +5,9 @@ held inf or NaN (:mod:`gradzip.comm.nonfinite`), and a dense all_reduce carries 
 so every rank sees the same averaged gradient and :func:`gradients_finite` gives the same answer
 on all of them: the step is skipped everywhere, with no extra collective. Where ranks hold
 different gradients (FSDP shards; a compressed optimizer's own steps) :func:`step_finite` agrees
-with one small all_reduce instead.
+with one small all_reduce instead. Under ``--outer`` each DiLoCo replica skips its own step
+(``DiLoCo.skip_step`` keeps the outer schedule counting), so nothing crosses the slow link
+between outer exchanges.
 
 Lost workers: a worker that dies closes its connections and the others' next collective fails at
 once; a worker that hangs makes it fail after the collective timeout (``--timeout-s``). The

@@ -3,8 +3,9 @@
 Read top to bottom: set up the process group, data, model, DDP with the hook and the optimizer
 (under ``--outer``: DDP inside each replica, and DiLoCo around the inner AdamW between replicas);
 restore a checkpoint when resuming; measure compute alone; train with a validation pass every
-``eval_every`` steps, skipping on every rank a step whose gradient is not finite on some rank,
-and a checkpoint every ``checkpoint_every`` steps; save the final checkpoint; rank 0 writes the
+``eval_every`` steps, skipping on every rank a step whose gradient is not finite on some rank
+(under ``--outer`` on the ranks of that replica only, as DiLoCo's replicas step apart between
+exchanges), and a checkpoint every ``checkpoint_every`` steps; save the final checkpoint; rank 0 writes the
 metrics, the summary and the plot.
 """
 
@@ -200,16 +201,21 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
             loss = next_token_loss(par.module, x.to(device), y.to(device))
             loss.backward()
         backward_end = time.perf_counter()
-        # A step whose gradient is not finite on some rank is skipped by all ranks together.
-        own_gradients = par.kind != "ddp" or outer_metrics is not None or (
-            owns_communication(optimizer) and not optimizer.needs_grad_sync)
+        # A step whose gradient is not finite on some rank is skipped by all ranks together; under
+        # --outer each replica skips its own (its ranks share DDP's averaged gradient) and DiLoCo
+        # counts the step anyway, so no collective runs between the outer exchanges.
+        own_gradients = outer_metrics is None and (par.kind != "ddp" or (
+            owns_communication(optimizer) and not optimizer.needs_grad_sync))
         exchanges = getattr(optimizer, "exchanges", 0)
         finite = faults.step_finite(model, own_gradients=own_gradients)
         if finite:
             optimizer.step()
-            scheduler.step()
         else:
             progress.skipped_steps += 1
+            if outer_metrics is not None:
+                optimizer.skip_step()
+        if finite or outer_metrics is not None:  # the schedule follows the inner step count
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         step_end = time.perf_counter()
 
