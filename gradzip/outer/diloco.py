@@ -154,8 +154,8 @@ class DiLoCo:
 
     A pseudo-gradient that is not finite on any rank is skipped on every rank: the global
     parameters and outer state stay, the fragment's local parameters go back to the global
-    ones, the reducer's residuals are put back, and :attr:`skipped` counts it. The inner
-    optimizer's own state is left as it is.
+    ones (with ``carry``, plus the steps taken since the launch), the reducer's residuals are
+    put back, and :attr:`skipped` counts it. The inner optimizer's own state is left as it is.
 
     What differs from the papers: fragments are strided over parameter tensors, not over
     transformer blocks; with ``eager``, the replicas' global parameters differ by their own last
