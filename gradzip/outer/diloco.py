@@ -209,9 +209,6 @@ class DiLoCo:
         _check_carry(carry, delay=delay, mix=self.mix, eager=eager)
         self.eager = eager
         self.carry = carry
-        # carry: each exchange in flight's fragment parameters as they were at its launch, by
-        # reducer step (what the replica has done since is kept when the update lands)
-        self.launched_from: dict[int, list[torch.Tensor]] = {}
         if isinstance(compressor, str) and compressor.strip().lower() == "auto":
             raise ValueError("compressor must be a codec spec or codec; 'auto' cannot run on the outer exchange")
         codec = build(compressor)
@@ -309,7 +306,7 @@ class DiLoCo:
             due=self.inner_steps + self.schedule.delay, step=self.exchanges, mine=self._mine[fragment],
         )
         if self.carry:
-            self.launched_from[exchange.step] = [self.params[i].detach().clone() for i in self.fragments[fragment]]
+            exchange.start = [self.params[i].detach().clone() for i in self.fragments[fragment]]
         self.exchanges += 1
         return exchange
 
@@ -367,14 +364,11 @@ class DiLoCo:
     def _apply(self, exchange: Exchange) -> None:
         indices = self.fragments[exchange.fragment]
         means = self._landed(exchange)
-        since = None
-        if self.carry:  # the inner steps taken while the exchange ran
-            since = [self.params[i] - start for i, start in zip(indices, self.launched_from.pop(exchange.step))]
         if means is not None:
             self.outer.step(indices, [means[i] for i in indices])
         for k, i in enumerate(indices):
-            if since is not None:
-                torch.add(self.global_params[i], since[k], out=self.params[i])
+            if exchange.start is not None:  # keep the inner steps taken while the exchange ran
+                torch.add(self.global_params[i], self.params[i] - exchange.start[k], out=self.params[i])
             elif means is None or self.mix == 0:
                 self.params[i].copy_(self.global_params[i])
             else:
@@ -412,13 +406,12 @@ class DiLoCo:
                 {
                     "fragment": e.fragment, "due": e.due, "step": e.step,
                     "results": [None if f is None else f.wait().clone() for f in e.futures],
+                    **({"start": [t.clone() for t in e.start]} if self.carry else {}),
                 }
                 for e in self.pending
             ],
             "reducer": self.reducer.state_dict(),
             "inner": self.inner_optimizer.state_dict(),
-            **({"launched_from": {k: [t.clone() for t in v] for k, v in self.launched_from.items()}}
-               if self.carry else {}),
             **({"sent": None if self.sent is None else [t.clone() for t in self.sent]} if self.eager else {}),
         }
 
@@ -435,8 +428,8 @@ class DiLoCo:
             raise ValueError(f"not a DiLoCo state_dict: no {', '.join(missing)} (settings: {self._settings()})")
         if state["settings"] != self._settings():
             raise ValueError(f"checkpoint made with settings {state['settings']}, not {self._settings()}")
-        if self.carry and "launched_from" not in state:
-            raise ValueError("not a carry DiLoCo state_dict: no launched_from (the parameters at each launch in flight)")
+        if self.carry and any("start" not in e for e in state["pending"]):
+            raise ValueError("not a carry DiLoCo state_dict: an exchange in flight has no start (its parameters at launch)")
         if self.eager and "sent" not in state:
             raise ValueError("not an eager DiLoCo state_dict: no sent (the pseudo-gradient of the exchange in flight)")
         for i, (g, saved) in enumerate(zip(self.global_params, state["global"])):
@@ -453,14 +446,12 @@ class DiLoCo:
             Exchange(
                 e["fragment"], e["due"], e["step"],
                 [None if t is None else completed(t.to(self.params[0].device)) for t in e["results"]],
+                [t.to(self.params[0].device).clone() for t in e["start"]] if self.carry else None,
             )
             for e in state["pending"]
         ]
         self.reducer.load_state_dict(state["reducer"])
         self.inner_optimizer.load_state_dict(state["inner"])
-        if self.carry:
-            self.launched_from = {int(k): [t.to(self.params[0].device).clone() for t in v]
-                                  for k, v in state["launched_from"].items()}
         if self.eager:
             self.sent = None if state["sent"] is None else [t.to(self.params[0].device).clone() for t in state["sent"]]
 

@@ -78,6 +78,9 @@ class Exchange:
     due: int  # the inner step after which its outer update is applied
     step: int  # the reducer's step number
     futures: list[Future | None] = field(default_factory=list)
+    # with DiLoCo's carry: the fragment's parameters at the launch (what the replica does
+    # meanwhile is kept when the update lands); None otherwise
+    start: list[Tensor] | None = None
 
     def result(self) -> list[Tensor | None]:
         """The mean of every bucket this rank exchanges (flat; None for the others), waiting
