@@ -16,6 +16,8 @@ CONFIGS = {
     "streaming": {"sync_every": 4, "fragments": 2, "delay": 1, "mix": 0.5},
     "streaming_carry": {"sync_every": 6, "fragments": 2, "delay": 2, "carry": True, "outer_momentum": 0.5},
     "streaming_replace": {"sync_every": 6, "fragments": 3, "delay": 1, "outer_momentum": 0.5, "outer_lr": 0.9},
+    # delay 4 over 2 steps between fragments: two or three fragments in flight at once
+    "streaming_overlap": {"sync_every": 6, "fragments": 3, "delay": 4, "carry": True, "outer_momentum": 0.5},
 }
 
 
@@ -125,13 +127,15 @@ def count_exchanges(rank, world_size, cfg, cycles):
     opt = gradzip.DiLoCo(model, inner_optimizer(model.parameters(), "adamw"), "none", bucket_cap_mb=0, **cfg)
     key_to_tensor = {b.key: b.indices[0] for buckets in opt.buckets for b in buckets}
     sent: dict[int, list[int]] = {}
-    reduce = opt.reducer.reduce
 
-    def counting_reduce(key, grad, **kwargs):
-        sent.setdefault(opt.inner_steps, []).append(key_to_tensor[key])
-        return reduce(key, grad, **kwargs)
+    def counting(reduce):
+        def counting_reduce(key, grad, **kwargs):
+            sent.setdefault(opt.inner_steps, []).append(key_to_tensor[key])
+            return reduce(key, grad, **kwargs)
+        return counting_reduce
 
-    opt.reducer.reduce = counting_reduce
+    for reducer in opt.reducers:
+        reducer.reduce = counting(reducer.reduce)
     changed: dict[int, list[int]] = {}
     for step in range(1, cycles * cfg["sync_every"] + 1):
         before = [g.clone() for g in opt.global_params]
@@ -142,7 +146,11 @@ def count_exchanges(rank, world_size, cfg, cycles):
     return sent, changed, opt.fragments
 
 
-@pytest.mark.parametrize("cfg", [{"sync_every": 6, "fragments": 3, "delay": 1}, {"sync_every": 9, "fragments": 2, "delay": 3}])
+@pytest.mark.parametrize("cfg", [
+    {"sync_every": 6, "fragments": 3, "delay": 1},
+    {"sync_every": 9, "fragments": 2, "delay": 3},
+    {"sync_every": 6, "fragments": 3, "delay": 5},  # three fragments in flight at once
+])
 def test_fragments_and_delay_exchange_every_tensor_once_per_cycle(cfg):
     H, F, D = cfg["sync_every"], cfg["fragments"], cfg["delay"]
     cycles = 3

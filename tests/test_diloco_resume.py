@@ -15,6 +15,8 @@ STEPS = 10
 CONFIGS = {
     "streaming_topk": {"compressor": "topk:ratio=0.3", "error_feedback": True, "sync_every": 4, "fragments": 2, "delay": 1, "mix": 0.5},
     "streaming_carry": {"compressor": "uniform:bits=4", "sync_every": 4, "fragments": 2, "delay": 1, "carry": True},
+    # delay 3 over 2 steps between fragments: both fragments' exchanges in flight at once
+    "streaming_overlap": {"compressor": "uniform:bits=4", "sync_every": 4, "fragments": 2, "delay": 3, "carry": True},
     "sparseloco": {"compressor": "topk:ratio=0.3", "method": "sparseloco", "sync_every": 3, "delay": 2, "outer_lr": 1.0},
 }
 

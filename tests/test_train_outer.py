@@ -125,7 +125,7 @@ def test_outer_resume_mid_cycle_is_bit_identical(tmp_path, monkeypatch):
         (["--outer", "diloco:sync_every=0"], "--outer: sync_every must be an integer >= 1; got 0"),
         (["--outer", "diloco:sync_every=4,fragments=3"], "fragments must divide sync_every=4"),
         (["--outer", "diloco:sync_every=4,delay=4"], "delay must be an integer in [0, 3]"),
-        (["--outer", "diloco:sync_every=4,fragments=2,delay=2"], "delay must be an integer in [0, 1]"),
+        (["--outer", "diloco:sync_every=6,fragments=2,delay=6"], "delay must be an integer in [0, 5]"),
         (["--outer", "diloco:sync_every=4,carry=true"], "carry=True keeps the inner steps taken while a late update"),
         (["--outer", "diloco:sync_every=4,carry=true"], "got delay=0, mix=0.0, eager=False"),
         (["--outer", "diloco:sync_every=4", "--outer-compressor", "auto"], "'auto' cannot run on the outer exchange"),

@@ -11,8 +11,9 @@ Streaming DiLoCo (Douillard et al., "Streaming DiLoCo with overlapping communica
 arXiv 2501.18512): ``fragments=F`` spreads the exchange over the cycle, one fragment at a time
 (:mod:`gradzip.outer.schedule`); ``delay=D >= 1`` launches a fragment's exchange and applies its
 outer update ``D`` inner steps later, the collectives running in the background meanwhile
-(they go through the group's ordered :class:`~gradzip.comm.queue.CollectiveQueue`, asynchronous,
-so no inner step waits on the link until an update is due). The late update is merged with the
+(each fragment has its own reducer, all of them issuing through one ordered
+:class:`~gradzip.comm.queue.CollectiveQueue` of the group, asynchronous, so no inner step waits on
+the link until an update is due, and with ``D >= H / F`` several fragments' exchanges share it). The late update is merged with the
 parameters the replica reached in the meantime as the paper does:
 ``theta_local = mix * theta_local + (1 - mix) * theta_global``. With ``carry=True`` (an option of
 gradzip's own, in neither paper) the replica keeps instead what it did while the exchange ran,
@@ -38,6 +39,7 @@ updates, ``theta = theta - outer_lr * mean(C(e))``.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from typing import Any
@@ -111,8 +113,9 @@ class DiLoCo:
         fragments: ``F``, parameter fragments synchronised on a staggered schedule, in
             ``[1, min(parameter tensors, sync_every)]`` (1: all at once, DiLoCo).
         delay: ``D``, inner steps between launching a fragment's exchange and applying its
-            outer update, in ``[0, sync_every // fragments - 1]`` (0: synchronous): one
-            exchange is in flight at a time.
+            outer update, in ``[0, sync_every - 1]`` (0: synchronous): a fragment's update
+            lands before its next exchange; from ``sync_every // fragments`` on, exchanges of
+            several fragments are in flight at once.
         mix: ``alpha`` in [0, 1], the weight of the replica's own parameters when an outer
             update lands (``theta_local = alpha * theta_local + (1 - alpha) * theta_global``);
             0 replaces them by the global parameters, as DiLoCo does.
@@ -164,8 +167,8 @@ class DiLoCo:
     raw pseudo-gradient, so what the codec dropped from it is taken back when the mean arrives;
     ``mix`` defaults to 0 (replace, as DiLoCo and torchft's default do), while
     Streaming DiLoCo mixes the late update with the local parameters (set ``mix``, its
-    ``alpha``); ``delay`` is below ``sync_every // fragments`` (as torchft requires) so at most
-    one exchange is in flight; any gradzip codec takes the place of the papers' FP4 / int8 /
+    ``alpha``); ``delay`` may reach ``sync_every - 1``, with several fragments in flight (torchft
+    keeps it below ``sync_every // fragments``, one in flight); any gradzip codec takes the place of the papers' FP4 / int8 /
     chunked Top-K with 2-bit values. The codec compresses on the calling thread when the
     exchange is launched; what overlaps the following inner steps is the collectives.
     """
@@ -221,11 +224,18 @@ class DiLoCo:
         self.method = method
         self.spec = codec.spec
         self.metrics = metrics if metrics is not None else StepMetrics()
-        self.reducer: Reducer = make_reducer(
-            codec, group=group, error_feedback=True if sparseloco else error_feedback, collective=collective,
-            min_compress_bytes=min_compress_bytes, queue=CollectiveQueue(), metrics=self.metrics,
-            feedback_decay=momentum if sparseloco else 1.0,
-        )
+        # One reducer per fragment: a reducer keeps one step open until its outcome is known
+        # (its non-finite guard), while several fragments may be in flight; one queue keeps
+        # their collectives in launch order, the same on every rank.
+        queue = CollectiveQueue()
+        self.reducers: list[Reducer] = [
+            make_reducer(
+                copy.deepcopy(codec) if p else codec, group=group, error_feedback=True if sparseloco else error_feedback,
+                collective=collective, min_compress_bytes=min_compress_bytes, queue=queue, metrics=self.metrics,
+                feedback_decay=momentum if sparseloco else 1.0,
+            )
+            for p in range(fragments)
+        ]
         with torch.no_grad():
             self.global_params = [p.detach().clone() for p in self.params]
         self.outer = OuterNesterov(self.global_params, lr=self.outer_lr, momentum=0.0 if sparseloco else momentum)
@@ -302,7 +312,7 @@ class DiLoCo:
                 for i in bucket.indices
             }
         exchange = launch(
-            self.reducer, self.buckets[fragment], pseudo, fragment=fragment,
+            self.reducers[fragment], self.buckets[fragment], pseudo, fragment=fragment,
             due=self.inner_steps + self.schedule.delay, step=self.exchanges, mine=self._mine[fragment],
         )
         if self.carry:
@@ -388,7 +398,7 @@ class DiLoCo:
 
     def state_dict(self) -> dict[str, Any]:
         """Everything to resume exactly: settings, step counters, global parameters, outer
-        momentum, the reducer's residuals, the inner optimizer's state and the exchanges in
+        momentum, the reducers' residuals, the inner optimizer's state and the exchanges in
         flight. Those are waited for here (this call blocks until their collectives complete)
         and saved with their results, to be applied at the same inner step after loading. The
         model's parameters are the caller's to save (``model.state_dict()``). Residuals differ
@@ -410,7 +420,7 @@ class DiLoCo:
                 }
                 for e in self.pending
             ],
-            "reducer": self.reducer.state_dict(),
+            "reducers": [r.state_dict() for r in self.reducers],
             "inner": self.inner_optimizer.state_dict(),
             **({"sent": None if self.sent is None else [t.clone() for t in self.sent]} if self.eager else {}),
         }
@@ -423,7 +433,7 @@ class DiLoCo:
                 (codec, schedule, method) or for parameters of other shapes; nothing is changed then.
         """
         missing = [k for k in ("settings", "inner_steps", "exchanges", "skipped", "global", "outer", "pending",
-                               "reducer", "inner") if not isinstance(state, dict) or k not in state]
+                               "reducers", "inner") if not isinstance(state, dict) or k not in state]
         if missing:
             raise ValueError(f"not a DiLoCo state_dict: no {', '.join(missing)} (settings: {self._settings()})")
         if state["settings"] != self._settings():
@@ -450,7 +460,8 @@ class DiLoCo:
             )
             for e in state["pending"]
         ]
-        self.reducer.load_state_dict(state["reducer"])
+        for reducer, saved in zip(self.reducers, state["reducers"]):
+            reducer.load_state_dict(saved)
         self.inner_optimizer.load_state_dict(state["inner"])
         if self.eager:
             self.sent = None if state["sent"] is None else [t.to(self.params[0].device).clone() for t in state["sent"]]

@@ -31,10 +31,11 @@ class Schedule:
         fragments: ``F``, in ``[1, min(n_tensors, sync_every)]``: at most one fragment starts
             its exchange per inner step, and every fragment holds a tensor.
         delay: inner steps between launching a fragment's exchange and applying its outer
-            update, in ``[0, sync_every // fragments - 1]``: fewer than the inner steps between
-            two fragments' exchanges, so one exchange is in flight at a time and its outcome
-            (finite or skipped on every rank) is known before the reducer's next step starts,
-            as the reducers' non-finite guard requires. 0 is synchronous DiLoCo.
+            update, in ``[0, sync_every - 1]``: a fragment's update lands before its next
+            exchange starts, so each fragment's reducer has one step in flight and knows its
+            outcome (finite or skipped on every rank) before its next step starts, as the
+            reducers' non-finite guard requires. Exchanges of several fragments may be in flight
+            at once (``delay >= sync_every // fragments``). 0 is synchronous DiLoCo.
         n_tensors: parameter tensors being trained (>= 1).
 
     Raises:
@@ -55,11 +56,10 @@ class Schedule:
                 f"fragments must be an integer in [1, {high}] (at most the {self.n_tensors} parameter tensors "
                 f"and at most sync_every={self.sync_every}); got {self.fragments!r}"
             )
-        spacing = self.sync_every // self.fragments
-        if isinstance(self.delay, bool) or not isinstance(self.delay, int) or not 0 <= self.delay < spacing:
+        if isinstance(self.delay, bool) or not isinstance(self.delay, int) or not 0 <= self.delay < self.sync_every:
             raise ValueError(
-                f"delay must be an integer in [0, {spacing - 1}] (fewer than sync_every // fragments = "
-                f"{self.sync_every} // {self.fragments} = {spacing} inner steps between two exchanges); got {self.delay!r}"
+                f"delay must be an integer in [0, {self.sync_every - 1}] (fewer than sync_every = {self.sync_every} "
+                f"inner steps: a fragment's update lands before its next exchange starts); got {self.delay!r}"
             )
 
     def send_offset(self, fragment: int) -> int:

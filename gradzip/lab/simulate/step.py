@@ -30,7 +30,8 @@ strided, as :mod:`gradzip.outer.schedule` cuts them) sends its fp32 pseudo-gradi
 codec, in buckets of ``bucket_cap_mb``, then takes the outer step (counted as one more optimizer
 pass over the fragment). Encoding, decoding and the outer step run on the compute stream; the
 collectives of a fragment overlap the next ``D`` steps' compute, so only what outlasts them is
-exposed. The reported step time is the mean over a cycle; bytes are per step (per ``H`` steps
+exposed, and fragments in flight together share the link: a cycle exposes at least what its
+collectives take beyond ``H`` steps' compute. The reported step time is the mean over a cycle; bytes are per step (per ``H`` steps
 over ``H``).
 
 Assumptions the model makes (stated in the README with the projection): compute is
@@ -402,7 +403,7 @@ def _diloco_step(method, workload, fabric, p, speed, algorithm, collective) -> S
     model = workload.model
     fwd_bwd, opt = workload.fwd_bwd_s(), workload.optimizer_step_s()
     inner_step = fwd_bwd + opt
-    exposed = codec_s = comm_s = payload = sent = 0.0
+    exposed = codec_s = comm_s = payload = sent = late = 0.0
     for fragment in range(f):
         params = model.params[fragment::f]
         exchanges = [
@@ -412,11 +413,15 @@ def _diloco_step(method, workload, fabric, p, speed, algorithm, collective) -> S
         work = sum(sum(speed.seconds(ex)) for ex in exchanges)
         comm = sum(ex.comm_s(fabric, p, algorithm) for ex in exchanges)
         outer = opt * sum(math.prod(s) for _, s in params) / model.numel
-        exposed += work + outer + max(0.0, comm - d * inner_step)
+        exposed += work + outer
+        late += max(0.0, comm - d * inner_step)
         codec_s += work
         comm_s += comm
         payload += sum(ex.payload_bytes for ex in exchanges)
         sent += sum(ex.sent_bytes(p) for ex in exchanges)
+    # Each fragment's collectives overlap the d inner steps after its launch; fragments in
+    # flight together share the link, which cannot carry more than h inner steps' worth per cycle.
+    exposed += max(late, comm_s - h * inner_step)
     return StepResult(
         method=method.spec,
         strategy="ddp",
