@@ -186,6 +186,27 @@ def test_orchestration_hung_and_crashed_runs(tmp_path):
 
 
 @pytest.mark.e2e
+def test_repeats_run_every_row_once_per_round(tmp_path):
+    lines = []
+    cfg = _fake_config(tmp_path, ["fp16"], network="loopback", repeats=2)
+    rows = run_compare(cfg, log=lines.append)
+    # two rounds of the three rows, in order
+    assert [line.split()[:2] for line in lines[:6]] == [
+        ["[1/6]", "limit"], ["[2/6]", "none"], ["[3/6]", "fp16"], ["[4/6]", "limit"], ["[5/6]", "none"], ["[6/6]", "fp16"]]
+    out = Path(cfg.out)
+    for label in ("limit", "none", "fp16"):
+        assert (out / "runs" / label / "metrics.jsonl").exists()
+        assert (out / "runs" / "repeat2" / label / "metrics.jsonl").exists()
+    by = {r["compressor"]: r for r in rows}
+    assert all(r["repeats"] == 2 and r["status"] == "ok" for r in rows)
+    assert by["fp16"]["speedup"] == pytest.approx(1.6)  # the stand-in's step times are the same in both rounds
+    assert "Every row ran 2 times, in rounds" in (out / "report.md").read_text()
+    again = rewrite_report(out, log=lambda line: None)
+    assert [(r["compressor"], r["repeats"], r["step_s"]) for r in again] == [
+        (r["compressor"], r["repeats"], r["step_s"]) for r in rows]
+
+
+@pytest.mark.e2e
 @pytest.mark.skipif(support_problem() is not None, reason=str(support_problem()))
 def test_orchestration_on_emulated_hosts(tmp_path):
     # (the schedule's rate is above what the stand-in sends, so the byte counts below hold)

@@ -12,6 +12,7 @@ from helpers.fake_train import FAKE_PAYLOAD, HELLO_BYTES
 
 from gradzip.lab.cluster import support_problem
 from gradzip.lab.compare import CompareConfig, compare_rows, run_compare, split_compressors
+from gradzip.lab.compare.analysis import merge_repeats
 from gradzip.lab.compare.core import _check_specs
 from gradzip.lab.compare.report import table
 from gradzip.lab.compare.runner import RunResult, train_command
@@ -70,6 +71,38 @@ def test_compute_utilisation_uses_mean_step_times():
     # without the limit row there is no compute-alone step time to compare with
     rows, _ = compare_rows([none, diloco])
     assert all(r["compute_utilisation"] is None for r in rows)
+
+
+def test_repeats_compare_each_round_within_itself_then_take_medians():
+    def round_of(limit_s, diloco_s, reached):
+        limit = RunResult("limit", Path("."), records=_records([limit_s] * 8))
+        none = RunResult("none", Path("."), records=_records([0.4] * 8))
+        diloco = RunResult("diloco:sync_every=4", Path("."), records=_records([diloco_s] * 8))
+        if not reached:  # this round's run never gets below the target
+            diloco.records = [{**r, "val_loss": 9.0} for r in diloco.records]
+        for r in (limit, none, diloco):
+            r.summary = {"final_val_loss": 4.3, "wall_s": r.records[-1]["elapsed_s"]}
+        return compare_rows([limit, none, diloco], target_loss=4.75)[0]
+
+    # a slow second round: the limit's step too; utilisation per round 0.5, 0.8, 0.8
+    rounds = [round_of(0.1, 0.2, True), round_of(0.2, 0.25, True), round_of(0.1, 0.125, False)]
+    by = {r["compressor"]: r for r in merge_repeats(rounds)}
+    diloco = by["diloco:sync_every=4"]
+    # the median of the rounds' ratios, not the ratio of the medians (0.1 / 0.2 = 0.5)
+    assert diloco["compute_utilisation"] == pytest.approx(0.8)
+    assert diloco["compute_utilisation_range"] == pytest.approx([0.5, 0.8])
+    assert diloco["mean_step_s"] == pytest.approx(0.2) and diloco["repeats"] == 3
+    # val 4.7 at step 3: 4 steps in; the round that never reached it counts as slowest
+    assert diloco["time_to_target_s"] == pytest.approx(4 * 0.25)
+    assert diloco["time_to_target_s_range"] == pytest.approx([4 * 0.2, 4 * 0.25])
+    lines = table(list(by.values()), wire=False).splitlines()
+    column = lines[0].split(" | ").index("compute util")
+    assert lines[4].split(" | ")[column] == "80% (50% to 80%)"
+    # most rounds never reaching the target: not reached
+    rounds = [round_of(0.1, 0.2, False), round_of(0.1, 0.2, False), round_of(0.1, 0.2, True)]
+    assert merge_repeats(rounds)[2]["time_to_target_s"] is None
+    with pytest.raises(ValueError, match=r"--repeats must be an integer in \[1, 20\]"):
+        CompareConfig(compressors=["fp16"], repeats=0).validate()
 
 
 def test_diloco_entry_takes_one_replica_per_host():

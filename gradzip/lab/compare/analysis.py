@@ -24,6 +24,12 @@ Definitions (per run; bytes are per rank over the whole run):
 - ``wire_bytes``: bytes the hosts' interfaces sent during the run (Ethernet frames, mean over
   hosts), start-up included; ``wire_bytes_exchange`` subtracts the ``limit`` row's, which has the
   same start-up traffic (rendezvous, DDP's initial broadcast) and no gradient exchange.
+
+With ``--repeats N`` every row runs once per round, the rows of a round one after the other.
+Each round's rows are compared among themselves (a round's ``limit`` is the compute alone of
+that round's runs), and :func:`merge_repeats` reports the median over the rounds of every timed
+figure and ratio, with the range of ``compute_utilisation`` and ``time_to_target_s``. Losses and
+payload bytes do not depend on timing and are the same in every round.
 """
 
 from __future__ import annotations
@@ -142,3 +148,52 @@ def compare_rows(results: Sequence[RunResult], *, target_loss: float | None = No
         row["fraction_of_limit"] = _ratio(row["speedup"], limit_speedup)
         row["time_to_target_speedup"] = _ratio(base["time_to_target_s"], row["time_to_target_s"])
     return rows, {"target_loss": target_loss, "target_source": source}
+
+
+#: the figures that depend on timing: medians over the rounds in :func:`merge_repeats`
+TIMED = ("wall_s", "process_wall_s", "step_s", "mean_step_s", "compute_s", "compress_s", "communicate_s",
+         "exposed_communicate_s", "speedup", "fraction_of_limit", "compute_utilisation", "time_to_target_speedup",
+         "wire_bytes", "wire_bytes_exchange")
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def _median_time(times: list[float | None]) -> float | None:
+    """The median of times to target, None (never reached) counting as slower than any time."""
+    ordered = sorted(times, key=lambda t: (t is None, t or 0.0))
+    middle = ordered[(len(ordered) - 1) // 2 : len(ordered) // 2 + 1]  # one or two values
+    return None if None in middle else statistics.fmean(middle)
+
+
+def merge_repeats(rounds: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per entry from the rows of several rounds (each round's rows in the same order,
+    compared within the round by :func:`compare_rows`).
+
+    A row's status is ``ok`` when every round's run was; otherwise the first failing round's
+    status and error. Timed figures (:data:`TIMED`) are the median over the rounds that have
+    them; ``time_to_target_s`` is the median over all rounds with a round that never reached the
+    target counted as slower than any that did (None when most did not); ``*_range`` gives the
+    smallest and largest round of ``compute_utilisation`` and ``time_to_target_s``; ``repeats``
+    is the number of rounds. Everything else is the first round's.
+    """
+    assert rounds and all(len(r) == len(rounds[0]) for r in rounds), "every round has the same rows"
+    merged = []
+    for k, first in enumerate(rounds[0]):
+        runs = [r[k] for r in rounds]
+        assert all(run["compressor"] == first["compressor"] for run in runs)
+        row = dict(first)
+        failed = [run for run in runs if run["status"] != "ok"]
+        if failed:
+            row["status"], row["error"] = failed[0]["status"], failed[0]["error"]
+        for key in TIMED:
+            row[key] = _median_or_none([run[key] for run in runs])
+        row["time_to_target_s"] = _median_time([run["time_to_target_s"] for run in runs])
+        for key in ("compute_utilisation", "time_to_target_s"):
+            known = [run[key] for run in runs if run[key] is not None]
+            row[f"{key}_range"] = [min(known), max(known)] if known else None
+        row["repeats"] = len(runs)
+        merged.append(row)
+    return merged

@@ -70,6 +70,10 @@ def add_parser(sub) -> None:
     p.add_argument("--collective-timeout-s", type=float, default=300.0,
                    help="timeout of each collective inside a run (default 300)")
     p.add_argument("--no-limit", action="store_true", help="skip the 'limit' row (no gradient exchange)")
+    p.add_argument("--repeats", type=int, default=1, metavar="N",
+                   help="run every row N times, in rounds of all rows, so that a slow minute of a shared machine "
+                   "falls on one round's rows alike; the report gives medians over the rounds and the range of "
+                   "compute utilisation and time to target, in [1, 20] (default 1)")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoint")
     p.add_argument("--report-only", action="store_true",
                    help="run nothing: write the report, results and plots again from the runs in --out")
@@ -106,6 +110,7 @@ def config(args: argparse.Namespace) -> CompareConfig:
         timeout_s=args.timeout_s,
         collective_timeout_s=args.collective_timeout_s,
         limit=not args.no_limit,
+        repeats=args.repeats,
         keep_checkpoints=args.keep_checkpoints,
         train_options=train_options(args),
         command="gradzip " + shlex.join(sys.argv[1:]) if sys.argv[1:2] == ["compare"] else "",

@@ -14,7 +14,7 @@ from gradzip.compressors.values import check_int, check_number
 from gradzip.lab.cluster import Cluster, format_bandwidth, parse_bandwidth, support_problem
 from gradzip.lab.cluster.schedule import RateChange, format_link_schedule, parse_link_schedule
 from gradzip.lab.compare import report
-from gradzip.lab.compare.analysis import BASELINE, LIMIT, TARGET_MARGIN, compare_rows
+from gradzip.lab.compare.analysis import BASELINE, LIMIT, TARGET_MARGIN, compare_rows, merge_repeats
 from gradzip.lab.compare.progress import EntryProgress
 from gradzip.lab.compare.runner import TRAIN_PREFIX, Emulated, Loopback, RunResult, launch_run, load_run, train_command
 from gradzip.lab.train.config import TrainConfig
@@ -73,6 +73,11 @@ class CompareConfig:
     limit: bool = True
     """Also run the ``limit`` row: the same workers with no gradient exchange."""
 
+    repeats: int = 1
+    """Rounds of runs, in [1, 20]: every round runs every row once, in the same order, so that a
+    slow minute of a shared machine falls on the rows of one round alike; timings are reported
+    as medians over the rounds (:func:`gradzip.lab.compare.analysis.merge_repeats`)."""
+
     keep_checkpoints: bool = False
     """Keep each run's checkpoint (they are large and the comparison does not need them)."""
 
@@ -112,6 +117,7 @@ class CompareConfig:
         if self.target_loss is not None:
             check_number(self.target_loss, name="--target-loss", low=0, low_open=True)
         check_number(self.target_margin, name="--target-margin", low=0, high=1)
+        check_int(self.repeats, name="--repeats", low=1, high=20)
         if LIMIT in self.compressors:
             raise ValueError(f"'{LIMIT}' is the no-exchange row, added by default; it is not a compressor")
         return self
@@ -170,6 +176,13 @@ def _slug(label: str) -> str:
     return "".join(c if c.isalnum() or c in "._-" else "_" for c in label)
 
 
+def run_folder(out: Path, label: str, round_index: int) -> Path:
+    """Where a row's run of round ``round_index`` (from 0) lives: ``runs/<label>`` for the first
+    round, ``runs/repeat<k>/<label>`` for round ``k`` from 2 on."""
+    base = out / "runs" if round_index == 0 else out / "runs" / f"repeat{round_index + 1}"
+    return base / _slug(label)
+
+
 def _progress_line(index: int, total: int, result: RunResult, row: dict[str, Any]) -> str:
     parts = [f"[{index}/{total}] {result.label:<28} {result.status:<7}", f"{row['steps']:>4} steps"]
     if row["step_s"] is not None:
@@ -223,27 +236,32 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
     link_changes = cfg.link_changes()
 
     entries = cfg.entries()
-    results: list[RunResult] = []
+    rounds: list[list[RunResult]] = []
     hosts = cfg.world_size // cfg.ranks_per_host
+    total = len(entries) * cfg.repeats
     with Cluster(hosts, bandwidth) if emulated else nullcontext() as cluster:
         network = Emulated(cluster, cfg.ranks_per_host) if emulated else Loopback()
-        for index, label in enumerate(entries):
-            run_dir = out / "runs" / _slug(label)
-            if run_dir.exists():
-                shutil.rmtree(run_dir)  # a previous comparison's files must not pass for this run's
-            argv = train_command(
-                BASELINE if label == LIMIT else label, out_dir=run_dir, steps=cfg.steps, seed=cfg.seed,
-                collective_timeout_s=cfg.collective_timeout_s, no_exchange=label == LIMIT, options=cfg.train_options,
-                prefix=cfg.train_prefix, replica_size=cfg.ranks_per_host,
-            )
-            with EntryProgress(run_dir / "metrics.jsonl", f"[{index + 1}/{len(entries)}] {label}", cfg.steps):
-                result = launch_run(label, argv, world_size=cfg.world_size, out_dir=run_dir, network=network,
-                                    run_index=index, timeout_s=cfg.timeout_s, link_changes=link_changes)  # fmt: skip
-            if not cfg.keep_checkpoints:
-                shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-            results.append(result)
-            row = compare_rows([result])[0][0]
-            log(_progress_line(index + 1, len(entries), result, row))
+        for round_index in range(cfg.repeats):
+            results: list[RunResult] = []
+            for index, label in enumerate(entries):
+                run_dir = run_folder(out, label, round_index)
+                if run_dir.exists():
+                    shutil.rmtree(run_dir)  # a previous comparison's files must not pass for this run's
+                argv = train_command(
+                    BASELINE if label == LIMIT else label, out_dir=run_dir, steps=cfg.steps, seed=cfg.seed,
+                    collective_timeout_s=cfg.collective_timeout_s, no_exchange=label == LIMIT,
+                    options=cfg.train_options, prefix=cfg.train_prefix, replica_size=cfg.ranks_per_host,
+                )
+                number = round_index * len(entries) + index + 1
+                with EntryProgress(run_dir / "metrics.jsonl", f"[{number}/{total}] {label}", cfg.steps):
+                    result = launch_run(label, argv, world_size=cfg.world_size, out_dir=run_dir, network=network,
+                                        run_index=number - 1, timeout_s=cfg.timeout_s, link_changes=link_changes)  # fmt: skip
+                if not cfg.keep_checkpoints:
+                    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+                results.append(result)
+                row = compare_rows([result])[0][0]
+                log(_progress_line(number, total, result, row))
+            rounds.append(results)
 
     setup = {
         "entries": entries,
@@ -261,19 +279,24 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
         "cpu_count": os.cpu_count(),
         "command": cfg.command or f"gradzip compare --compressors {','.join(cfg.compressors)}",
         "target_margin": cfg.target_margin,
+        "repeats": cfg.repeats,
     }
     (out / SETUP_FILE).write_text(json.dumps(setup, indent=2) + "\n")
-    return write_outputs(out, results, setup, target_loss=cfg.target_loss, log=log)
+    return write_outputs(out, rounds, setup, target_loss=cfg.target_loss, log=log)
 
 
-def write_outputs(out: Path, results: list[RunResult], setup: dict[str, Any], *, target_loss: float | None,
+def write_outputs(out: Path, rounds: list[list[RunResult]], setup: dict[str, Any], *, target_loss: float | None,
                   log=print) -> list[dict[str, Any]]:  # fmt: skip
-    """Rows, results.json, report.md and the plots from finished runs; returns the rows."""
-    rows, target = compare_rows(results, target_loss=target_loss,
-                                target_margin=setup.get("target_margin", TARGET_MARGIN))
+    """Rows, results.json, report.md and the plots from finished runs (one list of runs per
+    round, rows in the same order); returns the rows."""
+    margin = setup.get("target_margin", TARGET_MARGIN)
+    per_round = [compare_rows(results, target_loss=target_loss, target_margin=margin) for results in rounds]
+    target = per_round[0][1]
+    rows = merge_repeats([r for r, _ in per_round]) if len(rounds) > 1 else per_round[0][0]
     report.write_results(out, rows)
     report.write_report(out, rows, setup, target)
-    plots = report.write_plots(out, results, rows, setup, target["target_loss"])
+    # the curves of the first round (losses are the same in every round; times differ a little)
+    plots = report.write_plots(out, rounds[0], rows, setup, target["target_loss"])
     log(f"wrote {out}/report.md, results.json, {', '.join(p.name for p in plots)}")
     return rows
 
@@ -295,5 +318,5 @@ def rewrite_report(out: str | Path, *, target_loss: float | None = None, target_
     if target_margin is not None:
         check_number(target_margin, name="--target-margin", low=0, high=1)
         setup["target_margin"] = target_margin
-    results = [load_run(out / "runs" / _slug(label)) for label in setup["entries"]]
-    return write_outputs(out, results, setup, target_loss=target_loss, log=log)
+    rounds = [[load_run(run_folder(out, label, k)) for label in setup["entries"]] for k in range(setup.get("repeats", 1))]
+    return write_outputs(out, rounds, setup, target_loss=target_loss, log=log)

@@ -26,6 +26,11 @@ def _mb(value: float | None) -> str:
     return "-" if value is None else f"{value / 1e6:,.1f}"
 
 
+def _spread(value: str, span: list[float] | None, fmt) -> str:
+    """``value`` with the smallest and largest round after it, when there were several rounds."""
+    return value if not span or value == "-" else f"{value} ({fmt(span[0])} to {fmt(span[1])})"
+
+
 def table(rows: Sequence[dict[str, Any]], *, wire: bool) -> str:
     """The Markdown table of ``report.md`` (and of the README)."""
     head = ["compressor", "status", "wall s", "step s", "speedup", "of limit", "time to target s", "compute util", "vs none", "final val loss",
@@ -42,8 +47,9 @@ def table(rows: Sequence[dict[str, Any]], *, wire: bool) -> str:
             _num(r["step_s"], ".3f"),
             _num(r["speedup"], ".2f") + ("x" if r["speedup"] is not None else ""),
             _num(r["fraction_of_limit"], ".0%"),
-            "n/a" if r["compressor"] == LIMIT else _seconds(ttt, "not reached"),
-            _num(r.get("compute_utilisation"), ".0%"),
+            "n/a" if r["compressor"] == LIMIT else _spread(_seconds(ttt, "not reached"), r.get("time_to_target_s_range"), _seconds),
+            _spread(_num(r.get("compute_utilisation"), ".0%"), r.get("compute_utilisation_range"),
+                    lambda v: format(v, ".0%")) if r["compressor"] != LIMIT else _num(r.get("compute_utilisation"), ".0%"),
             _num(r["time_to_target_speedup"], ".2f") + ("x" if r["time_to_target_speedup"] is not None else ""),
             _num(r["final_val_loss"], ".4f") + (" (replicas apart)" if r["compressor"] == LIMIT else ""),
             " / ".join(_num(r[k], ".3f") for k in ("compute_s", "compress_s", "communicate_s")),
@@ -143,8 +149,13 @@ def write_report(out: Path, rows: Sequence[dict[str, Any]], setup: dict[str, Any
     lines += [
         "- The `limit` row's workers never exchange gradients, so their replicas drift apart; its loss is not a "
         "result, only its step time is.",
-        "- Timings come from one run each on a shared machine; step times are medians, time to target is a single "
-        "measurement.",
+        *(["- Timings come from one run each on a shared machine; step times are medians, time to target is a "
+           "single measurement."] if setup.get("repeats", 1) == 1 else [
+           f"- Every row ran {setup['repeats']} times, in rounds (each round runs every row once, in the order of "
+           "the table), on a shared machine. Each round's figures are compared within the round (compute "
+           "utilisation against that round's `limit`); the table gives the median over the rounds, and in "
+           "brackets the smallest and largest round of compute utilisation and time to target. Losses and bytes "
+           "are those of the first round (losses do not depend on timing), as are the plots."]),
         "",
     ]
     path = out / "report.md"
