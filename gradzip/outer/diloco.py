@@ -13,8 +13,8 @@ arXiv 2501.18512): ``fragments=F`` spreads the exchange over the cycle, one frag
 outer update ``D`` inner steps later, the collectives running in the background meanwhile
 (each fragment has its own reducer, all of them issuing through one ordered
 :class:`~gradzip.comm.queue.CollectiveQueue` of the group, asynchronous, so no inner step waits on
-the link until an update is due, and with ``D >= H / F`` several fragments' exchanges share it). The late update is merged with the
-parameters the replica reached in the meantime as the paper does:
+the link until an update is due, and with ``D >= H / F`` several fragments' exchanges share it).
+The late update is merged with the parameters the replica reached in the meantime as the paper does:
 ``theta_local = mix * theta_local + (1 - mix) * theta_global``. With ``carry=True`` (an option of
 gradzip's own, in neither paper) the replica keeps instead what it did while the exchange ran,
 rebased on the new global parameters:
