@@ -156,11 +156,6 @@ TIMED = ("wall_s", "process_wall_s", "step_s", "mean_step_s", "compute_s", "comp
          "wire_bytes", "wire_bytes_exchange")
 
 
-def _median_or_none(values: list[float | None]) -> float | None:
-    known = [v for v in values if v is not None]
-    return statistics.median(known) if known else None
-
-
 def _median_time(times: list[float | None]) -> float | None:
     """The median of times to target, None (never reached) counting as slower than any time."""
     ordered = sorted(times, key=lambda t: (t is None, t or 0.0))
@@ -189,7 +184,7 @@ def merge_repeats(rounds: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, 
         if failed:
             row["status"], row["error"] = failed[0]["status"], failed[0]["error"]
         for key in TIMED:
-            row[key] = _median_or_none([run[key] for run in runs])
+            row[key] = _median([run[key] for run in runs if run[key] is not None])
         row["time_to_target_s"] = _median_time([run["time_to_target_s"] for run in runs])
         for key in ("compute_utilisation", "time_to_target_s"):
             known = [run[key] for run in runs if run[key] is not None]

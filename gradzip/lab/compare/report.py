@@ -40,6 +40,7 @@ def table(rows: Sequence[dict[str, Any]], *, wire: bool) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ttt = r["time_to_target_s"]
+        is_limit = r["compressor"] == LIMIT
         cells = [
             f"`{r['compressor']}`",
             r["status"],
@@ -47,11 +48,12 @@ def table(rows: Sequence[dict[str, Any]], *, wire: bool) -> str:
             _num(r["step_s"], ".3f"),
             _num(r["speedup"], ".2f") + ("x" if r["speedup"] is not None else ""),
             _num(r["fraction_of_limit"], ".0%"),
-            "n/a" if r["compressor"] == LIMIT else _spread(_seconds(ttt, "not reached"), r.get("time_to_target_s_range"), _seconds),
-            _spread(_num(r.get("compute_utilisation"), ".0%"), r.get("compute_utilisation_range"),
-                    lambda v: format(v, ".0%")) if r["compressor"] != LIMIT else _num(r.get("compute_utilisation"), ".0%"),
+            "n/a" if is_limit else _spread(_seconds(ttt, "not reached"), r.get("time_to_target_s_range"), _seconds),
+            # the limit's utilisation is 100% by definition in every round: no range
+            _spread(_num(r.get("compute_utilisation"), ".0%"), None if is_limit else r.get("compute_utilisation_range"),
+                    lambda v: format(v, ".0%")),
             _num(r["time_to_target_speedup"], ".2f") + ("x" if r["time_to_target_speedup"] is not None else ""),
-            _num(r["final_val_loss"], ".4f") + (" (replicas apart)" if r["compressor"] == LIMIT else ""),
+            _num(r["final_val_loss"], ".4f") + (" (replicas apart)" if is_limit else ""),
             " / ".join(_num(r[k], ".3f") for k in ("compute_s", "compress_s", "communicate_s")),
             _mb(r["payload_bytes"]) if r["payload_bytes"] is not None else "unknown",
             _mb(r["sent_bytes"]) if r["sent_bytes"] is not None else "unknown",

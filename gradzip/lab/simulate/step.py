@@ -31,8 +31,8 @@ codec, in buckets of ``bucket_cap_mb``, then takes the outer step (counted as on
 pass over the fragment). Encoding, decoding and the outer step run on the compute stream; the
 collectives of a fragment overlap the next ``D`` steps' compute, so only what outlasts them is
 exposed, and fragments in flight together share the link: a cycle exposes at least what its
-collectives take beyond ``H`` steps' compute. The reported step time is the mean over a cycle; bytes are per step (per ``H`` steps
-over ``H``).
+collectives take beyond ``H`` steps' compute. The reported step time is the mean over a cycle;
+bytes are per step (per ``H`` steps over ``H``).
 
 Assumptions the model makes (stated in the README with the projection): compute is
 ``6 N + 12 L d T`` FLOPs per token at a fixed model FLOPs utilisation, forward is a third of it;
