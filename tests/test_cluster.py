@@ -127,8 +127,11 @@ def test_two_hosts_qdisc_and_allreduce_bytes():
     with Cluster(2, "100mbit") as cluster:
         assert sorted(_ours(cluster)) == sorted(cluster.names)
         # tbf on each host's egress and on the switch port towards it (its ingress), 12.5 MB/s
+        # and a bucket of 1 ms at the rate (12.5 kB; tc stores it in its own time units, so the
+        # bytes it reports back may differ by one)
         for qdisc in cluster.qdiscs():
             assert qdisc["kind"] == "tbf" and qdisc["options"]["rate"] == 100_000_000 // 8
+            assert abs(qdisc["options"]["burst"] - 12_500) <= 1, qdisc
         for port in _switch_ports(cluster):
             assert "tbf" in port and "rate 100Mbit" in port
 
@@ -147,6 +150,8 @@ def test_two_hosts_qdisc_and_allreduce_bytes():
         # a new rate while the cluster runs: every host's eth0 and every switch port
         cluster.set_bandwidth("20mbit")
         assert all(q["kind"] == "tbf" and q["options"]["rate"] == 20_000_000 // 8 for q in cluster.qdiscs())
+        # 1 ms at 20 Mbit/s is 2.5 kB, under the 4 KiB floor: a few full-size frames, no more
+        assert all(abs(q["options"]["burst"] - 4096) <= 1 for q in cluster.qdiscs()), cluster.qdiscs()
         for port in _switch_ports(cluster):
             assert "tbf" in port and "rate 20Mbit" in port
         with pytest.raises(ValueError, match="bandwidth"):

@@ -24,14 +24,15 @@ does. The compression level of a step is its ``compression_ratio`` (dense bytes 
 bytes, rank 0's record): light at most 2, strong at least 4.
 
 The link estimate once settled on the slow link (the median of those in force from step
-``DROP + 10`` to ``RECOVER - 1``) is checked against the ``tbf`` rate within a factor of 2: the
-right order, where the estimate this test was written against read 1 to 50 times the rate.
-Measured in nine runs on a loaded 2-core machine, that median read 15-22 Mbit/s for ``auto`` and
-20-25 Mbit/s for Kimad; on the same machine idle, ``auto`` read 15-16 Mbit/s in two runs and
-Kimad 25.8-33.7 Mbit/s in seven (up to 1.7 times the rate; its estimate climbs while its
-payloads shrink on the slow link). So the estimate is not within 25% of the rate for Kimad. On the 4 Gbit/s link the estimates spread
-from about 0.5 to 20 Gbit/s (an exchange of 1 to 5 ms is mostly latency and scheduling noise)
-and are not checked.
+``DROP + 10`` to ``RECOVER - 1``) is checked against the ``tbf`` rate: within 25% for Kimad,
+as the issue asks, and within a factor of 2 for ``auto``. Measured on an idle 2-core machine
+with the cluster's bucket of 4 KiB at this rate: Kimad 18.9-19.9 Mbit/s in three runs, ``auto``
+18.7-19.0 in two and 11.8 in one (its settled figure then came from the window of its trial of
+``qsgd:bits=4``), so ``auto``'s estimate is not within 25% in every run. With the 32 KiB bucket
+the cluster had before, Kimad read 25.8-33.7 Mbit/s: a full bucket passed the first 32 kB of
+each of its 110-150 kB exchanges at the veth's speed. On the 4 Gbit/s link the estimates
+spread from about 0.5 to 20 Gbit/s (an exchange of 1 to 5 ms is mostly latency and scheduling
+noise) and are not checked.
 
 Needs root and network namespaces; skipped elsewhere with the reason. Each case takes about 30 s
 on a loaded 2-core machine, about 18 s of it the trainer's start-up (two ranks importing torch
@@ -59,7 +60,8 @@ DROP, RECOVER = 10, 24
 STEPS = RECOVER + 13  # the steps past RECOVER + FOLLOW show the choice held
 FOLLOW = 10  # steps within which the compression must follow a change of the link
 LIGHT, STRONG = 2.0, 4.0  # compression ratios
-ESTIMATE_FACTOR = 2.0  # the settled estimate of the slow link against its tbf rate, either way
+# the settled estimate of the slow link against its tbf rate: at most this factor either way
+ESTIMATE_FACTOR = {"kimad": 1.25, "auto": 2.0}
 MODEL = dict(n_layer=2, n_embd=128, n_head=2, seq_len=64, batch_size=8, vocab_size=512, eval_every=1000,
              eval_batches=1, threads=1, warmup_steps=2)
 OPTIONS = {
@@ -84,7 +86,8 @@ def _run(compressor: str, tmp_path):
 
 
 def _summary(records, drop: int, recover: int) -> str:
-    """One line per step: ratio and estimate, for the failure message and the log."""
+    """One line per step: ratio and estimate, and the decisions taken at that step (``auto``
+    events: what was proposed and why), for the failure message and the log."""
     lines = []
     for r in records:
         link = r.get("link")
@@ -92,6 +95,10 @@ def _summary(records, drop: int, recover: int) -> str:
         mark = " <- drop" if r["step"] == drop else " <- recovery" if r["step"] == recover else ""
         lines.append(f"step {r['step']:2d}: ratio {r['compression_ratio']:5.2f}, step {r['step_s'] * 1e3:6.0f} ms, "
                      f"estimate {est}{mark}")
+        for event in r.get("events", []):
+            if event.get("kind") == "auto":
+                reasons = "; ".join(event.get("reasons", {}).values())
+                lines.append(f"    decided: {event.get('note', '')} {reasons}"[:300])
     return "\n".join(lines)
 
 
@@ -126,7 +133,8 @@ def test_compression_follows_a_link_that_drops_and_recovers(compressor, tmp_path
 
     # the link estimate once settled on the slow link, against the tbf rate
     slow_mbit = parse_bandwidth(SLOW) / 1e6
-    assert 1 / ESTIMATE_FACTOR <= slow_est / slow_mbit <= ESTIMATE_FACTOR, log
+    factor = ESTIMATE_FACTOR[compressor]
+    assert 1 / factor <= slow_est / slow_mbit <= factor, log
 
     # the ratio per layer (layer_ratios.png) under Kimad's per-layer plans only; the layers' bytes
     # make up each step's: the step's ratio is sum(numel) / sum(numel / layer ratio)

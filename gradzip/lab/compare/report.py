@@ -83,7 +83,8 @@ def write_report(out: Path, rows: Sequence[dict[str, Any]], setup: dict[str, Any
             "DiLoCo entries run one replica per host)")
         lines.append(
             f"- Network: {hosts} emulated hosts{placed} (Linux network namespaces on one bridge), each link "
-            f"limited to {setup['bandwidth']} in each direction by a `tbf` qdisc; real TCP between real processes. "
+            f"limited to {setup['bandwidth']} in each direction by a `tbf` qdisc (a burst of 1 ms at the rate, at "
+            "least 4 KiB); real TCP between real processes. "
             "No latency is emulated (`netem` is not available in this kernel)."
         )
     else:
