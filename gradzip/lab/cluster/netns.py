@@ -10,10 +10,10 @@ Every host's ``eth0`` has a ``tbf`` qdisc at ``bandwidth`` (its egress); the swi
 each veth has one too (its ingress), so each host sees a full-duplex link of that rate, like a
 NIC on a switch port; :meth:`Cluster.set_bandwidth` changes all of them in place while the
 cluster runs. Each ``tbf`` lets through a burst of 1 ms at the rate, at least 4 KiB
-(:func:`burst_bytes`), so an exchange gets the rate it is set to, not more. ``netem`` is not available in the kernels this runs on, so latency is not
-emulated. Nothing is created in the root namespace: the hosts reach only each other, and two
-clusters never clash (same addresses, different namespaces). Deleting the switch namespace
-destroys every veth pair.
+(:func:`burst_bytes`), so an exchange gets the rate it is set to, not more. ``netem`` is not
+available in the kernels this runs on, so latency is not emulated. Nothing is created in the
+root namespace: the hosts reach only each other, and two clusters never clash (same addresses,
+different namespaces). Deleting the switch namespace destroys every veth pair.
 
 Needs root, ``ip`` and ``tc`` (iproute2). Standard library only.
 """
