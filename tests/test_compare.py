@@ -227,6 +227,8 @@ def test_orchestration_on_emulated_hosts(tmp_path):
     assert by["fp16"]["wire_bytes_exchange"] == pytest.approx(by["fp16"]["wire_bytes"] - by["limit"]["wire_bytes"])
     report = (Path(cfg.out) / "report.md").read_text()
     assert "emulated hosts" in report and "1gbit in each direction" in report and "wire MB/rank" in report
+    # the bucket of 1 Gbit/s links: 1 ms at the rate, 125,000 bytes
+    assert "a `tbf` qdisc (a bucket of 125,000 bytes)" in report
     assert "Link schedule: `2:500mbit`" in report and "- `fp16`: 500mbit for step 2 (recorded " in report
     saved = json.loads((Path(cfg.out) / "results.json").read_text())
     assert [r["link_changes"] for r in saved] == [r["link_changes"] for r in rows]

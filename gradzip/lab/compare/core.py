@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from gradzip.compressors.values import check_int, check_number
-from gradzip.lab.cluster import Cluster, format_bandwidth, parse_bandwidth, support_problem
+from gradzip.lab.cluster import Cluster, burst_bytes, format_bandwidth, parse_bandwidth, support_problem
 from gradzip.lab.cluster.schedule import RateChange, format_link_schedule, parse_link_schedule
 from gradzip.lab.compare import report
 from gradzip.lab.compare.analysis import BASELINE, LIMIT, TARGET_MARGIN, compare_rows, merge_repeats
@@ -269,6 +269,8 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
         "network_reason": None if emulated else reason,
         "bandwidth": bandwidth,
         "link": f"{bandwidth} links" if emulated else "loopback",
+        # the tbf bucket at the starting rate, as the cluster set it (it follows a --link-schedule)
+        "tbf_burst_bytes": burst_bytes(parse_bandwidth(bandwidth)) if emulated else None,
         "link_schedule": format_link_schedule(link_changes) if link_changes else None,
         "world_size": cfg.world_size,
         "ranks_per_host": cfg.ranks_per_host,

@@ -81,10 +81,12 @@ def write_report(out: Path, rows: Sequence[dict[str, Any]], setup: dict[str, Any
         placed = "" if per_host == 1 else (
             f" with {per_host} workers each (their traffic inside a host is not limited; wire bytes are per host; "
             "DiLoCo entries run one replica per host)")
+        # runs written before the setup recorded the bucket say nothing of it
+        bucket = setup.get("tbf_burst_bytes")
         lines.append(
             f"- Network: {hosts} emulated hosts{placed} (Linux network namespaces on one bridge), each link "
-            f"limited to {setup['bandwidth']} in each direction by a `tbf` qdisc (a burst of 1 ms at the rate, at "
-            "least 4 KiB); real TCP between real processes. "
+            f"limited to {setup['bandwidth']} in each direction by a `tbf` qdisc"
+            f"{f' (a bucket of {bucket:,} bytes)' if bucket else ''}; real TCP between real processes. "
             "No latency is emulated (`netem` is not available in this kernel)."
         )
     else:
