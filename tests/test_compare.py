@@ -64,6 +64,7 @@ def test_link_schedule_from_the_command_line():
     (["--link-schedule", "5:20mbit,3:1gbit", "--network", "emulated"], "--link-schedule: steps must increase"),
     (["--link-schedule", "5:fast", "--network", "emulated"], "--link-schedule: bandwidth"),
     (["--link-schedule", "8:20mbit", "--network", "emulated"], "--link-schedule: step 8 is past the last step"),
+    (["--no-baseline"], "--no-baseline leaves out the 'none' row, whose final loss sets the default target"),
 ])  # fmt: skip
 def test_link_schedule_refusals_before_any_worker(argv, words, tmp_path, capsys):
     from gradzip.lab.cli import main
@@ -204,6 +205,23 @@ def test_repeats_run_every_row_once_per_round(tmp_path):
     again = rewrite_report(out, log=lambda line: None)
     assert [(r["compressor"], r["repeats"], r["step_s"]) for r in again] == [
         (r["compressor"], r["repeats"], r["step_s"]) for r in rows]
+
+
+@pytest.mark.e2e
+def test_no_baseline_runs_no_none_row_and_times_the_given_target(tmp_path):
+    lines = []
+    cfg = _fake_config(tmp_path, ["fp16"], network="loopback", baseline=False, target_loss=1e9)
+    rows = run_compare(cfg, log=lines.append)
+    assert [line.split()[:2] for line in lines[:2]] == [["[1/2]", "limit"], ["[2/2]", "fp16"]]
+    assert not (Path(cfg.out) / "runs" / "none").exists()
+    by = {r["compressor"]: r for r in rows}
+    assert set(by) == {"limit", "fp16"}
+    assert by["fp16"]["speedup"] is None  # no 'none' row to take a ratio against
+    # every validation is below a target of 1e9: reached at the first one, as the run recorded it
+    records = [json.loads(line) for line in (Path(cfg.out) / "runs" / "fp16" / "metrics.jsonl").read_text().splitlines()]
+    first = next(r for r in records if "val_loss" in r)
+    assert by["fp16"]["time_to_target_s"] == pytest.approx(first["elapsed_s"])
+    assert "- Target validation loss: 1000000000.0000 (--target-loss)." in (Path(cfg.out) / "report.md").read_text()
 
 
 @pytest.mark.e2e

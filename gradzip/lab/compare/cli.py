@@ -70,6 +70,9 @@ def add_parser(sub) -> None:
     p.add_argument("--collective-timeout-s", type=float, default=300.0,
                    help="timeout of each collective inside a run (default 300)")
     p.add_argument("--no-limit", action="store_true", help="skip the 'limit' row (no gradient exchange)")
+    p.add_argument("--no-baseline", action="store_true",
+                   help="skip the 'none' row (dense DDP, the slowest on a slow link) unless --compressors names it; "
+                        "needs --target-loss, and the ratios against 'none' are left blank")
     p.add_argument("--repeats", type=int, default=1, metavar="N",
                    help="run every row N times, in rounds of all rows, so that a slow minute of a shared machine "
                    "falls on one round's rows alike; the report gives medians over the rounds and the range of "
@@ -110,6 +113,7 @@ def config(args: argparse.Namespace) -> CompareConfig:
         timeout_s=args.timeout_s,
         collective_timeout_s=args.collective_timeout_s,
         limit=not args.no_limit,
+        baseline=not args.no_baseline,
         repeats=args.repeats,
         keep_checkpoints=args.keep_checkpoints,
         train_options=train_options(args),

@@ -28,7 +28,8 @@ class CompareConfig:
     """Settings of ``gradzip compare``; :meth:`validate` raises ``ValueError`` on bad values."""
 
     compressors: list[str]
-    """Codec specs (and ``torch:...`` hooks) to run; ``none`` is added when missing (the baseline)."""
+    """Codec specs (and ``torch:...`` hooks) to run; ``none`` is added when missing (the baseline)
+    unless ``baseline`` is False."""
 
     world_size: int = 4
     """Workers, one per emulated host."""
@@ -72,6 +73,11 @@ class CompareConfig:
 
     limit: bool = True
     """Also run the ``limit`` row: the same workers with no gradient exchange."""
+
+    baseline: bool = True
+    """Run the ``none`` row (dense DDP) even when ``compressors`` leaves it out; False needs
+    ``target_loss`` (the default target is taken from that row), and the ratios against
+    ``none`` are then left blank."""
 
     repeats: int = 1
     """Rounds of runs, in [1, 20]: every round runs every row once, in the same order, so that a
@@ -118,6 +124,9 @@ class CompareConfig:
             check_number(self.target_loss, name="--target-loss", low=0, low_open=True)
         check_number(self.target_margin, name="--target-margin", low=0, high=1)
         check_int(self.repeats, name="--repeats", low=1, high=20)
+        if not self.baseline and self.target_loss is None:
+            raise ValueError(f"--no-baseline leaves out the '{BASELINE}' row, whose final loss sets the default target: "
+                             "give --target-loss too")
         if LIMIT in self.compressors:
             raise ValueError(f"'{LIMIT}' is the no-exchange row, added by default; it is not a compressor")
         return self
@@ -132,7 +141,7 @@ class CompareConfig:
 
     def entries(self) -> list[str]:
         """Row labels in run order: ``limit``, ``none``, then the compressors as given."""
-        labels = ([LIMIT] if self.limit else []) + [BASELINE]
+        labels = ([LIMIT] if self.limit else []) + ([BASELINE] if self.baseline else [])
         for spec in self.compressors:
             if spec not in labels:
                 labels.append(spec)
