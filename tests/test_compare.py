@@ -66,7 +66,7 @@ def test_link_schedule_from_the_command_line():
     (["--link-schedule", "8:20mbit", "--network", "emulated"], "--link-schedule: step 8 is past the last step"),
     (["--no-baseline"], "--no-baseline leaves out the 'none' row, whose final loss sets the default target"),
 ])  # fmt: skip
-def test_link_schedule_refusals_before_any_worker(argv, words, tmp_path, capsys):
+def test_refusals_before_any_worker(argv, words, tmp_path, capsys):
     from gradzip.lab.cli import main
 
     out = tmp_path / "cmp"

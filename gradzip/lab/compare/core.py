@@ -140,7 +140,8 @@ class CompareConfig:
         return [] if self.link_schedule is None else parse_link_schedule(self.link_schedule)
 
     def entries(self) -> list[str]:
-        """Row labels in run order: ``limit``, ``none``, then the compressors as given."""
+        """Row labels in run order: ``limit`` (unless ``limit`` is False), ``none`` (unless
+        ``baseline`` is False), then the compressors as given."""
         labels = ([LIMIT] if self.limit else []) + ([BASELINE] if self.baseline else [])
         for spec in self.compressors:
             if spec not in labels:
