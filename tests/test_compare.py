@@ -222,6 +222,9 @@ def test_no_baseline_runs_no_none_row_and_times_the_given_target(tmp_path):
     first = next(r for r in records if "val_loss" in r)
     assert by["fp16"]["time_to_target_s"] == pytest.approx(first["elapsed_s"])
     assert "- Target validation loss: 1000000000.0000 (--target-loss)." in (Path(cfg.out) / "report.md").read_text()
+    # --report-only keeps the comparison's own --target-loss
+    again = {r["compressor"]: r for r in rewrite_report(cfg.out, log=lambda line: None)}
+    assert again["fp16"]["time_to_target_s"] == pytest.approx(first["elapsed_s"])
 
 
 @pytest.mark.e2e

@@ -67,7 +67,7 @@ def test_compute_utilisation_uses_mean_step_times():
     assert by["limit"]["compute_utilisation"] == pytest.approx(1.0)
     lines = table(rows, wire=False).splitlines()
     column = lines[0].split(" | ").index("compute util")
-    assert lines[4].split(" | ")[column] == "50%"
+    assert lines[4].split(" | ")[column] == "50.0%"
     # without the limit row there is no compute-alone step time to compare with
     rows, _ = compare_rows([none, diloco])
     assert all(r["compute_utilisation"] is None for r in rows)
@@ -97,7 +97,7 @@ def test_repeats_compare_each_round_within_itself_then_take_medians():
     assert diloco["time_to_target_s_range"] == pytest.approx([4 * 0.2, 4 * 0.25])
     lines = table(list(by.values()), wire=False).splitlines()
     column = lines[0].split(" | ").index("compute util")
-    assert lines[4].split(" | ")[column] == "80% (50% to 80%)"
+    assert lines[4].split(" | ")[column] == "80.0% (50% to 80%)"
     # most rounds never reaching the target: not reached
     rounds = [round_of(0.1, 0.2, False), round_of(0.1, 0.2, False), round_of(0.1, 0.2, True)]
     assert merge_repeats(rounds)[2]["time_to_target_s"] is None

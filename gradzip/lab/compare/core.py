@@ -290,6 +290,7 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
         "train_options": ", ".join(f"{k}={v}" for k, v in cfg.train_options.items() if v is not None),
         "cpu_count": os.cpu_count(),
         "command": cfg.command or f"gradzip compare --compressors {','.join(cfg.compressors)}",
+        "target_loss": cfg.target_loss,
         "target_margin": cfg.target_margin,
         "repeats": cfg.repeats,
     }
@@ -331,4 +332,6 @@ def rewrite_report(out: str | Path, *, target_loss: float | None = None, target_
         check_number(target_margin, name="--target-margin", low=0, high=1)
         setup["target_margin"] = target_margin
     rounds = [[load_run(run_folder(out, label, k)) for label in setup["entries"]] for k in range(setup.get("repeats", 1))]
+    if target_loss is None:  # the comparison's own --target-loss, where it gave one
+        target_loss = setup.get("target_loss")
     return write_outputs(out, rounds, setup, target_loss=target_loss, log=log)

@@ -50,7 +50,8 @@ def table(rows: Sequence[dict[str, Any]], *, wire: bool) -> str:
             _num(r["fraction_of_limit"], ".0%"),
             "n/a" if is_limit else _spread(_seconds(ttt, "not reached"), r.get("time_to_target_s_range"), _seconds),
             # the limit's utilisation is 100% by definition in every round: no range
-            _spread(_num(r.get("compute_utilisation"), ".0%"), None if is_limit else r.get("compute_utilisation_range"),
+            # the median to a tenth of a point: a bar such as 90% is not met at 89.9%
+            _spread(_num(r.get("compute_utilisation"), ".1%"), None if is_limit else r.get("compute_utilisation_range"),
                     lambda v: format(v, ".0%")),
             _num(r["time_to_target_speedup"], ".2f") + ("x" if r["time_to_target_speedup"] is not None else ""),
             _num(r["final_val_loss"], ".4f") + (" (replicas apart)" if is_limit else ""),
