@@ -15,9 +15,9 @@ outer update ``D`` inner steps later, the collectives running in the background 
 :class:`~gradzip.comm.queue.CollectiveQueue` of the group, asynchronous, so no inner step waits on
 the link until an update is due, and with ``D >= H / F`` several fragments' exchanges share it).
 The late update is merged with the parameters the replica reached in the meantime as the paper
-does: ``theta_local = mix * theta_local + (1 - mix) * theta_global``. With ``carry=True`` (an option of
-gradzip's own, in neither paper) the replica keeps instead what it did while the exchange ran,
-rebased on the new global parameters:
+does: ``theta_local = mix * theta_local + (1 - mix) * theta_global``. With ``carry=True`` (an
+option of gradzip's own, in neither paper) the replica keeps instead what it did while the
+exchange ran, rebased on the new global parameters:
 ``theta_local = theta_global + (theta_local - theta_local_at_launch)``; those inner steps then
 count in the next pseudo-gradient instead of being dropped (``mix = 0``) or shrunk with the
 whole replica towards the global parameters (``mix > 0``).
@@ -169,8 +169,9 @@ class DiLoCo:
     Streaming DiLoCo mixes the late update with the local parameters (set ``mix``, its
     ``alpha``); ``delay`` may reach ``sync_every - 1``, with several fragments in flight (torchft
     keeps it below ``sync_every // fragments``, one in flight); any gradzip codec takes the place
-    of the papers' FP4 / int8 / chunked Top-K with 2-bit values. The codec compresses on the calling thread when the
-    exchange is launched; what overlaps the following inner steps is the collectives.
+    of the papers' FP4 / int8 / chunked Top-K with 2-bit values. The codec compresses on the
+    calling thread when the exchange is launched; what overlaps the following inner steps is the
+    collectives.
     """
 
     def __init__(
