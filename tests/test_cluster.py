@@ -26,7 +26,7 @@ from gradzip.lab.cluster import (
     parse_bandwidth,
     support_problem,
 )
-from gradzip.lab.cluster.netns import list_namespaces
+from gradzip.lab.cluster.netns import host_cpus, list_namespaces
 from gradzip.lab.cluster.schedule import LinkSchedule, RateChange, format_link_schedule, parse_link_schedule
 
 PROBLEM = support_problem() if sys.platform.startswith("linux") else "emulated hosts need Linux"
@@ -169,6 +169,51 @@ def test_two_hosts_qdisc_and_allreduce_bytes():
     assert _ours(cluster) == []
     with pytest.raises(ClusterError, match="running cluster"):
         cluster.set_bandwidth("1gbit")
+
+
+@pytest.mark.parametrize("num_hosts", [1, 2, 3, 4, 7])
+@pytest.mark.parametrize("num_cpus", [1, 2, 3, 8, 16])
+def test_host_cpus_give_each_host_a_fair_share(num_hosts, num_cpus):
+    available = [10 + 3 * c for c in range(num_cpus)][::-1]  # any CPU numbers, in any order
+    shares = [host_cpus(i, num_hosts, available) for i in range(num_hosts)]
+    held = [c for share in shares for c in share]
+    assert set(held) <= set(available) and all(shares)
+    if num_cpus >= num_hosts:  # disjoint, every CPU used, sizes within one of each other
+        assert sorted(held) == sorted(available)
+        assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    else:  # one CPU each; every CPU carries the same number of hosts, give or take one
+        assert all(len(share) == 1 for share in shares)
+        loads = [held.count(c) for c in available]
+        assert sum(loads) == num_hosts and max(loads) - min(loads) <= 1
+
+
+def test_host_cpus_refusals_and_the_pinned_command():
+    with pytest.raises(ValueError, match=r"index must be in \[0, 2\); got 2"):
+        host_cpus(2, 2, [0, 1])
+    with pytest.raises(ValueError, match="available must name at least one CPU"):
+        host_cpus(0, 2, [])
+    # no namespaces are made until start(): the commands can be read without root
+    pinned = Cluster(3, "20mbit", pin_cpus=True)
+    cpus = sorted(os.sched_getaffinity(0))
+    for host in pinned.hosts:
+        assert host.cpus == host_cpus(host.index, 3, cpus)
+        assert pinned.command(host, ["python", "x.py"]) == [
+            "ip", "netns", "exec", host.netns, "taskset", "-c", ",".join(map(str, host.cpus)), "python", "x.py"]  # fmt: skip
+    free = Cluster(2, "20mbit")
+    assert free.hosts[0].cpus == () and free.command(free.hosts[0], ["x"]) == ["ip", "netns", "exec", free.hosts[0].netns, "x"]
+
+
+@pytest.mark.e2e
+@needs_netns
+def test_pinned_hosts_run_on_their_cpus():
+    script = "import os; print(sorted(os.sched_getaffinity(0)))"
+    cpus = sorted(os.sched_getaffinity(0))
+    with Cluster(3, "1gbit", pin_cpus=True) as cluster:
+        seen = [cluster.run(h, [sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+                for h in cluster.hosts]  # fmt: skip
+    # 3 hosts: with 3 CPUs or more, every third CPU each; with 2, hosts 0 and 2 share the first
+    expected = [cpus[i::3] for i in range(3)] if len(cpus) >= 3 else [[cpus[i % len(cpus)]] for i in range(3)]
+    assert [json.loads(line) for line in seen] == expected
 
 
 @pytest.mark.e2e

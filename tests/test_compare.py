@@ -254,6 +254,24 @@ def test_orchestration_on_emulated_hosts(tmp_path):
     saved = json.loads((Path(cfg.out) / "results.json").read_text())
     assert [r["link_changes"] for r in saved] == [r["link_changes"] for r in rows]
     assert not [n for n in list_namespaces() if n.startswith(f"gz-{os.getpid():06x}")]
+    # each host's worker ran on its own share of the CPUs: 2 hosts take every other CPU, or
+    # with a single CPU both share it
+    cpus = sorted(os.sched_getaffinity(0))
+    shares = [cpus[0::2], cpus[1::2]] if len(cpus) >= 2 else [cpus, cpus]
+    setup = json.loads((Path(cfg.out) / "setup.json").read_text())
+    assert setup["host_cpus"] == shares
+    for run in (Path(cfg.out) / "runs").iterdir():
+        ran_on = [json.loads((run / f"cpus_rank{r}.json").read_text()) for r in range(2)]
+        assert ran_on == shares, (run, ran_on)
+    assert f"host 0 on {', '.join(map(str, shares[0]))}; host 1 on {', '.join(map(str, shares[1]))}" in report
+
+    # --no-pin-cpus: the kernel places them, each free to run on any CPU
+    free = _fake_config(tmp_path / "free", ["fp16"], network="emulated", bandwidth="1gbit", pin_cpus=False, limit=False)
+    run_compare(free, log=lambda line: None)
+    assert json.loads((Path(free.out) / "setup.json").read_text())["host_cpus"] is None
+    for run in (Path(free.out) / "runs").iterdir():
+        assert [json.loads((run / f"cpus_rank{r}.json").read_text()) for r in range(2)] == [cpus, cpus]
+    assert "placed by the kernel" in (Path(free.out) / "report.md").read_text()
 
 
 @pytest.mark.e2e

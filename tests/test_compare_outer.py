@@ -97,7 +97,7 @@ def test_repeats_compare_each_round_within_itself_then_take_medians():
     assert diloco["time_to_target_s_range"] == pytest.approx([4 * 0.2, 4 * 0.25])
     lines = table(list(by.values()), wire=False).splitlines()
     column = lines[0].split(" | ").index("compute util")
-    assert lines[4].split(" | ")[column] == "80.0% (50% to 80%)"
+    assert lines[4].split(" | ")[column] == "80.0% (50.0% to 80.0%)"
     # most rounds never reaching the target: not reached
     rounds = [round_of(0.1, 0.2, False), round_of(0.1, 0.2, False), round_of(0.1, 0.2, True)]
     assert merge_repeats(rounds)[2]["time_to_target_s"] is None

@@ -1,7 +1,8 @@
 """A stand-in for one rank of ``gradzip train`` (standard library only, so it starts at once).
 
 It honours the torchrun contract (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), sends a known
-number of bytes from every rank to rank 0 over TCP, and rank 0 writes metrics.jsonl (a line
+number of bytes from every rank to rank 0 over TCP; every rank writes the CPUs it may run on
+(``cpus_rank<r>.json``), and rank 0 writes metrics.jsonl (a line
 every ``STEP_PAUSE_S``) and summary.json with known step times and losses. Compressor ``hang``
 sleeps; ``crash`` raises on rank 1 at once and on the others a second later.
 """
@@ -55,6 +56,9 @@ def _fake_train(argv: list[str]) -> None:
         time.sleep(0.0 if rank == 1 else 1.0)
         raise RuntimeError(f"boom on rank {rank}")
     nbytes = HELLO_BYTES + args.steps * FAKE_PAYLOAD[label]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"cpus_rank{rank}.json").write_text(json.dumps(sorted(os.sched_getaffinity(0))))
     if rank == 0:
         with socket.create_server((addr, port)) as server:
             for _ in range(world_size - 1):
@@ -64,8 +68,6 @@ def _fake_train(argv: list[str]) -> None:
                     while chunk := conn.recv(1 << 16):
                         got += len(chunk)
                     assert got == nbytes, (got, nbytes)
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
         records = fake_records(label, args.steps, args.eval_every)
         with open(out / "metrics.jsonl", "w") as f:  # a line per step as it ends, as gradzip train writes them
             for r in records:

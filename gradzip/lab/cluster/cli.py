@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import signal
 
 from gradzip.compressors.values import check_int
@@ -48,11 +49,11 @@ def _up(args: argparse.Namespace) -> int:
     problem = support_problem()
     if problem:
         raise ValueError(problem)
-    with Cluster(args.hosts, args.bandwidth) as cluster:
+    with Cluster(args.hosts, args.bandwidth, pin_cpus=args.pin_cpus) as cluster:
         rate = format_bandwidth(cluster.bandwidth_bits)
         print(f"cluster {cluster.suffix}: {len(cluster.hosts)} hosts at {rate} each way")
         for host in cluster.hosts:
-            print(f"  host {host.index}: {host.address} on {host.ifname}; run with: ip netns exec {host.netns} CMD")
+            print(f"  host {host.index}: {host.address} on {host.ifname}; run with: {shlex.join(cluster.command(host, ['CMD']))}")
         print("Ctrl-C removes it.", flush=True)
         signal.pause()
     return 0
@@ -71,4 +72,6 @@ def add_parser(sub) -> None:
     a = actions.add_parser("up", help="make a cluster and hold it until Ctrl-C")
     a.add_argument("--hosts", type=int, default=2, help="number of hosts (default 2)")
     a.add_argument("--bandwidth", default="100mbit", help="link rate each way, e.g. 20mbit, 1gbit (default 100mbit)")
+    a.add_argument("--pin-cpus", action="store_true",
+                   help="give each host its own share of this machine's CPUs: the printed commands run under taskset")
     a.set_defaults(func=_up)

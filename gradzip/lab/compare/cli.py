@@ -62,6 +62,9 @@ def add_parser(sub) -> None:
                    "(default 0.01: 1%%; with --report-only, the comparison's own)")
     p.add_argument("--network", choices=NETWORKS, default="auto",
                    help="emulated hosts, loopback, or auto: emulated where root allows (default auto)")
+    p.add_argument("--no-pin-cpus", action="store_true",
+                   help="let the kernel place the workers on any core; by default each emulated host's workers run "
+                   "on their own share of the cores (taskset), as real hosts do not take each other's")
     p.add_argument("--link-schedule", default=None, metavar="STEP:RATE,...",
                    help="change the links' rate during every run: 40:20mbit,80:100mbit sets 20mbit once step 39 is "
                    "recorded and 100mbit once step 79 is; each run starts at --bandwidth (needs --network emulated)")
@@ -107,6 +110,7 @@ def config(args: argparse.Namespace) -> CompareConfig:
         seed=args.seed,
         out=args.out,
         network=args.network,
+        pin_cpus=not args.no_pin_cpus,
         link_schedule=args.link_schedule,
         target_loss=args.target_loss,
         **({} if args.target_margin is None else {"target_margin": args.target_margin}),

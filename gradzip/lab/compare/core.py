@@ -71,6 +71,11 @@ class CompareConfig:
     """Ranks on each emulated host, dividing ``world_size``: their traffic inside the host is not
     limited; DiLoCo entries take one replica per host (``--replica-size``)."""
 
+    pin_cpus: bool = True
+    """Run each emulated host's workers on its own share of this machine's CPUs
+    (:func:`gradzip.lab.cluster.netns.host_cpus`), as real hosts have their own; False leaves
+    their placement to the kernel. Loopback runs are never pinned."""
+
     limit: bool = True
     """Also run the ``limit`` row: the same workers with no gradient exchange."""
 
@@ -249,7 +254,7 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
     rounds: list[list[RunResult]] = []
     hosts = cfg.world_size // cfg.ranks_per_host
     total = len(entries) * cfg.repeats
-    with Cluster(hosts, bandwidth) if emulated else nullcontext() as cluster:
+    with Cluster(hosts, bandwidth, pin_cpus=cfg.pin_cpus) if emulated else nullcontext() as cluster:
         network = Emulated(cluster, cfg.ranks_per_host) if emulated else Loopback()
         for round_index in range(cfg.repeats):
             results: list[RunResult] = []
@@ -289,6 +294,8 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
         "eval_every": cfg.train_options.get("eval_every") or TrainConfig().eval_every,
         "train_options": ", ".join(f"{k}={v}" for k, v in cfg.train_options.items() if v is not None),
         "cpu_count": os.cpu_count(),
+        # per host, the CPUs its workers ran on; None: placed by the kernel (not pinned, or loopback)
+        "host_cpus": [list(host.cpus) for host in cluster.hosts] if emulated and cfg.pin_cpus else None,
         "command": cfg.command or f"gradzip compare --compressors {','.join(cfg.compressors)}",
         "target_loss": cfg.target_loss,
         "target_margin": cfg.target_margin,

@@ -31,6 +31,14 @@ def _spread(value: str, span: list[float] | None, fmt) -> str:
     return value if not span or value == "-" else f"{value} ({fmt(span[0])} to {fmt(span[1])})"
 
 
+def _machine(cpu_count: int, world_size: int, host_cpus: list[list[int]] | None) -> str:
+    """The cores and how the workers were placed on them: pinned per host, or (None) by the kernel."""
+    if not host_cpus:
+        return f"{cpu_count} CPU cores shared by all {world_size} workers, placed by the kernel"
+    return f"{cpu_count} CPU cores for {world_size} workers, each host's pinned to CPUs (`taskset`): " + "; ".join(
+        f"host {i} on {', '.join(map(str, cpus))}" for i, cpus in enumerate(host_cpus))
+
+
 def table(rows: Sequence[dict[str, Any]], *, wire: bool) -> str:
     """The Markdown table of ``report.md`` (and of the README)."""
     head = ["compressor", "status", "wall s", "step s", "speedup", "of limit", "time to target s", "compute util", "vs none", "final val loss",
@@ -50,9 +58,10 @@ def table(rows: Sequence[dict[str, Any]], *, wire: bool) -> str:
             _num(r["fraction_of_limit"], ".0%"),
             "n/a" if is_limit else _spread(_seconds(ttt, "not reached"), r.get("time_to_target_s_range"), _seconds),
             # the limit's utilisation is 100% by definition in every round: no range
-            # the median to a tenth of a point: a bar such as 90% is not met at 89.9%
+            # to a tenth of a point, the range as the median: a bar such as 90% is not met at
+            # 89.9%, and a round of 94.6% must not read 95% beside a median of 94.8%
             _spread(_num(r.get("compute_utilisation"), ".1%"), None if is_limit else r.get("compute_utilisation_range"),
-                    lambda v: format(v, ".0%")),
+                    lambda v: format(v, ".1%")),
             _num(r["time_to_target_speedup"], ".2f") + ("x" if r["time_to_target_speedup"] is not None else ""),
             _num(r["final_val_loss"], ".4f") + (" (replicas apart)" if is_limit else ""),
             " / ".join(_num(r[k], ".3f") for k in ("compute_s", "compress_s", "communicate_s")),
@@ -98,7 +107,7 @@ def write_report(out: Path, rows: Sequence[dict[str, Any]], setup: dict[str, Any
     lines += [
         f"- Main job: `gradzip train`, {setup['steps']} steps, seed {setup['seed']}, the same data order in every "
         f"run; training options: {setup['train_options'] or 'defaults'}.",
-        f"- Machine: {setup['cpu_count']} CPU cores shared by all {setup['world_size']} workers "
+        f"- Machine: {_machine(setup['cpu_count'], setup['world_size'], setup.get('host_cpus'))} "
         "(compute alone is measured on the same workers in the `limit` row).",
         *([f"- Link schedule: `{setup['link_schedule']}` (STEP:RATE) in every run, each run starting at "
              f"{setup['bandwidth']}; the changes as made are listed below."] if setup.get("link_schedule") else []),
