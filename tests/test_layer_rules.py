@@ -135,6 +135,29 @@ def test_link_estimator_keeps_a_fitted_latency_through_one_size():
     assert math.isfinite(est.link.bytes_per_s) and est.link.bytes_per_s < 1e7
 
 
+def test_link_estimator_latency_never_above_the_fastest_newest_exchange():
+    # Fitted on a slow link whose small exchanges queued behind bulk ones: 30 ms per collective.
+    slow = Link(0.030, 2.5e6)
+    est = LinkEstimator(half_life=0.5, keep=8)
+    for _ in range(3):
+        est.add([(1, 800, slow.seconds(800, 1)), (2, 3e5, slow.seconds(3e5, 2))])
+    assert est.link.latency_s == pytest.approx(0.030, rel=1e-6)
+    # The link recovers; the codec's exchange (300 kB in two collectives) and a probe padded to
+    # 1 MB: bytes per collective 6.7x apart, too close for a fit, each far under the kept 30 ms.
+    fast = Link(0.0005, 5e8)
+    batch = [(2, 3e5, fast.seconds(3e5, 2)), (1, 1e6, fast.seconds(1e6, 1))]
+    est.add(batch)
+    # the latency is at most the newest batch's fastest time per collective ...
+    assert est.link.latency_s == pytest.approx(min(fast.seconds(3e5, 2) / 2, fast.seconds(1e6, 1)), rel=1e-9)
+    # ... so the newest batch has wire time again and the bandwidth climbs from the slow link's
+    # 2.5e6 B/s at once. With the latency only bounded (0.8 ms against the true 0.5 ms), the
+    # batch reads 1.3 MB over 2.5 - 0.8 ms of wire time: within a factor of 2 of the fast link.
+    readings = [est.link.bytes_per_s] + [est.add(batch).bytes_per_s for _ in range(3)]
+    assert readings[0] > 10 * 2.5e6
+    assert readings[-1] == pytest.approx(1.3e6 / (fast.seconds(1e6, 1) - 0.0008), rel=0.1)
+    assert 0.5 < readings[-1] / 5e8 < 2
+
+
 # -- LEGACY's table -----------------------------------------------------------------------------
 
 def test_legacy_table_lookup_by_hand():

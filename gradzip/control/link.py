@@ -17,7 +17,9 @@ both apart by seeing sizes far apart:
 
 Samples come in batches (a batch: the samples of one window of steps, one state of the link).
 The latency is the least-squares fit of each batch whose sizes spread enough
-(:data:`MIN_SPREAD`), averaged over the kept batches; otherwise the last fitted latency is kept.
+(:data:`MIN_SPREAD`), averaged over the kept batches; otherwise the last fitted latency is kept,
+but never above the time per collective of the newest batch's fastest exchange (no exchange
+takes less than its latency).
 The bandwidth is then each batch's bytes over its wire seconds given that latency, averaged
 geometrically with weights that halve every :attr:`LinkEstimator.half_life` newer batches: it
 follows a change of the link up as fast as down, whatever payload the running codec sends.
@@ -125,6 +127,12 @@ class LinkEstimator:
         fitted = [(f.latency_s, w) for f, w in fitted if f is not None]
         if fitted:
             self.latency_s = sum(lat * w for lat, w in fitted) / sum(w for _, w in fitted)
+        # No exchange takes less than its latency: a kept latency above what the newest batch's
+        # fastest collective took (fitted on a slow, queued link, say) would leave every newer
+        # sample no wire time, and the estimate would stay where the link was, never probed up.
+        newest = [s / n for n, _, s in self.batches[-1]] if self.batches else []
+        if self.latency_s is not None and newest:
+            self.latency_s = min(self.latency_s, min(newest))
         latency = self.latency_s or 0.0
         # Bandwidth: each batch's rate given the latency (its bytes over its wire seconds), then
         # a recency-weighted geometric mean, so that a fall and a rise by the same factor move
