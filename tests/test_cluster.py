@@ -203,8 +203,22 @@ def test_host_cpus_refusals_and_the_pinned_command():
     assert free.hosts[0].cpus == () and free.command(free.hosts[0], ["x"]) == ["ip", "netns", "exec", free.hosts[0].netns, "x"]
 
 
+def test_pinned_hosts_need_taskset(monkeypatch):
+    import gradzip.lab.cluster.netns as netns
+
+    real = netns.shutil.which
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None if tool == "taskset" else real(tool))
+    # refused before any namespace is made (so no root is needed to see it)
+    with pytest.raises(ClusterError, match=r"^emulated hosts need the 'taskset' command \(util-linux\)"):
+        Cluster(2, "20mbit", pin_cpus=True).start()
+    if PROBLEM is None:  # where hosts can be made, unpinned ones do without taskset
+        assert support_problem() is None
+        assert "'taskset' command" in support_problem(pin_cpus=True)
+
+
 @pytest.mark.e2e
-@needs_netns
+@pytest.mark.skipif(PROBLEM is not None or support_problem(pin_cpus=True) is not None,
+                    reason=PROBLEM or str(support_problem(pin_cpus=True)))
 def test_pinned_hosts_run_on_their_cpus():
     script = "import os; print(sorted(os.sched_getaffinity(0)))"
     cpus = sorted(os.sched_getaffinity(0))

@@ -228,7 +228,7 @@ def test_no_baseline_runs_no_none_row_and_times_the_given_target(tmp_path):
 
 
 @pytest.mark.e2e
-@pytest.mark.skipif(support_problem() is not None, reason=str(support_problem()))
+@pytest.mark.skipif(support_problem(pin_cpus=True) is not None, reason=str(support_problem(pin_cpus=True)))
 def test_orchestration_on_emulated_hosts(tmp_path):
     # (the schedule's rate is above what the stand-in sends, so the byte counts below hold)
     cfg = _fake_config(tmp_path, ["fp16"], network="emulated", bandwidth="1gbit", link_schedule="2:500mbit")

@@ -117,7 +117,7 @@ def test_diloco_entry_takes_one_replica_per_host():
 
 
 @pytest.mark.e2e
-@pytest.mark.skipif(support_problem() is not None, reason=str(support_problem()))
+@pytest.mark.skipif(support_problem(pin_cpus=True) is not None, reason=str(support_problem(pin_cpus=True)))
 def test_ranks_on_one_host_talk_past_its_link(tmp_path):
     # the stand-in trainer: rank 1 sends a greeting and a payload per step to rank 0
     cfg = CompareConfig(compressors=["fp16"], world_size=2, ranks_per_host=2, steps=4, out=str(tmp_path / "cmp"),

@@ -46,7 +46,7 @@ def _clean(args: argparse.Namespace) -> int:
 def _up(args: argparse.Namespace) -> int:
     check_int(args.hosts, name="--hosts", low=1, high=MAX_HOSTS)
     parse_bandwidth(args.bandwidth)
-    problem = support_problem()
+    problem = support_problem(pin_cpus=args.pin_cpus)
     if problem:
         raise ValueError(problem)
     with Cluster(args.hosts, args.bandwidth, pin_cpus=args.pin_cpus) as cluster:

@@ -97,17 +97,26 @@ def _sh(argv: Sequence[str], *, check: bool = True) -> subprocess.CompletedProce
     return proc
 
 
-def support_problem() -> str | None:
+def _missing_tool(pin_cpus: bool) -> str | None:
+    """One line naming the first command emulated hosts need that is not installed, or None."""
+    tools = [("ip", "iproute2"), ("tc", "iproute2")] + ([("taskset", "util-linux")] if pin_cpus else [])
+    for tool, package in tools:
+        if shutil.which(tool) is None:
+            return f"emulated hosts need the '{tool}' command ({package}), which is not installed"
+    return None
+
+
+def support_problem(*, pin_cpus: bool = False) -> str | None:
     """One line saying why emulated hosts cannot be made here, or None when they can.
 
-    Checks root, the ``ip`` and ``tc`` tools, and creates and deletes a namespace holding a veth
-    pair with a ``tbf`` qdisc.
+    Checks root, the ``ip`` and ``tc`` tools (and ``taskset`` for hosts pinned to CPUs), and
+    creates and deletes a namespace holding a veth pair with a ``tbf`` qdisc.
     """
     if os.geteuid() != 0:
         return f"emulated hosts need root (network namespaces and tc); running as uid {os.geteuid()}"
-    for tool in ("ip", "tc"):
-        if shutil.which(tool) is None:
-            return f"emulated hosts need the '{tool}' command (iproute2), which is not installed"
+    missing = _missing_tool(pin_cpus)
+    if missing:
+        return missing
     probe = f"{PREFIX}{os.getpid():06x}{secrets.token_hex(1)}-sw"
     try:
         _sh(["ip", "netns", "add", probe])
@@ -198,7 +207,7 @@ class Cluster:
         self.bandwidth_bits = parse_bandwidth(bandwidth)
         self.suffix = f"{os.getpid():06x}{secrets.token_hex(1)}"
         self.switch = f"{PREFIX}{self.suffix}-sw"
-        available = sorted(os.sched_getaffinity(0))
+        available = list(os.sched_getaffinity(0)) if pin_cpus else []
         self.hosts = [
             Host(i, f"{PREFIX}{self.suffix}-h{i}", f"{SUBNET}.{i + 1}",
                  cpus=host_cpus(i, num_hosts, available) if pin_cpus else ())
@@ -213,8 +222,9 @@ class Cluster:
     def start(self) -> Cluster:
         """Create the namespaces, links and qdiscs. On failure removes what it made and raises
         :class:`ClusterError`."""
-        if any(host.cpus for host in self.hosts) and shutil.which("taskset") is None:
-            raise ClusterError("pinned hosts need the 'taskset' command (util-linux), which is not installed")
+        missing = _missing_tool(any(host.cpus for host in self.hosts))
+        if missing:
+            raise ClusterError(missing)
         atexit.register(self.close)
         try:
             self._netns_add(self.switch)

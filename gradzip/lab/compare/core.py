@@ -212,11 +212,11 @@ def _progress_line(index: int, total: int, result: RunResult, row: dict[str, Any
     return "  ".join(parts)
 
 
-def _loopback_reason(network: str) -> str | None:
+def _loopback_reason(network: str, pin_cpus: bool) -> str | None:
     """Why the runs go over loopback, or None when they run on emulated hosts."""
     if network == "loopback":
         return "asked for with --network loopback"
-    problem = support_problem()
+    problem = support_problem(pin_cpus=pin_cpus)
     if problem and network == "emulated":
         raise ValueError(problem)
     return problem
@@ -243,7 +243,7 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
         Corpus.load(cfg.train_options.get("data"), cfg.train_options.get("vocab_size") or TrainConfig().vocab_size,
                     model=cfg.train_options.get("model"))
 
-    reason = _loopback_reason(cfg.network)
+    reason = _loopback_reason(cfg.network, cfg.pin_cpus)
     emulated = reason is None
     if not emulated and cfg.network == "auto":
         log(f"gradzip compare: {reason}; running on loopback without a bandwidth limit")
