@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from gradzip.control.auto import (
     FIRST_WINDOW_STEPS,
+    PROBE_MEMORY,
     AccordionController,
     AutoConfig,
     CostController,
@@ -117,6 +118,31 @@ def test_cost_controller_slow_link_trial_kept_then_steady():
     assert plan.choices == {0: 3} and plan.note.startswith("trial kept") and plan.window_steps == 40
     plan = ctl.decide(_window([_bucket(current=3, comm_s=0.01, probes=False)], period_s=0.6))
     assert plan.choices == {0: 3} and plan.note == "no change"
+
+
+def test_cost_controller_prices_a_codec_by_its_fastest_recent_probe():
+    # Two windows on a 10 Gbit/s link stay dense and probe PowerSGD at 12 ms. The link drops to
+    # 100 Mbit/s in the window whose probe read PowerSGD's encode at 0.5 s (a rank that lost the
+    # CPU): priced on that probe alone fp16 would win (0.16 s against 0.51 s), priced on its
+    # fastest of the last three probes PowerSGD does (0.03 s).
+    def spiked(**kw):
+        b = _bucket(**kw)
+        b.candidates[3].compress_s = 0.5
+        return b
+
+    fast, slow = 1.25e9, 12.5e6
+    alone = CostController(AutoConfig(adapt_every=40, trial_steps=8), SPECS)
+    assert alone.decide(_window([spiked(comm_s=4e6 / slow)], latency_s=0.0)).choices == {0: 1}
+    ctl = CostController(AutoConfig(adapt_every=40, trial_steps=8), SPECS)
+    for _ in range(2):
+        assert ctl.decide(_window([_bucket(comm_s=4e6 / fast)], latency_s=0.0)).choices == {0: 0}
+    plan = ctl.decide(_window([spiked(comm_s=4e6 / slow)], latency_s=0.0))
+    assert plan.choices == {0: 3} and "trial" in plan.note
+    # an encode that stays slow for PROBE_MEMORY probes is what the codec costs now
+    ctl = CostController(AutoConfig(adapt_every=40, trial_steps=8), SPECS)
+    for _ in range(PROBE_MEMORY):
+        assert ctl.decide(_window([spiked(comm_s=4e6 / fast)], latency_s=0.0)).choices == {0: 0}
+    assert ctl.decide(_window([spiked(comm_s=4e6 / slow)], latency_s=0.0)).choices == {0: 1}
 
 
 def test_cost_controller_rejects_a_slower_trial_and_does_not_retry_it():

@@ -13,7 +13,11 @@ Schedules (``--auto-schedule``):
   up as fast as down), prices every candidate on every bucket from a local probe (encode and
   decode seconds, bytes it would send), keeps the candidates whose relative error
   ``||x - D(C(x))|| / ||x||`` is within ``max_error``, and picks the cheapest, dense unless a
-  codec saves at least ``min_gain`` of the dense cost. ``x`` is the bucket's gradient plus the
+  codec saves at least ``min_gain`` of the dense cost. A candidate's encode and decode seconds
+  are the least of its last :data:`PROBE_MEMORY` probes on the bucket: they depend on the codec
+  and the bucket, not on the link, and a probe that lost the CPU for a while only reads longer
+  (one probe that read twice the usual encode once sent a slow link's first trial to a gentler
+  codec than it called for). ``x`` is the bucket's gradient plus the
   residual the bucket carries (the tensor the codec is handed), so the error is the figure the
   monitor logs as ``relative_error``. The running codec's error is measured again on the last
   step of every window (one encode and decode of the bucket), because an error-feedback codec's
@@ -52,6 +56,7 @@ Candidates are listed gentlest first (``none`` is always candidate 0 and is adde
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +72,9 @@ SCHEDULES = ("cost", "accordion")
 LINK_MOVED = 0.25
 #: a trial whose link estimate changed by this factor (up or down) since its proposal ran on another link
 TRIAL_RELINKED = 2.0
+
+#: probes of a candidate whose fastest encode and decode prices it (see the module docstring)
+PROBE_MEMORY = 3
 
 FIRST_WINDOW_STEPS = 5
 """Steps of the first window (after step 0): enough for a median step period of three steps
@@ -189,6 +197,8 @@ class CostController(_Base):
         # a window averages many steps: the last one counts most (an older one a sixteenth)
         self.estimator = LinkEstimator(half_life=0.25)
         self.probes: dict[Hashable, list[CandidateFigures]] = {}
+        #: (bucket, candidate) -> encode plus decode seconds of its last PROBE_MEMORY probes
+        self.codec_s: dict[tuple[Hashable, int], deque[float]] = {}
         #: (bucket, candidate) -> the link rate at which it ran over the error budget (kept aside
         #: for the rest of the run; the rate is for the record)
         self.over_budget: dict[tuple[Hashable, int], float] = {}
@@ -211,6 +221,9 @@ class CostController(_Base):
         for b in window.buckets:
             if b.candidates is not None:
                 self.probes[b.key] = b.candidates
+                for c, cand in enumerate(b.candidates):
+                    seen = self.codec_s.setdefault((b.key, c), deque(maxlen=PROBE_MEMORY))
+                    seen.append(cand.compress_s + cand.decompress_s)
         probed = any(b.candidates is not None for b in window.buckets)
         self.windows_since_probe = 0 if probed else self.windows_since_probe + 1
         self.estimator.add(window.link_samples())
@@ -291,16 +304,19 @@ class CostController(_Base):
         note = f"over the error budget on {len(over)} bucket{'s' if len(over) > 1 else ''}; moved without a trial"
         return Plan(choices, self.trial_steps, reasons, note, True)
 
-    def _candidate_s(self, cand: CandidateFigures) -> float:
-        """Predicted seconds of one bucket's exchange with ``cand``: encode, decode, wire."""
+    def _candidate_s(self, key: Hashable, c: int) -> float:
+        """Predicted seconds of bucket ``key``'s exchange with candidate ``c``: its fastest
+        recent encode and decode, and its wire time on the estimated link."""
         assert self.estimator.link is not None
-        return cand.compress_s + cand.decompress_s + self.estimator.link.seconds(cand.sent_bytes, cand.collectives)
+        cand = self.probes[key][c]
+        codec_s = min(self.codec_s.get((key, c), ()), default=cand.compress_s + cand.decompress_s)
+        return codec_s + self.estimator.link.seconds(cand.sent_bytes, cand.collectives)
 
     def _cost(self, choices: dict[Hashable, int]) -> float:
         """Predicted seconds per step of the probed buckets' exchanges under ``choices``."""
         if self.estimator.link is None:
             return 0.0
-        return sum(self._candidate_s(self.probes[k][c]) for k, c in choices.items() if k in self.probes)
+        return sum(self._candidate_s(k, c) for k, c in choices.items() if k in self.probes)
 
     def _propose(self, window: WindowFigures) -> tuple[dict[Hashable, int], dict[Hashable, str]]:
         choices, reasons = {}, {}
@@ -310,7 +326,7 @@ class CostController(_Base):
             if cands is None or link is None:
                 choices[b.key] = b.current
                 continue
-            dense_s = self._candidate_s(cands[0])
+            dense_s = self._candidate_s(b.key, 0)
             best, best_s, over_budget = 0, dense_s, []
             for c, cand in enumerate(cands[1:], start=1):
                 if cand.relative_error > self.cfg.max_error:
@@ -321,7 +337,7 @@ class CostController(_Base):
                 if (b.key, c) in self.over_budget:
                     over_budget.append(f"{cand.spec} ran over it")
                     continue
-                cost = self._candidate_s(cand)
+                cost = self._candidate_s(b.key, c)
                 if cost < best_s:
                     best, best_s = c, cost
             head = f"link {link.mbit:,.0f} Mbit/s"
