@@ -1,9 +1,8 @@
-"""What a link probe costs: the auto reducer's figure all_reduce as it is (a few hundred bytes) and
-padded to a probe's size (:meth:`gradzip.control.link.LinkEstimator.probe_bytes`: eight
-latencies' worth of bytes at the current estimate and at least the controller's dense bytes,
-64 KiB to 8 MiB), timed side by side on real
-gloo ranks, rows interleaved, medians of ``--repeats`` rounds. Also what the estimator reads
-from those times: the latency from the small all_reduce, the bandwidth from the padded ones.
+"""What a link probe costs: all_reduces of the auto reducer's figure all_reduce's size (a few
+hundred bytes) and of a probe's sizes (:meth:`gradzip.control.link.LinkEstimator.probe_bytes`:
+eight latencies' worth of bytes, 64 KiB to 8 MiB), timed side by side on real gloo ranks, rows
+interleaved, medians of ``--repeats`` rounds. Also what the estimator reads from those times:
+the latency from the small all_reduce, the bandwidth from the probe-sized ones.
 
     PYTHONPATH=$PWD python benchmarks/link_probe.py --world-size 2 --repeats 30
 """

@@ -42,14 +42,18 @@ def _bucket(key=0, numel=1_000_000, comm_s=0.32, current=0, probes=True, **kw) -
     return BucketFigures(**fields)
 
 
-def _window(buckets, period_s=1.0, start=1, end=50, latency_s=None, figures_bytes=800) -> WindowFigures:
+def _window(buckets, period_s=1.0, start=1, end=50, latency_s=None, figures_bytes=800, probe_bytes=0) -> WindowFigures:
     """A window whose exchange took the buckets' seconds, and whose figure all_reduce (800
-    bytes, or a probe's, one collective) took ``latency_s`` plus its bytes at the buckets' rate."""
+    bytes, one collective) and link probe (8 bytes and ``probe_bytes``, none if 0) each took
+    ``latency_s`` plus its bytes at the buckets' rate."""
     window = WindowFigures(start=start, end=end, world_size=2, period_s=period_s, buckets=buckets,
                            in_flight_s=sum(b.communicate_s for b in buckets))
     if latency_s is not None:
         rate = sum(b.sent_bytes for b in buckets) / (window.in_flight_s - latency_s * sum(b.collectives for b in buckets))
         window.figures_s, window.figures_bytes = latency_s + figures_bytes / rate, float(figures_bytes)
+        if probe_bytes:
+            window.probe_latency_s, window.probe_latency_bytes = latency_s + 8 / rate, 8.0
+            window.probe_s, window.probe_bytes = latency_s + probe_bytes / rate, float(probe_bytes)
     return window
 
 
@@ -75,15 +79,18 @@ def test_cost_controller_follows_the_link_back_to_dense():
     assert ctl.decide(_window([_bucket(comm_s=0.001 + 4e6 / slow)], latency_s=0.001)).choices == {0: 3}
     assert ctl.decide(_window([_bucket(current=3, comm_s=0.002 + 1e5 / slow, probes=False)], period_s=0.6,
                               latency_s=0.001)).note.startswith("trial kept")
-    assert ctl.probe_bytes() == 0  # 8 ms of 10 on the wire: the exchange itself reads the link
+    # 8 ms of 10 on the wire: the exchange reads the link; a calibration probe all the same,
+    # eight latencies' worth at the rate the exchange moved its bytes (100 kB in 10 ms: 80 kB)
+    probe = ctl.probe_bytes()
+    assert probe == 80_000
     # On the recovered link PowerSGD's 100 kB take 0.08 ms of 2.08: nearly all latency, which
-    # says little of the bandwidth; the controller asks for a probe in the next figure exchange
-    # (the dense payload, more than eight latencies' worth at its estimate), which reads the link.
-    probe, choice, probes_asked = 0, 3, []
+    # says little of the bandwidth; the probe after the figure exchange reads the link, and the
+    # next one is a recovery probe (the dense payload, more than eight latencies' worth).
+    choice, probes_asked = 3, []
     for _ in range(3):
         running = _bucket(current=choice)
         running.communicate_s = 0.001 * running.collectives + running.sent_bytes / fast
-        plan = ctl.decide(_window([running], period_s=0.6, latency_s=0.001, figures_bytes=probe or 800))
+        plan = ctl.decide(_window([running], period_s=0.6, latency_s=0.001, probe_bytes=probe))
         choice = plan.choices[0]
         probe = ctl.probe_bytes()
         probes_asked.append(probe)

@@ -126,6 +126,39 @@ def test_link_probe_is_at_least_what_the_caller_names():
     assert est.probe_bytes(1e9) == 8 << 20
 
 
+def test_a_calibration_probe_is_sized_by_the_lesser_of_the_estimate_and_the_exchange_rate():
+    est = LinkEstimator(probe_every=1)
+    fast = Link(0.0005, 5e8)  # 4 Gbit/s, 0.5 ms
+    est.add([(1, 800, fast.seconds(800, 1)), (1, 2e6, fast.seconds(2e6, 1))])
+    eight = 8 * est.link.latency_s * est.link.bytes_per_s  # 2 MB
+    assert eight == pytest.approx(2e6, rel=1e-6)
+    assert est.probe_bytes() == 0  # the exchange reads the link, no calibration asked
+    assert est.probe_bytes(calibrate=True) == int(eight)
+    # the link fell to 20 Mbit/s under the last window's exchange (2 MB in 0.8 s): eight
+    # latencies at that rate are under the floor, so the probe takes 26 ms, not 0.8 s
+    assert est.probe_bytes(calibrate=True, observed_bytes_per_s=2.5e6) == 64 << 10
+    # an exchange seen faster than the estimate does not size a probe up
+    assert est.probe_bytes(calibrate=True, observed_bytes_per_s=1e10) == int(eight)
+    # a recovery probe (the exchange mostly latency) is at least what the caller names
+    assert est.probe_bytes(4e6, share=0.1, calibrate=True, observed_bytes_per_s=2.5e6) == 4_000_000
+
+
+def test_a_probe_replaces_the_exchange_in_the_window_link_samples():
+    window = WindowFigures(start=1, end=5, world_size=2, period_s=0.4, in_flight_s=0.2, figures_s=0.002,
+                           figures_bytes=800.0, buckets=[])
+    assert window.link_samples() == [(1.0, 800.0, 0.002)]  # no bucket: the figure exchange alone
+    window.buckets = [BucketFigures(key=0, numel=10, itemsize=4, current=1, payload_bytes=3e5, sent_bytes=3e5,
+                                    communicate_s=0.2, collectives=1, gradient_sum_norm=1.0)]
+    assert window.link_samples() == [(1.0, 3e5, 0.2), (1.0, 800.0, 0.002)]
+    window.probe_latency_s, window.probe_latency_bytes = 0.0005, 8.0
+    window.probe_s, window.probe_bytes = 0.027, 65536.0
+    assert window.link_samples() == [(1.0, 8.0, 0.0005), (1.0, 65536.0, 0.027)]
+    # what the estimator reads from it: the probe's link, not the skewed exchange's 12 Mbit/s
+    est = LinkEstimator()
+    link = est.add(window.link_samples())
+    assert link.bytes_per_s * 8 / 1e6 == pytest.approx(65536 * 8 / (0.027 - 0.0005) / 1e6, rel=1e-3)
+
+
 def test_link_estimator_keeps_a_fitted_latency_through_one_size():
     est = LinkEstimator()
     link = Link(0.004, 1e7)

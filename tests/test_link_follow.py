@@ -24,21 +24,16 @@ does. The compression level of a step is its ``compression_ratio`` (dense bytes 
 bytes, rank 0's record): light at most 2, strong at least 4.
 
 The link estimate once settled on the slow link (the median of those in force from step
-``DROP + 10`` to ``RECOVER - 1``) is checked against the ``tbf`` rate: within 25% for Kimad,
-as the issue asks, and within a factor of 2 for ``auto``. Measured on an idle 2-core machine
-with the cluster's bucket of 4 KiB at this rate: Kimad 18.9-19.9 Mbit/s in three runs, ``auto``
-18.7-19.0 in two and 11.8 in one (its settled figure then came from the window of its trial of
-``qsgd:bits=4``); with one CPU-bound process beside the run, Kimad 22.4 and ``auto`` 12.5. In
-later runs of this file alone: Kimad 19.3-19.9 in four, ``auto`` 11.5-13.5 in ten. So ``auto``'s
-estimate is not within 25%. Once in five runs ``auto`` stayed on ``qsgd:bits=4`` after the
-recovery, its estimate stuck at the slow link's: a latency kept from the slow link was longer
-than every exchange on the recovered one, which then counted no wire time
-(:class:`~gradzip.control.link.LinkEstimator` now holds the latency under the newest batch's
-fastest exchange; ten runs since came back to light compression). With the 32 KiB bucket
-the cluster had before, Kimad read 25.8-33.7 Mbit/s: a full bucket passed the first 32 kB of
-each of its 110-150 kB exchanges at the veth's speed. On the 4 Gbit/s link the estimates
-spread from about 0.5 to 20 Gbit/s (an exchange of 1 to 5 ms is mostly latency and scheduling
-noise) and are not checked.
+``DROP + 10`` to ``RECOVER - 1``) is checked against the ``tbf`` rate: within 25% for both, as
+the issue asks. ``auto`` reads it from a probe it sends every window right after its figure
+all_reduce, which the ranks issue together; its estimate read 11.5-15.5 Mbit/s here when it
+came from the running exchange itself: ``qsgd:bits=4``'s encode takes 20 to 70 ms and differs
+between the ranks, and a rank that issues its all_gather tens of ms after its peer makes gloo's
+collective take longer on both than the link does (300 kB between two of these hosts: 167 ms
+on the rank that waited least with one rank 40 ms late, 128 ms issued together). With the
+probe: 19.2-20.1 Mbit/s in ten runs. Kimad reads it from its exchange, whose encodes are light:
+18.6-19.9. On the 4 Gbit/s link the estimates spread from about 0.5 to 20 Gbit/s (an exchange
+of 1 to 5 ms is mostly latency and scheduling noise) and are not checked.
 
 Needs root and network namespaces; skipped elsewhere with the reason. Each case takes about 30 s
 on a loaded 2-core machine, about 18 s of it the trainer's start-up (two ranks importing torch
@@ -67,7 +62,7 @@ STEPS = RECOVER + 13  # the steps past RECOVER + FOLLOW show the choice held
 FOLLOW = 10  # steps within which the compression must follow a change of the link
 LIGHT, STRONG = 2.0, 4.0  # compression ratios
 # the settled estimate of the slow link against its tbf rate: at most this factor either way
-ESTIMATE_FACTOR = {"kimad": 1.25, "auto": 2.0}
+ESTIMATE_FACTOR = {"kimad": 1.25, "auto": 1.25}
 MODEL = dict(n_layer=2, n_embd=128, n_head=2, seq_len=64, batch_size=8, vocab_size=512, eval_every=1000,
              eval_batches=1, threads=1, warmup_steps=2)
 OPTIONS = {

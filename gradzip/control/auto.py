@@ -7,10 +7,12 @@ rank reaches the same decisions. :class:`~gradzip.control.auto_reducer.AutoReduc
 
 Schedules (``--auto-schedule``):
 
-- ``cost`` (default): bandwidth-aware. Estimates the link's latency and bandwidth from every
-  window's exchange and the window's own figure all_reduce
-  (:class:`~gradzip.control.link.LinkEstimator`, right whatever codec runs, following the link
-  up as fast as down), prices every candidate on every bucket from a local probe (encode and
+- ``cost`` (default): bandwidth-aware. Estimates the link's latency and bandwidth from a link
+  probe sent at every decision, right after the window's figure all_reduce, so that the ranks
+  issue it together (:meth:`~gradzip.control.auto_reducer.AutoReducer._send_probe`,
+  :class:`~gradzip.control.link.LinkEstimator`: right whatever codec runs, following the link
+  up as fast as down; the window's exchange times the link too slow when the ranks issue it
+  apart), prices every candidate on every bucket from a local probe (encode and
   decode seconds, bytes it would send), keeps the candidates whose relative error
   ``||x - D(C(x))|| / ||x||`` is within ``max_error``, and picks the cheapest, dense unless a
   codec saves at least ``min_gain`` of the dense cost. A candidate's encode and decode seconds
@@ -208,6 +210,10 @@ class CostController(_Base):
         self.trial: dict[Hashable, int] | None = None
         self.trial_bytes_per_s = 0.0
         self.rejected: list[tuple[dict[Hashable, int], float]] = []
+        #: the last window's exchange: its wire seconds over its seconds, and its bytes over its
+        #: seconds in flight (None: not measured)
+        self.exchange_share: float | None = None
+        self.exchange_rate: float | None = None
 
     def _payload(self, choices: dict[Hashable, int]) -> float:
         total = 0.0
@@ -227,6 +233,9 @@ class CostController(_Base):
         probed = any(b.candidates is not None for b in window.buckets)
         self.windows_since_probe = 0 if probed else self.windows_since_probe + 1
         self.estimator.add(window.link_samples())
+        self.exchange_share = _wire_share(window, self.estimator.link)
+        sent = sum(b.sent_bytes for b in window.buckets)
+        self.exchange_rate = sent / window.in_flight_s if sent > 0 and window.in_flight_s > 0 else None
         current = {b.key: b.current for b in window.buckets}
         bandwidth = self.estimator.link.bytes_per_s if self.estimator.link else 0.0
         for b in window.buckets:
@@ -359,9 +368,12 @@ class CostController(_Base):
         return self.estimator.link
 
     def probe_bytes(self) -> int:
-        """A link probe for the next figure all_reduce, at least the probed buckets' dense
-        payload (see :meth:`LinkEstimator.probe_bytes`)."""
-        return self.estimator.probe_bytes(self._payload({key: 0 for key in self.probes}))
+        """The link probe sent after the next window's figure all_reduce: one every window (a
+        calibration), at least the probed buckets' dense payload when the running exchange was
+        mostly latency (see :meth:`LinkEstimator.probe_bytes`)."""
+        dense = self._payload({key: 0 for key in self.probes})
+        return self.estimator.probe_bytes(dense, share=self.exchange_share, calibrate=True,
+                                          observed_bytes_per_s=self.exchange_rate)
 
     def state_dict(self) -> dict[str, Any]:
         return {"running": self.running, "running_period_s": self.running_period_s, "trial": self.trial,
@@ -376,6 +388,14 @@ class CostController(_Base):
         self.windows_since_probe = state["windows_since_probe"]
         self.estimator.load_state_dict(state["link"])
         self.over_budget = {(k, c): rate for k, c, rate in state["over_budget"]}
+
+
+def _wire_share(window: WindowFigures, link: Link | None) -> float | None:
+    """The window's exchange: its seconds on the wire over its seconds in flight, by ``link``."""
+    collectives = sum(b.collectives for b in window.buckets)
+    if link is None or collectives <= 0 or window.in_flight_s <= 0:
+        return None
+    return max(0.0, window.in_flight_s - link.latency_s * collectives) / window.in_flight_s
 
 
 def _moved(bytes_per_s: float, reference: float) -> bool:

@@ -63,6 +63,8 @@ _BUCKET_FIELDS = 8
 # compress_s, decompress_s, payload_bytes, sent_bytes, collectives, relative_error
 _CANDIDATE_FIELDS = 6
 MIN_WINDOW_STEPS = 3
+#: rounds of a link probe; each of its two all_reduces is timed by its fastest round
+PROBE_ROUNDS = 2
 
 
 class Controller(Protocol):
@@ -162,7 +164,7 @@ class AutoReducer:
         self._entropy_steps: dict[int, float] = {}
         self._figures_s = 0.0  # the previous window's figure all_reduce
         self._figures_bytes = 0.0
-        self._probe_bytes = 0  # padding of the next figure all_reduce (a link probe)
+        self._probe_bytes = 0  # the link probe the controller asked for, sent at the next decision
         self._entropy_lock = threading.Lock()
 
     def _make(self, codec: Compressor):
@@ -342,9 +344,6 @@ class AutoReducer:
         in_flight = self._window_in_flight(steps)
         exchange = statistics.fmean(self._exchange) if self._exchange else 0.0
         values += [period, -in_flight, exchange, -self._figures_s]
-        # A link probe, when the controller asked for one: zeros that make this all_reduce
-        # carry that many bytes (read back by nobody; its time reads the bandwidth).
-        values += [0.0] * (self._probe_bytes // 8)
         # On the device the group's collectives take (CUDA for NCCL): the decision reads the
         # reduced figures on the host anyway, once per window.
         stats = torch.tensor(values, dtype=torch.float64).to(collective_device(self.group))
@@ -361,6 +360,7 @@ class AutoReducer:
         window = self._unpack(stats.tolist(), order, probed, len(sampled))
         self._figures_s = time.perf_counter() - began
         self._figures_bytes = float(allreduce_bytes(stats.numel() * stats.element_size(), window.world_size))
+        self._send_probe(window, stats.device)
         plan = self.controller.decide(window)
         self.last_plan = plan
         self._probe_bytes = getattr(self.controller, "probe_bytes", lambda: 0)()
@@ -372,7 +372,9 @@ class AutoReducer:
             self.metrics.add_event({
                 "kind": "auto", "schedule": getattr(self.controller, "name", "auto"), "step": step,
                 "window": [window.start, window.end], "period_s": window.period_s,
-                "figures_s": window.figures_s, "note": plan.note, "choices": self._event_choices(order),
+                "figures_s": window.figures_s, "probe_s": window.probe_s, "probe_bytes": window.probe_bytes,
+                "probe_latency_s": window.probe_latency_s,
+                "note": plan.note, "choices": self._event_choices(order),
                 "reasons": {label(k): r for k, r in plan.reasons.items()},
             })
         self.window_start = step
@@ -388,6 +390,43 @@ class AutoReducer:
         self._in_flight = []
         self._totals_at_start = {k: dict(v) for k, v in self.metrics.totals.items()}
         self._in_flight_at_start = self.metrics.in_flight_total_s
+
+    def _send_probe(self, window: WindowFigures, device: torch.device) -> None:
+        """The link probe the controller asked for at the last decision (none if it asked for 0
+        bytes): :data:`PROBE_ROUNDS` rounds of an all_reduce of one element (the latency) and
+        one of the asked bytes (the bandwidth), each timed by its fastest round, then those
+        times' minimum over ranks (one more small all_reduce), written into ``window``.
+
+        It is issued right after the figure all_reduce, which every rank has just left: the
+        ranks issue it together, so its seconds are the link's. (An exchange of the step is
+        issued when each rank's bucket is ready; a rank that issues tens of ms after its peer
+        makes gloo's collective take longer on both, beyond the wait itself, so the exchange's
+        own seconds read the link slow when the ranks' encodes differ.) A rank descheduled
+        during a round only adds time, hence the fastest round."""
+        if self._probe_bytes <= 0:
+            return
+        timed = [torch.zeros(1, dtype=torch.float64, device=device),
+                 torch.zeros(max(1, self._probe_bytes // 8), dtype=torch.float64, device=device)]
+        seconds: list[list[float]] = [[], []]
+        for _ in range(PROBE_ROUNDS):
+            for zeros, times in zip(timed, seconds):
+                began = time.perf_counter()
+                self._all_reduce(zeros, dist.ReduceOp.SUM)
+                times.append(time.perf_counter() - began)
+        fastest = torch.tensor([-min(t) for t in seconds], dtype=torch.float64, device=device)
+        self._all_reduce(fastest, dist.ReduceOp.MAX)
+        small_s, big_s = (-float(x) for x in fastest.tolist())
+        window.probe_latency_s, window.probe_s = small_s, big_s
+        window.probe_latency_bytes, window.probe_bytes = (
+            float(allreduce_bytes(z.numel() * z.element_size(), window.world_size)) for z in timed)
+
+    def _all_reduce(self, tensor: Tensor, op: dist.ReduceOp) -> None:
+        """An all_reduce through the group's ordered queue, waited for."""
+
+        def launch() -> Future:
+            return dist.all_reduce(tensor, op=op, group=self.group, async_op=True).get_future()
+
+        self.queue.submit(launch, device=tensor.device).wait()
 
     def _window_in_flight(self, steps: int) -> float:
         """Seconds with a collective in flight in the window's least-disturbed step (its steps

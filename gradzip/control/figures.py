@@ -110,6 +110,11 @@ class WindowFigures:
         figures_s: seconds of the previous window's figure all_reduce (min over ranks), 0 for
             the first window; ``figures_bytes`` what it sent per rank. A sample of the link's
             latency at almost no bytes.
+        probe_s: seconds of the link probe the previous window sent right after its figure
+            all_reduce (its sized all_reduce, the fastest of its rounds, min over ranks; 0 when
+            it sent none); ``probe_bytes`` what that sent per rank; ``probe_latency_s`` and
+            ``probe_latency_bytes`` the same of its all_reduce of one element. Every rank issues
+            the probe together, so it times the link free of the ranks' skew.
         entropy: per sampled step of the window (the controller's ``entropy_every``), the
             entropy of the averaged gradient summed over buckets (identical on every rank).
     """
@@ -123,11 +128,25 @@ class WindowFigures:
     exchange_s: float = 0.0
     figures_s: float = 0.0
     figures_bytes: float = 0.0
+    probe_latency_s: float = 0.0
+    probe_latency_bytes: float = 0.0
+    probe_s: float = 0.0
+    probe_bytes: float = 0.0
     entropy: list[float] = field(default_factory=list)
 
     def link_samples(self) -> list[tuple[float, float, float]]:
-        """``(collectives, sent_bytes, seconds)`` per step of the whole exchange, and of the
-        figure all_reduce, for :class:`gradzip.control.link.LinkEstimator`."""
+        """``(collectives, sent_bytes, seconds)`` for :class:`gradzip.control.link.LinkEstimator`:
+        the link probe's two all_reduces when there was a probe, else the whole exchange per
+        step and the figure all_reduce.
+
+        A probe's samples replace the others: the ranks issue the probe together, while each
+        issues its exchange when its own buckets are ready, and gloo's collectives take longer
+        than the link does when the ranks arrive apart (two hosts at 20 Mbit/s, an all_gather of
+        300 kB: 167 ms on the rank that waited least when one rank issued 40 ms late, against
+        128 ms issued together); the figure all_reduce is one sample, the probe's the fastest
+        of its rounds."""
+        if self.probe_s > 0 and self.probe_bytes > 0 and self.probe_latency_s > 0:
+            return [(1.0, self.probe_latency_bytes, self.probe_latency_s), (1.0, self.probe_bytes, self.probe_s)]
         rows = []
         collectives = sum(b.collectives for b in self.buckets)
         sent = sum(b.sent_bytes for b in self.buckets)

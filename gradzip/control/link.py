@@ -27,15 +27,21 @@ follows a change of the link up as fast as down, whatever payload the running co
 A strongly compressed exchange can be so small that its time is nearly all latency; its bytes
 then say little about the bandwidth (and a recovered link would go unseen). Such a batch
 (wire seconds under :data:`MIN_WIRE_SHARE` of its time) counts in proportion to its wire share,
-and :meth:`LinkEstimator.probe_bytes` asks for a probe: the next figure all_reduce is padded to
-about eight latencies' worth of bytes at the current estimate, and to at least what the caller
-names (the controllers name the dense exchange of their buckets, what the gentlest choice would
-send), 64 KiB to 8 MiB; it times the bandwidth at the cost of that one collective, at most every
-``probe_every`` batches (its seconds are in every ``auto`` event, ``figures_s``). The floor
-matters after a recovery: sized from the slow link's estimate alone, a probe takes a small share
-of a latency on a link that became a hundred times faster, and the estimate climbs only by a
-factor per probe; the dense exchange's bytes on the new link take what the gentlest choice
-would take, which is what the decision needs to know.
+and :meth:`LinkEstimator.probe_bytes` asks for a probe: an all_reduce that every rank issues
+right after the window's figure all_reduce, of about eight latencies' worth of bytes at the
+current estimate, and at least what the caller names (the controllers name the dense exchange
+of their buckets, what the gentlest choice would send), 64 KiB to 8 MiB; it times the bandwidth
+at the cost of that one collective, at most every ``probe_every`` batches (its seconds are in
+every ``auto`` event, ``probe_s``). The floor matters after a recovery: sized from the slow
+link's estimate alone, a probe takes a small share of a latency on a link that became a hundred
+times faster, and the estimate climbs only by a factor per probe; the dense exchange's bytes on
+the new link take what the gentlest choice would take, which is what the decision needs to know.
+A caller may also ask for a probe every batch (``calibrate``; ``auto`` does): eight latencies'
+worth at the lesser of the estimate and the rate the running exchange itself was seen to move
+(right after the link fell, that one already reads it: sized from the estimate alone, the probe
+would take what a dense exchange takes on the new link), 64 KiB at least. Since the ranks issue
+a probe together, its batch reads the link free of the ranks' skew, which an exchange's seconds
+hold (see :meth:`gradzip.control.figures.WindowFigures.link_samples`).
 """
 
 from __future__ import annotations
@@ -150,17 +156,36 @@ class LinkEstimator:
             rate = math.exp(sum(x * w for x, w in logs) / sum(w for _, w in logs))
             self.link = Link(latency, rate)
 
-    def probe_bytes(self, at_least: float = 0.0) -> int:
-        """Bytes for the next figure all_reduce to carry: 0, or, when the last batch's time was
-        mostly latency and no probe was asked for in the last ``probe_every`` batches, about
-        eight latencies' worth at the current estimate and at least ``at_least`` (within
-        :data:`PROBE_BYTES`) so that its time reads the bandwidth. Call once per batch."""
+    def probe_bytes(self, at_least: float = 0.0, *, share: float | None = None, calibrate: bool = False,
+                    observed_bytes_per_s: float | None = None) -> int:
+        """Bytes of the next link probe. Call once per batch.
+
+        Args:
+            at_least: the floor of a recovery probe (the controllers name their dense exchange).
+            share: the running exchange's wire seconds over its seconds (None: the last batch's).
+            calibrate: probe every batch, not only the batches whose exchange was mostly latency.
+            observed_bytes_per_s: the rate the running exchange moved its bytes at (bytes over
+                seconds in flight), which sizes a calibration when below the estimate.
+
+        Returns:
+            0 when no probe was asked for in the last ``probe_every`` batches or there is no
+            estimate yet; else, when ``share`` is under :data:`MIN_WIRE_SHARE` (a recovery
+            probe), about eight latencies' worth at the current estimate and at least
+            ``at_least``; else, with ``calibrate``, eight latencies' worth at the lesser of the
+            estimate and ``observed_bytes_per_s``; else 0. Within :data:`PROBE_BYTES`.
+        """
         self.since_probe += 1
-        if self.link is None or self.last_share >= MIN_WIRE_SHARE or self.since_probe < self.probe_every:
+        share = self.last_share if share is None else share
+        if self.link is None or self.since_probe < self.probe_every or not (share < MIN_WIRE_SHARE or calibrate):
             return 0
         self.since_probe = 0
         low, high = PROBE_BYTES
-        return int(min(high, max(low, at_least, 8 * self.link.latency_s * self.link.bytes_per_s)))
+        if share < MIN_WIRE_SHARE:
+            return int(min(high, max(low, at_least, 8 * self.link.latency_s * self.link.bytes_per_s)))
+        rate = self.link.bytes_per_s
+        if observed_bytes_per_s is not None and 0 < observed_bytes_per_s < rate:
+            rate = observed_bytes_per_s
+        return int(min(high, max(low, 8 * self.link.latency_s * rate)))
 
     def state_dict(self) -> dict[str, Any]:
         return {"batches": [[list(s) for s in b] for b in self.batches], "latency_s": self.latency_s,
