@@ -115,6 +115,20 @@ def test_cost_controller_sets_aside_a_codec_that_ran_over_the_error_budget():
     assert again.over_budget == ctl.over_budget and again.link_estimate() == ctl.link_estimate()
 
 
+def test_cost_controller_counts_a_nan_error_over_the_budget():
+    ctl = CostController(AutoConfig(adapt_every=40, trial_steps=8, max_error=0.6), SPECS)
+    probed = _bucket(comm_s=4e6 / 12.5e6)
+    probed.candidates[3].relative_error = float("nan")  # PowerSGD's probe on a gradient holding NaN
+    plan = ctl.decide(_window([probed], latency_s=0.0001))
+    assert plan.choices == {0: 1} and "powersgd:approx_rank=4 error nan" in plan.reasons[0]
+    ctl = CostController(AutoConfig(adapt_every=40, trial_steps=8, max_error=0.6), SPECS)
+    assert ctl.decide(_window([_bucket(comm_s=4e6 / 12.5e6)], latency_s=0.0001)).choices == {0: 3}
+    ctl.decide(_window([_bucket(current=3, comm_s=0.01)], period_s=0.6, latency_s=0.0001))  # kept
+    plan = ctl.decide(_window([_bucket(current=3, comm_s=0.01, running_error=float("nan"))], period_s=0.6,
+                              latency_s=0.0001))
+    assert plan.choices[0] != 3 and "over the error budget" in plan.note
+
+
 def test_cost_controller_slow_link_trial_kept_then_steady():
     ctl = CostController(AutoConfig(adapt_every=40, trial_steps=8), SPECS)
     plan = ctl.decide(_window([_bucket(comm_s=4e6 / 12.5e6)], latency_s=0.0))  # 100 Mbit/s
@@ -245,6 +259,16 @@ def test_auto_config_validation():
         AutoConfig(adapt_every=2).validate()
     with pytest.raises(ValueError, match="besides none"):
         AutoConfig(candidates=("none",)).validate()
+    with pytest.raises(ValueError, match="besides none"):
+        AutoConfig(candidates=(" ",)).validate()
+    # every candidate is built before any worker starts: unknown, out of range, not runnable
+    with pytest.raises(ValueError, match="auto-candidates: 'bogus': unknown compressor"):
+        AutoConfig(candidates=("fp16", "bogus")).validate()
+    with pytest.raises(ValueError, match=r"auto-candidates: 'topk:ratio=5': ratio must be in \(0, 1\]"):
+        AutoConfig(candidates=("topk:ratio=5",)).validate()
+    with pytest.raises(ValueError, match="powersgd and single-round codecs, not separate"):
+        AutoConfig(candidates=("separate",)).validate()
+    AutoConfig(candidates=("fp16", "powersgd:approx_rank=2", "topk:ratio=0.1")).validate()
 
 
 SHAPES = {0: [(16, 8), (8,)], 1: [(32, 4)]}

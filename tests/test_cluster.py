@@ -192,6 +192,17 @@ def test_host_cpus_refusals_and_the_pinned_command():
         host_cpus(2, 2, [0, 1])
     with pytest.raises(ValueError, match="available must name at least one CPU"):
         host_cpus(0, 2, [])
+    with pytest.raises(ValueError, match=r"num_hosts must be >= 1; got 0"):
+        host_cpus(0, 0, [0])
+    for bad in (0.5, True, "0"):
+        with pytest.raises(ValueError, match="index must be an integer"):
+            host_cpus(bad, 2, [0, 1])
+    for bad in ([-1, 0], ["0", "1"], [0.0]):
+        with pytest.raises(ValueError, match="available must be CPU numbers"):
+            host_cpus(0, 2, bad)
+    # a CPU named twice counts once: two hosts on [0, 0, 1] get one CPU each, not one and two
+    assert [host_cpus(i, 2, [0, 0, 1]) for i in range(2)] == [(0,), (1,)]
+    assert [host_cpus(i, 2, [3, 3]) for i in range(2)] == [(3,), (3,)]
     # no namespaces are made until start(): the commands can be read without root
     pinned = Cluster(3, "20mbit", pin_cpus=True)
     cpus = sorted(os.sched_getaffinity(0))

@@ -210,21 +210,31 @@ def test_repeats_run_every_row_once_per_round(tmp_path):
 @pytest.mark.e2e
 def test_no_baseline_runs_no_none_row_and_times_the_given_target(tmp_path):
     lines = []
-    cfg = _fake_config(tmp_path, ["fp16"], network="loopback", baseline=False, target_loss=1e9)
+    cfg = _fake_config(tmp_path, ["fp16"], network="loopback", baseline=False, target_loss=1e5)
     rows = run_compare(cfg, log=lines.append)
     assert [line.split()[:2] for line in lines[:2]] == [["[1/2]", "limit"], ["[2/2]", "fp16"]]
     assert not (Path(cfg.out) / "runs" / "none").exists()
     by = {r["compressor"]: r for r in rows}
     assert set(by) == {"limit", "fp16"}
     assert by["fp16"]["speedup"] is None  # no 'none' row to take a ratio against
-    # every validation is below a target of 1e9: reached at the first one, as the run recorded it
+    # every validation is below a target of 1e5: reached at the first one, as the run recorded it
     records = [json.loads(line) for line in (Path(cfg.out) / "runs" / "fp16" / "metrics.jsonl").read_text().splitlines()]
     first = next(r for r in records if "val_loss" in r)
     assert by["fp16"]["time_to_target_s"] == pytest.approx(first["elapsed_s"])
-    assert "- Target validation loss: 1000000000.0000 (--target-loss)." in (Path(cfg.out) / "report.md").read_text()
+    assert "- Target validation loss: 100000.0000 (--target-loss)." in (Path(cfg.out) / "report.md").read_text()
     # --report-only keeps the comparison's own --target-loss
     again = {r["compressor"]: r for r in rewrite_report(cfg.out, log=lambda line: None)}
     assert again["fp16"]["time_to_target_s"] == pytest.approx(first["elapsed_s"])
+    # and checks a new one as a comparison does
+    for bad in (-5, 0, 1e308, float("nan")):
+        with pytest.raises(ValueError, match="--target-loss"):
+            rewrite_report(cfg.out, target_loss=bad, log=lambda line: None)
+    # a damaged setup.json is named in one error, whatever it holds
+    setup = Path(cfg.out) / "setup.json"
+    for text in ("[]", '{"entries": 5}', '{"entries": ["fp16"], "repeats": 0}', "{bad"):
+        setup.write_text(text)
+        with pytest.raises(ValueError, match="setup.json is not"):
+            rewrite_report(cfg.out, log=lambda line: None)
 
 
 @pytest.mark.e2e
@@ -271,7 +281,11 @@ def test_orchestration_on_emulated_hosts(tmp_path):
     assert json.loads((Path(free.out) / "setup.json").read_text())["host_cpus"] is None
     for run in (Path(free.out) / "runs").iterdir():
         assert [json.loads((run / f"cpus_rank{r}.json").read_text()) for r in range(2)] == [cpus, cpus]
-    assert "placed by the kernel" in (Path(free.out) / "report.md").read_text()
+    report = (Path(free.out) / "report.md").read_text()
+    assert "placed by the kernel" in report
+    # --no-limit: the report does not describe a limit row it does not have
+    assert "no `limit` row (`--no-limit`)" in report and "the `limit` row's workers" not in report.lower()
+    assert "`wire for exchange` needs the `limit` row" in report and "subtracts the `limit`" not in report
 
 
 @pytest.mark.e2e

@@ -434,7 +434,10 @@ def test_end_to_end_one_line_and_exit_2(tmp_path, argv, needle):
     [(["--compressor", "radius:ratio=0"], ["--compressor radius:ratio=0", "ratio"]),
      (["--outer", "diloco:sync_every=4", "--outer-compressor", "radius:ratio=0"], ["--outer-compressor radius:ratio=0", "ratio"]),
      (["--outer", "diloco:sync_every=4", "--outer-compressor", "topk:ratio=0.01,warmup_steps=5"], ["--outer-compressor", "warmup_steps"]),
-     (["--outer", ""], ["--outer must be diloco:sync_every=H"])],
+     (["--outer", ""], ["--outer must be diloco:sync_every=H"]),
+     (["--compressor", "auto", "--auto-candidates", "fp16;bogus"], ["--auto-candidates: 'bogus'", "unknown compressor"]),
+     (["--compressor", "auto", "--auto-candidates", "topk:ratio=5"], ["--auto-candidates: 'topk:ratio=5'", "ratio"]),
+     (["--compressor", "auto", "--auto-candidates", "fp16;radius"], ["--auto-candidates take powersgd", "radius"])],
 )  # fmt: skip
 def test_codec_errors_name_the_option_they_came_from(no_workers, argv, needles):
     _assert_one_line_exit_2(["train", *argv, "--out", "run"], *needles)
@@ -460,3 +463,10 @@ def test_an_outer_cycle_longer_than_the_run_is_warned_about(no_workers, monkeypa
     assert err.getvalue().splitlines() == [
         "gradzip: warning: --outer: sync_every=6 is more than --steps 5: the replicas never exchange (each trains alone)"
     ]
+
+
+def test_an_abbreviated_option_is_refused_not_read_as_another(no_workers):
+    # compare has --compressors; argparse's abbreviations once read --compressor as it
+    _assert_one_line_exit_2(["compare", "--compressors", "fp16", "--compressor", "topk:ratio=0.1", "--out", "run"],
+                            "unrecognized arguments: --compressor")
+    _assert_one_line_exit_2(["train", "--world", "2", "--out", "run"], "unrecognized arguments: --world")

@@ -136,8 +136,12 @@ class AutoConfig:
             check_number(value, name=name, low=0, low_open=True)
         if self.min_gain >= 1 or self.trial_margin >= 1:
             raise ValueError("min_gain and trial_margin must be below 1")
-        if self.candidates is not None and len([c for c in self.candidates if c.strip() != "none"]) < 1:
-            raise ValueError("--auto-candidates must name at least one codec besides none")
+        if self.candidates is not None:
+            named = [c.strip() for c in self.candidates if c.strip()]
+            if not [c for c in named if c != "none"]:
+                raise ValueError("--auto-candidates must name at least one codec besides none")
+            for spec in named:
+                check_candidate(spec)
         return self
 
     def candidate_specs(self) -> list[str]:
@@ -145,6 +149,20 @@ class AutoConfig:
         specs = list(self.candidates if self.candidates is not None else DEFAULT_CANDIDATES[self.schedule])
         specs = [s.strip() for s in specs if s.strip()]
         return ["none"] + [s for s in specs if s != "none"]
+
+
+def check_candidate(spec: str) -> None:
+    """Raise ``ValueError`` (naming ``--auto-candidates``) for a spec that is not a codec auto can
+    run: an unknown or out-of-range codec, or a multi-round one other than PowerSGD (auto probes
+    every candidate and moves residuals between them, which only PowerSGD's reducer supports)."""
+    from gradzip.compressors import build
+
+    try:
+        codec = build(spec)
+    except ValueError as exc:
+        raise ValueError(f"--auto-candidates: {spec!r}: {exc}") from None
+    if codec.multi_round and codec.name != "powersgd":
+        raise ValueError(f"--auto-candidates take powersgd and single-round codecs, not {codec.name} ({spec!r})")
 
 
 def parse_candidates(text: str) -> tuple[str, ...]:
@@ -240,10 +258,10 @@ class CostController(_Base):
         bandwidth = self.estimator.link.bytes_per_s if self.estimator.link else 0.0
         for b in window.buckets:
             # the running codec's error on what it was handed: over the budget, it is set aside
-            if b.candidates is not None and b.current and b.candidates[b.current].relative_error > self.cfg.max_error:
+            if b.candidates is not None and b.current and self._over(b.candidates[b.current].relative_error):
                 self.over_budget[(b.key, b.current)] = bandwidth
         probe_next = self.windows_since_probe + 1 >= self.cfg.reprobe_every
-        over = [b for b in window.buckets if b.current and b.running_error > self.cfg.max_error]
+        over = [b for b in window.buckets if b.current and self._over(b.running_error)]
         if over:
             return self._leave_over_budget(window, over, current, bandwidth)
 
@@ -290,6 +308,11 @@ class CostController(_Base):
                 return Plan(current, self.cfg.adapt_every, reasons, note, probe_next)
         self.trial, self.trial_bytes_per_s = dict(proposal), bandwidth
         return Plan(dict(proposal), self.trial_steps, reasons, f"trial for {self.trial_steps} steps", False)
+
+    def _over(self, error: float) -> bool:
+        """Whether a relative error breaks the budget; NaN does (a gradient holding NaN or inf
+        gives it, and no codec is known to be within the budget on it)."""
+        return not error <= self.cfg.max_error
 
     def _leave_over_budget(self, window: WindowFigures, over: list[BucketFigures], current: dict[Hashable, int],
                            bandwidth: float) -> Plan:
@@ -338,7 +361,7 @@ class CostController(_Base):
             dense_s = self._candidate_s(b.key, 0)
             best, best_s, over_budget = 0, dense_s, []
             for c, cand in enumerate(cands[1:], start=1):
-                if cand.relative_error > self.cfg.max_error:
+                if self._over(cand.relative_error):
                     over_budget.append(f"{cand.spec} error {cand.relative_error:.2f}")
                     continue
                 # The error is the codec's on this bucket's gradients, whatever the link: one that

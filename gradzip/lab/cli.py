@@ -89,6 +89,9 @@ def warn(message: str) -> None:
 
 class _Parser(argparse.ArgumentParser):
     def __init__(self, *args, **kwargs) -> None:
+        # No abbreviations: one can name another option (compare's --compressor read as its
+        # --compressors, and ran what the other option's value named).
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
         # Every subcommand's type=int and type=float options read through these.
         self.register("type", int, ascii_int)

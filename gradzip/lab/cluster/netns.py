@@ -155,19 +155,30 @@ def host_cpus(index: int, num_hosts: int, available: Sequence[int]) -> tuple[int
 
     With at least one CPU per host, every ``num_hosts``-th CPU from the ``index``-th (disjoint
     shares, differing by one CPU at most); with fewer, the single CPU ``index % len(available)``,
-    which the hosts placed there share in equal turns. Real hosts do not take each other's
-    cores; on a machine with fewer cores than workers, leaving placement to the kernel gave
-    one of 4 workers on 2 cores 9% more CPU than the others, and a synchronous job then waits
-    for the slower three.
+    which the hosts placed there share. When the hosts do not divide evenly among the CPUs, some
+    CPUs carry one host more than others (3 hosts on 2 CPUs: two share one, the third has the
+    other alone), and a synchronous job runs at the pace of the shared ones. Real hosts do not
+    take each other's cores; on a machine with fewer cores than workers, leaving placement to
+    the kernel gave one of 4 workers on 2 cores 9% more CPU than the others, and a synchronous
+    job then waits for the slower three. A CPU named twice in ``available`` counts once.
 
     Raises:
-        ValueError: if ``index`` is not in ``[0, num_hosts)`` or ``available`` is empty.
+        ValueError: if ``num_hosts`` is not an integer >= 1, ``index`` not an integer in
+            ``[0, num_hosts)``, or ``available`` is empty or names something other than CPU
+            numbers (integers >= 0).
     """
-    if not available:
-        raise ValueError("available must name at least one CPU")
+    for name, value in (("num_hosts", num_hosts), ("index", index)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an integer; got {value!r}")
+    if num_hosts < 1:
+        raise ValueError(f"num_hosts must be >= 1; got {num_hosts}")
     if not 0 <= index < num_hosts:
         raise ValueError(f"index must be in [0, {num_hosts}); got {index}")
-    cpus = sorted(available)
+    if any(isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in available):
+        raise ValueError(f"available must be CPU numbers (integers >= 0); got {list(available)!r}")
+    cpus = sorted(set(available))
+    if not cpus:
+        raise ValueError("available must name at least one CPU")
     if len(cpus) >= num_hosts:
         return tuple(cpus[index::num_hosts])
     return (cpus[index % len(cpus)],)

@@ -21,6 +21,7 @@ from gradzip.lab.train.config import TrainConfig
 
 NETWORKS = ("auto", "emulated", "loopback")
 SETUP_FILE = "setup.json"  # the comparison's settings, for --report-only
+MAX_TARGET_LOSS = 1e6  # a validation loss (nats per token) past any that training reports
 
 
 @dataclass
@@ -126,7 +127,7 @@ class CompareConfig:
         for name in ("timeout_s", "collective_timeout_s"):
             check_number(getattr(self, name), name=f"--{name.replace('_', '-')}", low=0, low_open=True)
         if self.target_loss is not None:
-            check_number(self.target_loss, name="--target-loss", low=0, low_open=True)
+            check_number(self.target_loss, name="--target-loss", low=0, low_open=True, high=MAX_TARGET_LOSS)
         check_number(self.target_margin, name="--target-margin", low=0, high=1)
         check_int(self.repeats, name="--repeats", low=1, high=20)
         if not self.baseline and self.target_loss is None:
@@ -321,6 +322,25 @@ def write_outputs(out: Path, rounds: list[list[RunResult]], setup: dict[str, Any
     return rows
 
 
+def _read_setup(path: Path) -> dict[str, Any]:
+    """``setup.json`` of an earlier comparison, checked for what a rewrite reads from it.
+
+    Raises:
+        ValueError: naming the file, if it is not JSON or not a comparison's settings.
+    """
+    try:
+        setup = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON ({exc}): --report-only needs the folder of an earlier comparison") from None
+    entries = setup.get("entries") if isinstance(setup, dict) else None
+    repeats = setup.get("repeats", 1) if isinstance(setup, dict) else None
+    if (not isinstance(entries, list) or not entries or not all(isinstance(e, str) and e for e in entries)
+            or isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1):
+        raise ValueError(f"{path} is not the settings of a comparison (an object with 'entries', a list of "
+                         "names, and 'repeats', an integer >= 1)")
+    return setup
+
+
 def rewrite_report(out: str | Path, *, target_loss: float | None = None, target_margin: float | None = None,
                    log=print) -> list[dict[str, Any]]:
     """Write the outputs again from the runs an earlier comparison left in ``out`` (a new
@@ -334,7 +354,9 @@ def rewrite_report(out: str | Path, *, target_loss: float | None = None, target_
     setup_path = out / SETUP_FILE
     if not setup_path.exists():
         raise FileNotFoundError(f"{setup_path} not found: --report-only needs the folder of an earlier comparison")
-    setup = json.loads(setup_path.read_text())
+    setup = _read_setup(setup_path)
+    if target_loss is not None:
+        check_number(target_loss, name="--target-loss", low=0, low_open=True, high=MAX_TARGET_LOSS)
     if target_margin is not None:
         check_number(target_margin, name="--target-margin", low=0, high=1)
         setup["target_margin"] = target_margin

@@ -83,6 +83,7 @@ def write_results(out: Path, rows: Sequence[dict[str, Any]]) -> Path:
 def write_report(out: Path, rows: Sequence[dict[str, Any]], setup: dict[str, Any], target: dict[str, Any]) -> Path:
     """``report.md``: the setup, the table, the target, what failed, the caveats."""
     emulated = setup["network"] == "emulated"
+    has_limit = any(r["compressor"] == LIMIT for r in rows)
     lines = [f"# gradzip compare: time to loss, {setup['world_size']} workers, {setup['link']}", ""]
     lines += ["## Setup", ""]
     if emulated:
@@ -107,8 +108,9 @@ def write_report(out: Path, rows: Sequence[dict[str, Any]], setup: dict[str, Any
     lines += [
         f"- Main job: `gradzip train`, {setup['steps']} steps, seed {setup['seed']}, the same data order in every "
         f"run; training options: {setup['train_options'] or 'defaults'}.",
-        f"- Machine: {_machine(setup['cpu_count'], setup['world_size'], setup.get('host_cpus'))} "
-        "(compute alone is measured on the same workers in the `limit` row).",
+        f"- Machine: {_machine(setup['cpu_count'], setup['world_size'], setup.get('host_cpus'))}"
+        + (" (compute alone is measured on the same workers in the `limit` row)." if has_limit else
+           "; no `limit` row (`--no-limit`), so compute alone was not measured."),
         *([f"- Link schedule: `{setup['link_schedule']}` (STEP:RATE) in every run, each run starting at "
              f"{setup['bandwidth']}; the changes as made are listed below."] if setup.get("link_schedule") else []),
         f"- Command: `{setup['command']}`",
@@ -140,12 +142,13 @@ def write_report(out: Path, rows: Sequence[dict[str, Any]], setup: dict[str, Any
         "",
         "- `wall s`: training wall time (start-up and the first evaluation excluded). "
         "`step s`: median wall time of one training step on rank 0. `speedup`: step time of `none` / this run's. "
-        "`of limit`: speedup / the `limit` row's speedup, where `limit` trains with no gradient exchange at all "
-        "(compute alone, the largest speedup any compression could give on this link).",
+        + ("`of limit`: speedup / the `limit` row's speedup, where `limit` trains with no gradient exchange at all "
+           "(compute alone, the largest speedup any compression could give on this link)." if has_limit else
+           "`of limit` and `compute util` need the `limit` row, which this comparison left out."),
         "- `time to target s`: training wall time at the first validation pass (every "
         f"{setup['eval_every']} steps) at or below the target; `vs none`: time of `none` / this run's. "
-        "`compute util`: mean step time of `limit` (compute alone) / this run's mean step time (means, since "
-        "a DiLoCo entry exchanges on one step in H, which a median hides).",
+        + ("`compute util`: mean step time of `limit` (compute alone) / this run's mean step time (means, since "
+           "a DiLoCo entry exchanges on one step in H, which a median hides)." if has_limit else ""),
         "- `compute / codec / comm s`: compute alone (forward + backward, measured before training), compress + "
         "decompress, and time with a collective in flight (overlaps the backward pass), medians per step.",
         "- `payload MB/rank`: bytes the hook handed to collectives over the run; `sent MB/rank`: what those "
@@ -155,15 +158,16 @@ def write_report(out: Path, rows: Sequence[dict[str, Any]], setup: dict[str, Any
     if emulated:
         lines.append(
             "- `wire MB/rank`: bytes each host's interface sent during the run (`tx_bytes`, Ethernet frames with "
-            "IP/TCP headers and ACKs), mean over hosts, start-up included; `wire for exchange` subtracts the `limit` "
-            "row's (same rendezvous and initial parameter broadcast, no gradient exchange); it exceeds `sent` "
-            "by the Ethernet, IP and TCP headers and the ACKs (about 5 %)."
+            "IP/TCP headers and ACKs), mean over hosts, start-up included; "
+            + ("`wire for exchange` subtracts the `limit` row's (same rendezvous and initial parameter broadcast, "
+               "no gradient exchange); it exceeds `sent` by the Ethernet, IP and TCP headers and the ACKs (about "
+               "5 %)." if has_limit else "`wire for exchange` needs the `limit` row, which this comparison left out.")
         )
     else:
         lines.append("- Wire bytes are not counted on loopback (other processes share the interface).")
     lines += [
-        "- The `limit` row's workers never exchange gradients, so their replicas drift apart; its loss is not a "
-        "result, only its step time is.",
+        *(["- The `limit` row's workers never exchange gradients, so their replicas drift apart; its loss is not "
+           "a result, only its step time is."] if has_limit else []),
         *(["- Timings come from one run each on a shared machine; step times are medians, time to target is a "
            "single measurement."] if setup.get("repeats", 1) == 1 else [
            f"- Every row ran {setup['repeats']} times, in rounds (each round runs every row once, in the order of "

@@ -99,7 +99,7 @@ class TrainConfig:
                               "this long (a worker that dies is noticed at once)", check=Num(0, 1e6))
     backend: str = option("auto", "process-group backend: nccl when CUDA is available under auto",
                           check=OneOf(("auto", "gloo", "nccl")))
-    threads: int = option(0, "CPU threads per worker; 0 divides the cores among the local workers", check=Int(0, 1024))
+    threads: int = option(0, "CPU threads per worker; 0 divides the CPUs this process may run on among the local workers", check=Int(0, 1024))
     out: str = option("runs/latest", "output folder: metrics.jsonl, summary.json, loss.png (and layer_ratios.png under a "
                       "per-layer schedule), checkpoints (default runs/latest, or the resumed run's folder)", metavar="DIR",
                       cli=False)

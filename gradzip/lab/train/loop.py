@@ -134,7 +134,9 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     local_workers = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    torch.set_num_threads(cfg.threads or max(1, (os.cpu_count() or 1) // local_workers))
+    # the CPUs this worker may run on (a pinned host's share), not the machine's
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    torch.set_num_threads(cfg.threads or max(1, usable // local_workers))
     is_main = rank == 0
 
     if is_main and cfg.progress:
