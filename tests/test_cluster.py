@@ -44,7 +44,10 @@ def test_parse_bandwidth():
     assert parse_bandwidth(64_000) == 64_000
     assert format_bandwidth(20_000_000) == "20mbit"
     assert format_bandwidth(1_000_000_000) == "1gbit"
-    for bad in ("fast", "100 mbyte", "-1mbit", "10bit"):
+    # decimal rates exactly (float once read 1.001mbit as 1000999 bit/s)
+    assert all(parse_bandwidth(f"{k / 1000:.3f}mbit") == k * 1000 for k in range(64, 100_000, 7))
+    assert format_bandwidth(parse_bandwidth("1.001mbit")) == "1001kbit"
+    for bad in ("fast", "100 mbyte", "-1mbit", "10bit", 1e8, True, None):
         with pytest.raises(ValueError, match="bandwidth"):
             parse_bandwidth(bad)
     with pytest.raises(ValueError, match="num_hosts"):

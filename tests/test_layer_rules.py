@@ -445,3 +445,18 @@ def test_kimad_sizes_its_budget_to_the_compute_time_by_default():
     for bad in ("fast", 0, -5):
         with pytest.raises(ValueError, match="target_ms"):
             KimadConfig(target_ms=bad).validate()
+
+
+def test_link_estimator_edges():
+    est = LinkEstimator(keep=2)
+    # a row with infinite bytes is dropped, not read as an infinite rate
+    assert est.add([(1, float("inf"), 0.1), (1, 1e3, 0.01)]).bytes_per_s == pytest.approx(1e5)
+    for bad in (0, -3, 1.5, True):
+        with pytest.raises(ValueError, match="probe_every"):
+            LinkEstimator(probe_every=bad)
+    # a state with more batches than this estimator keeps is cut to its newest
+    big = LinkEstimator(keep=8)
+    for k in range(5):
+        big.add([(1, 1e3 * (k + 1), 0.01)])
+    est.load_state_dict(big.state_dict())
+    assert est.batches == big.batches[-2:]

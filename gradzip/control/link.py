@@ -95,7 +95,7 @@ class LinkEstimator:
         probe_every: the fewest batches from one probe to the next (:meth:`probe_bytes`).
 
     Raises:
-        ValueError: for a ``half_life`` that is not > 0 or a ``keep`` below 1.
+        ValueError: for a ``half_life`` that is not > 0, or a ``keep`` or ``probe_every`` below 1.
     """
 
     def __init__(self, *, half_life: float = 0.5, keep: int = 8, probe_every: int = 1) -> None:
@@ -103,6 +103,8 @@ class LinkEstimator:
             raise ValueError(f"half_life must be a number > 0; got {half_life!r}")
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             raise ValueError(f"keep must be an integer >= 1; got {keep!r}")
+        if isinstance(probe_every, bool) or not isinstance(probe_every, int) or probe_every < 1:
+            raise ValueError(f"probe_every must be an integer >= 1; got {probe_every!r}")
         self.half_life = float(half_life)
         self.keep = keep
         self.batches: list[list[Sample]] = []
@@ -119,7 +121,7 @@ class LinkEstimator:
             the current estimate (None until some sample moved bytes).
         """
         batch = [(float(n), float(sent), float(seconds)) for n, sent, seconds in samples
-                 if seconds > 0 and n > 0 and math.isfinite(seconds) and sent >= 0]
+                 if seconds > 0 and n > 0 and math.isfinite(seconds) and math.isfinite(n) and 0 <= sent < math.inf]
         self.batches = (self.batches + [batch])[-self.keep :]
         self._refit()
         return self.link
@@ -193,7 +195,7 @@ class LinkEstimator:
                 "link": None if self.link is None else [self.link.latency_s, self.link.bytes_per_s]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.batches = [[tuple(s) for s in b] for b in state["batches"]]
+        self.batches = [[tuple(s) for s in b] for b in state["batches"]][-self.keep :]
         self.latency_s, self.last_share = state["latency_s"], state["last_share"]
         self.since_probe = state["since_probe"]
         self.link = None if state["link"] is None else Link(*state["link"])

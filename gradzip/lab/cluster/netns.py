@@ -37,6 +37,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 
 from gradzip.compressors.values import shown
 
@@ -69,14 +70,16 @@ def parse_bandwidth(text: str | int) -> int:
     Raises:
         ValueError: naming ``bandwidth`` for a malformed or non-positive value.
     """
-    if isinstance(text, int):
+    if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)(?:bit)?(?:/s)?\s*", text.lower(), re.ASCII)
+        match = (re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmg]?)(?:bit)?(?:/s)?\s*", text.lower(), re.ASCII)
+                 if isinstance(text, str) else None)
         if not match:
             raise ValueError(f"bandwidth must look like 20mbit, 100mbit or 1gbit; got {text!r}")
-        rate = float(match.group(1)) * _UNITS[match.group(2)]
-        value = int(rate) if rate <= MAX_BANDWIDTH else MAX_BANDWIDTH + 1
+        # exact decimal arithmetic: 1.001mbit is 1,001,000 bit/s, not float's 1,000,999
+        rate = Fraction(match.group(1)) * _UNITS[match.group(2)]
+        value = round(rate) if rate <= MAX_BANDWIDTH else MAX_BANDWIDTH + 1
     if not 64_000 <= value <= MAX_BANDWIDTH:
         raise ValueError(f"bandwidth must be between 64kbit and {MAX_BANDWIDTH // 10**9}gbit; got {shown(text)}")
     return value

@@ -170,7 +170,12 @@ class TrainConfig:
             check_hook(self)
         check_outer(self)
 
-        check_optimizer(self)
+        try:
+            check_optimizer(self)
+        except ValueError as exc:  # the optimizer's own message names only its parameter
+            if str(exc).startswith("--"):
+                raise
+            raise type(exc)(f"--optimizer {self.optimizer}: {exc}") from None
         if os.path.exists(self.out) and not os.path.isdir(self.out):
             raise ValueError(f"--out must be a folder; {self.out} is a file")
         if self.resume is not None and not os.path.isdir(self.resume):

@@ -55,7 +55,7 @@ def parse_optimizer(spec: str) -> tuple[str, dict[str, Any]]:
     Raises:
         ValueError: for an unknown optimizer or parameter, naming the known ones.
     """
-    parts = parse_spec(spec)
+    parts = parse_spec(spec) if isinstance(spec, str) and spec.strip() else []
     if len(parts) != 1 or parts[0][0] not in OPTIMIZERS:
         raise SpecError(f"--optimizer must be one of {', '.join(OPTIMIZERS)} (with key=value options); got {spec!r}")
     name, params = parts[0]
