@@ -80,9 +80,9 @@ def test_cost_controller_follows_the_link_back_to_dense():
     assert ctl.decide(_window([_bucket(current=3, comm_s=0.002 + 1e5 / slow, probes=False)], period_s=0.6,
                               latency_s=0.001)).note.startswith("trial kept")
     # 8 ms of 10 on the wire: the exchange reads the link; a calibration probe all the same,
-    # eight latencies' worth at the rate the exchange moved its bytes (100 kB in 10 ms: 80 kB)
+    # eight latencies' worth (1 ms at 100 Mbit/s: 100 kB)
     probe = ctl.probe_bytes()
-    assert probe == 80_000
+    assert probe == 100_000
     # On the recovered link PowerSGD's 100 kB take 0.08 ms of 2.08: nearly all latency, which
     # says little of the bandwidth; the probe after the figure exchange reads the link, and the
     # next one is a recovery probe (the dense payload, more than eight latencies' worth).
@@ -164,6 +164,22 @@ def test_cost_controller_prices_a_codec_by_its_fastest_recent_probe():
     for _ in range(PROBE_MEMORY):
         assert ctl.decide(_window([spiked(comm_s=4e6 / fast)], latency_s=0.0)).choices == {0: 0}
     assert ctl.decide(_window([spiked(comm_s=4e6 / slow)], latency_s=0.0)).choices == {0: 1}
+
+
+def test_a_probe_asked_on_a_fast_link_is_sized_down_when_the_link_fell():
+    # asked at 4 Gbit/s with 0.5 ms latency: 2 MB, which would take 0.8 s at 20 Mbit/s
+    ctl = CostController(AutoConfig(adapt_every=40, trial_steps=8), SPECS)
+    fast, slow = 5e8, 2.5e6
+    ctl.decide(_window([_bucket(comm_s=0.0005 + 4e6 / fast)], latency_s=0.0005))
+    asked = ctl.probe_bytes()
+    assert asked == pytest.approx(8 * 0.0005 * fast, rel=1e-6)
+    # the next window's exchange took what 20 Mbit/s takes: the probe goes at that rate
+    fell = _window([_bucket(comm_s=0.0005 + 4e6 / slow)], latency_s=0.0005)
+    assert ctl.size_probe(fell, asked) == 64 << 10  # eight latencies at 2.5 MB/s: under the floor
+    # an exchange near its prediction (skew, noise) leaves the probe as asked
+    same = _window([_bucket(comm_s=2 * (0.0005 + 4e6 / fast))], latency_s=0.0005)
+    assert ctl.size_probe(same, asked) == asked
+    assert ctl.size_probe(fell, 0) == 0  # no probe asked, none sent
 
 
 def test_cost_controller_rejects_a_slower_trial_and_does_not_retry_it():

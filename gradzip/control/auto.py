@@ -65,7 +65,7 @@ from typing import Any
 
 from gradzip.compressors.values import check_number
 from gradzip.control.figures import BucketFigures, CandidateFigures, Plan, WindowFigures
-from gradzip.control.link import Link, LinkEstimator
+from gradzip.control.link import PROBE_BYTES, Link, LinkEstimator
 from gradzip.keys import label
 
 SCHEDULES = ("cost", "accordion")
@@ -74,6 +74,8 @@ SCHEDULES = ("cost", "accordion")
 LINK_MOVED = 0.25
 #: a trial whose link estimate changed by this factor (up or down) since its proposal ran on another link
 TRIAL_RELINKED = 2.0
+#: an exchange this many times slower than the estimate predicts: the link fell (see ``size_probe``)
+FELL = 4.0
 
 #: probes of a candidate whose fastest encode and decode prices it (see the module docstring)
 PROBE_MEMORY = 3
@@ -228,10 +230,8 @@ class CostController(_Base):
         self.trial: dict[Hashable, int] | None = None
         self.trial_bytes_per_s = 0.0
         self.rejected: list[tuple[dict[Hashable, int], float]] = []
-        #: the last window's exchange: its wire seconds over its seconds, and its bytes over its
-        #: seconds in flight (None: not measured)
+        #: the last window's exchange: its wire seconds over its seconds (None: not measured)
         self.exchange_share: float | None = None
-        self.exchange_rate: float | None = None
 
     def _payload(self, choices: dict[Hashable, int]) -> float:
         total = 0.0
@@ -252,8 +252,6 @@ class CostController(_Base):
         self.windows_since_probe = 0 if probed else self.windows_since_probe + 1
         self.estimator.add(window.link_samples())
         self.exchange_share = _wire_share(window, self.estimator.link)
-        sent = sum(b.sent_bytes for b in window.buckets)
-        self.exchange_rate = sent / window.in_flight_s if sent > 0 and window.in_flight_s > 0 else None
         current = {b.key: b.current for b in window.buckets}
         bandwidth = self.estimator.link.bytes_per_s if self.estimator.link else 0.0
         for b in window.buckets:
@@ -395,8 +393,24 @@ class CostController(_Base):
         calibration), at least the probed buckets' dense payload when the running exchange was
         mostly latency (see :meth:`LinkEstimator.probe_bytes`)."""
         dense = self._payload({key: 0 for key in self.probes})
-        return self.estimator.probe_bytes(dense, share=self.exchange_share, calibrate=True,
-                                          observed_bytes_per_s=self.exchange_rate)
+        return self.estimator.probe_bytes(dense, share=self.exchange_share, calibrate=True)
+
+    def size_probe(self, window: WindowFigures, asked: int) -> int:
+        """The probe to send now, ``asked`` at the last decision, unless this window's exchange
+        took more than :data:`FELL` times what the estimate predicts for it: the link fell since,
+        and the probe is sized at the rate the exchange moved its bytes (eight latencies' worth,
+        at least 64 KiB), where sized from the old estimate it would take what a dense exchange
+        takes on the slow link. A function of the window's figures and the controller's state,
+        the same on every rank."""
+        link = self.estimator.link
+        collectives = sum(b.collectives for b in window.buckets)
+        sent = sum(b.sent_bytes for b in window.buckets)
+        if asked <= 0 or link is None or collectives <= 0 or sent <= 0 or window.in_flight_s <= 0:
+            return asked
+        if window.in_flight_s <= FELL * link.seconds(sent, collectives):
+            return asked
+        observed = sent / window.in_flight_s
+        return int(min(asked, max(PROBE_BYTES[0], 8 * link.latency_s * observed)))
 
     def state_dict(self) -> dict[str, Any]:
         return {"running": self.running, "running_period_s": self.running_period_s, "trial": self.trial,

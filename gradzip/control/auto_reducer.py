@@ -393,7 +393,8 @@ class AutoReducer:
 
     def _send_probe(self, window: WindowFigures, device: torch.device) -> None:
         """The link probe the controller asked for at the last decision (none if it asked for 0
-        bytes): :data:`PROBE_ROUNDS` rounds of an all_reduce of one element (the latency) and
+        bytes; a controller with ``size_probe`` may size it down from this window's figures):
+        :data:`PROBE_ROUNDS` rounds of an all_reduce of one element (the latency) and
         one of the asked bytes (the bandwidth), each timed by its fastest round, then those
         times' minimum over ranks (one more small all_reduce), written into ``window``.
 
@@ -403,10 +404,12 @@ class AutoReducer:
         makes gloo's collective take longer on both, beyond the wait itself, so the exchange's
         own seconds read the link slow when the ranks' encodes differ.) A rank descheduled
         during a round only adds time, hence the fastest round."""
-        if self._probe_bytes <= 0:
+        size = getattr(self.controller, "size_probe", None)
+        nbytes = size(window, self._probe_bytes) if size is not None else self._probe_bytes
+        if nbytes <= 0:
             return
         timed = [torch.zeros(1, dtype=torch.float64, device=device),
-                 torch.zeros(max(1, self._probe_bytes // 8), dtype=torch.float64, device=device)]
+                 torch.zeros(max(1, nbytes // 8), dtype=torch.float64, device=device)]
         seconds: list[list[float]] = [[], []]
         for _ in range(PROBE_ROUNDS):
             for zeros, times in zip(timed, seconds):

@@ -37,11 +37,9 @@ link's estimate alone, a probe takes a small share of a latency on a link that b
 times faster, and the estimate climbs only by a factor per probe; the dense exchange's bytes on
 the new link take what the gentlest choice would take, which is what the decision needs to know.
 A caller may also ask for a probe every batch (``calibrate``; ``auto`` does): eight latencies'
-worth at the lesser of the estimate and the rate the running exchange itself was seen to move
-(right after the link fell, that one already reads it: sized from the estimate alone, the probe
-would take what a dense exchange takes on the new link), 64 KiB at least. Since the ranks issue
-a probe together, its batch reads the link free of the ranks' skew, which an exchange's seconds
-hold (see :meth:`gradzip.control.figures.WindowFigures.link_samples`).
+worth, 64 KiB at least. Since the ranks issue a probe together, its batch reads the link free of
+the ranks' skew, which an exchange's seconds hold (see
+:meth:`gradzip.control.figures.WindowFigures.link_samples`).
 """
 
 from __future__ import annotations
@@ -158,23 +156,20 @@ class LinkEstimator:
             rate = math.exp(sum(x * w for x, w in logs) / sum(w for _, w in logs))
             self.link = Link(latency, rate)
 
-    def probe_bytes(self, at_least: float = 0.0, *, share: float | None = None, calibrate: bool = False,
-                    observed_bytes_per_s: float | None = None) -> int:
+    def probe_bytes(self, at_least: float = 0.0, *, share: float | None = None, calibrate: bool = False) -> int:
         """Bytes of the next link probe. Call once per batch.
 
         Args:
             at_least: the floor of a recovery probe (the controllers name their dense exchange).
             share: the running exchange's wire seconds over its seconds (None: the last batch's).
             calibrate: probe every batch, not only the batches whose exchange was mostly latency.
-            observed_bytes_per_s: the rate the running exchange moved its bytes at (bytes over
-                seconds in flight), which sizes a calibration when below the estimate.
 
         Returns:
             0 when no probe was asked for in the last ``probe_every`` batches or there is no
             estimate yet; else, when ``share`` is under :data:`MIN_WIRE_SHARE` (a recovery
             probe), about eight latencies' worth at the current estimate and at least
-            ``at_least``; else, with ``calibrate``, eight latencies' worth at the lesser of the
-            estimate and ``observed_bytes_per_s``; else 0. Within :data:`PROBE_BYTES`.
+            ``at_least``; else, with ``calibrate``, eight latencies' worth; else 0. Within
+            :data:`PROBE_BYTES`.
         """
         self.since_probe += 1
         share = self.last_share if share is None else share
@@ -182,12 +177,8 @@ class LinkEstimator:
             return 0
         self.since_probe = 0
         low, high = PROBE_BYTES
-        if share < MIN_WIRE_SHARE:
-            return int(min(high, max(low, at_least, 8 * self.link.latency_s * self.link.bytes_per_s)))
-        rate = self.link.bytes_per_s
-        if observed_bytes_per_s is not None and 0 < observed_bytes_per_s < rate:
-            rate = observed_bytes_per_s
-        return int(min(high, max(low, 8 * self.link.latency_s * rate)))
+        eight = 8 * self.link.latency_s * self.link.bytes_per_s
+        return int(min(high, max(low, eight, at_least if share < MIN_WIRE_SHARE else 0.0)))
 
     def state_dict(self) -> dict[str, Any]:
         return {"batches": [[list(s) for s in b] for b in self.batches], "latency_s": self.latency_s,
