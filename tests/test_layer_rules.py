@@ -126,16 +126,19 @@ def test_link_probe_is_at_least_what_the_caller_names():
     assert est.probe_bytes(1e9) == 8 << 20
 
 
-def test_a_calibration_probe_is_eight_latencies_worth():
+def test_a_calibration_probe_is_eight_latencies_and_20_ms_worth():
+    for latency, expect in ((0.001, 250_000), (0.005, 500_000)):  # at 100 Mbit/s: 20 ms, then 8 latencies
+        est = LinkEstimator(probe_every=1)
+        link = Link(latency, 12.5e6)
+        est.add([(1, 800, link.seconds(800, 1)), (1, 4e6, link.seconds(4e6, 1))])
+        assert est.probe_bytes() == 0  # the exchange reads the link, no calibration asked
+        assert est.probe_bytes(calibrate=True) == pytest.approx(expect, abs=1)
+        # a recovery probe (the exchange mostly latency) is at least what the caller names
+        assert est.probe_bytes(4e6, share=0.1, calibrate=True) == 4_000_000
     est = LinkEstimator(probe_every=1)
-    fast = Link(0.0005, 5e8)  # 4 Gbit/s, 0.5 ms
-    est.add([(1, 800, fast.seconds(800, 1)), (1, 2e6, fast.seconds(2e6, 1))])
-    eight = 8 * est.link.latency_s * est.link.bytes_per_s  # 2 MB
-    assert eight == pytest.approx(2e6, rel=1e-6)
-    assert est.probe_bytes() == 0  # the exchange reads the link, no calibration asked
-    assert est.probe_bytes(calibrate=True) == int(eight)
-    # a recovery probe (the exchange mostly latency) is at least what the caller names
-    assert est.probe_bytes(4e6, share=0.1, calibrate=True) == 4_000_000
+    est.add([(1, 800, Link(0.0005, 5e8).seconds(800, 1)), (1, 2e6, Link(0.0005, 5e8).seconds(2e6, 1))])
+    assert est.probe_bytes(calibrate=True) == 8 << 20  # 20 ms at 4 Gbit/s is 10 MB: the cap
+    assert est.probe_bytes(calibrate=True) == 8 << 20
 
 
 def test_a_probe_replaces_the_exchange_in_the_window_link_samples():

@@ -28,7 +28,7 @@ Schedules (``--auto-schedule``):
   within it (dense when none is), and is not proposed on that bucket again for the rest of the
   run (its error is a property of the codec on the bucket's gradients, not of the link, and a
   clean-start probe would read it under the budget again); the replacement's own error is
-  checked after ``trial_steps`` steps.
+  checked after :data:`CHECK_STEPS` steps.
   The budget is per bucket, in the spirit of L-GreCo (Markov et al., arXiv 2210.17357) and Kimad
   (Xin et al., arXiv 2312.08053); their optimisers are ``--compressor kimad``.
   A proposal that differs from the running choice is then tried for ``trial_steps`` steps and
@@ -76,6 +76,9 @@ LINK_MOVED = 0.25
 TRIAL_RELINKED = 2.0
 #: an exchange this many times slower than the estimate predicts: the link fell (see ``size_probe``)
 FELL = 4.0
+#: steps after which the codec that replaced one over the error budget has its own error checked
+#: (soon: the codec it replaced already ran a trial's steps over the budget)
+CHECK_STEPS = 4
 
 #: probes of a candidate whose fastest encode and decode prices it (see the module docstring)
 PROBE_MEMORY = 3
@@ -318,9 +321,10 @@ class CostController(_Base):
         it was handed: each moves at once, without a trial, to the cheapest candidate still
         within the budget by the last probes (dense when none is); a trial under way ends, and
         the other buckets keep their codec. Every candidate is priced again in the next window,
-        which lasts ``trial_steps``: the replacement was judged by a probe from a clean start, which
-        an error-feedback codec's running error can exceed, so it is checked as soon as a trial
-        would be."""
+        which lasts :data:`CHECK_STEPS` (at most ``trial_steps``): the replacement was judged by a
+        probe from a clean start, which an error-feedback codec's running error can exceed, so it
+        is checked soon (a replacement whose error crosses the budget later is caught at the end
+        of a later window, as any running codec is)."""
         for b in over:
             self.over_budget[(b.key, b.current)] = bandwidth
         self.trial = None
@@ -332,7 +336,7 @@ class CostController(_Base):
             reasons[b.key] = f"{head}; {why[b.key]}" if b.key in why else head
         self.running, self.running_period_s = dict(choices), None
         note = f"over the error budget on {len(over)} bucket{'s' if len(over) > 1 else ''}; moved without a trial"
-        return Plan(choices, self.trial_steps, reasons, note, True)
+        return Plan(choices, min(CHECK_STEPS, self.trial_steps), reasons, note, True)
 
     def _candidate_s(self, key: Hashable, c: int) -> float:
         """Predicted seconds of bucket ``key``'s exchange with candidate ``c``: its fastest

@@ -37,7 +37,9 @@ link's estimate alone, a probe takes a small share of a latency on a link that b
 times faster, and the estimate climbs only by a factor per probe; the dense exchange's bytes on
 the new link take what the gentlest choice would take, which is what the decision needs to know.
 A caller may also ask for a probe every batch (``calibrate``; ``auto`` does): eight latencies'
-worth, 64 KiB at least. Since the ranks issue a probe together, its batch reads the link free of
+worth and :data:`CALIBRATION_S` of the link at the estimate, 64 KiB at least. (The latency comes
+from an all_reduce of one element, which takes fewer hops than a ring all_reduce of many bytes:
+on 4 ranks at 1 Gbit/s a 64 KiB probe took 7.9 ms and read the link as 139 Mbit/s.) Since the ranks issue a probe together, its batch reads the link free of
 the ranks' skew, which an exchange's seconds hold (see
 :meth:`gradzip.control.figures.WindowFigures.link_samples`).
 """
@@ -56,6 +58,8 @@ MIN_SPREAD = 8.0
 MIN_WIRE_SHARE = 0.25
 #: the bounds of a probe's bytes
 PROBE_BYTES = (64 << 10, 8 << 20)
+#: the least time a calibration probe takes on the link at the estimate
+CALIBRATION_S = 0.02
 
 
 @dataclass
@@ -168,8 +172,8 @@ class LinkEstimator:
             0 when no probe was asked for in the last ``probe_every`` batches or there is no
             estimate yet; else, when ``share`` is under :data:`MIN_WIRE_SHARE` (a recovery
             probe), about eight latencies' worth at the current estimate and at least
-            ``at_least``; else, with ``calibrate``, eight latencies' worth; else 0. Within
-            :data:`PROBE_BYTES`.
+            ``at_least``; else, with ``calibrate``, eight latencies' worth and at least
+            :data:`CALIBRATION_S` at the estimate; else 0. Within :data:`PROBE_BYTES`.
         """
         self.since_probe += 1
         share = self.last_share if share is None else share
@@ -178,7 +182,9 @@ class LinkEstimator:
         self.since_probe = 0
         low, high = PROBE_BYTES
         eight = 8 * self.link.latency_s * self.link.bytes_per_s
-        return int(min(high, max(low, eight, at_least if share < MIN_WIRE_SHARE else 0.0)))
+        if share < MIN_WIRE_SHARE:
+            return int(min(high, max(low, eight, at_least)))
+        return int(min(high, max(low, eight, CALIBRATION_S * self.link.bytes_per_s)))
 
     def state_dict(self) -> dict[str, Any]:
         return {"batches": [[list(s) for s in b] for b in self.batches], "latency_s": self.latency_s,
