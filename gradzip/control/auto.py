@@ -9,7 +9,7 @@ Schedules (``--auto-schedule``):
 
 - ``cost`` (default): bandwidth-aware. Estimates the link's latency and bandwidth from a link
   probe sent at every decision, right after the window's figure all_reduce, so that the ranks
-  issue it together (:meth:`~gradzip.control.auto_reducer.AutoReducer._send_probe`,
+  issue it together (:class:`~gradzip.control.auto_reducer.AutoReducer`,
   :class:`~gradzip.control.link.LinkEstimator`: right whatever codec runs, following the link
   up as fast as down; the window's exchange times the link too slow when the ranks issue it
   apart), prices every candidate on every bucket from a local probe (encode and
