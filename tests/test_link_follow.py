@@ -32,7 +32,7 @@ between the ranks, and a rank that issues its all_gather tens of ms after its pe
 collective take longer on both than the link does (300 kB between two of these hosts: 167 ms
 on the rank that waited least with one rank 40 ms late, 128 ms issued together). With the
 probe: 18.3-20.0 Mbit/s in nine runs. Kimad reads it from its exchange, whose encodes are light:
-17.8-20.3 in eight. On the 4 Gbit/s link the estimates spread from about 0.5 to 20 Gbit/s (an exchange
+17.8-20.3 in nine. On the 4 Gbit/s link the estimates spread from about 0.5 to 20 Gbit/s (an exchange
 of 1 to 5 ms is mostly latency and scheduling noise) and are not checked.
 
 Needs root and network namespaces; skipped elsewhere with the reason. Each case takes about 30 s
