@@ -31,16 +31,18 @@ and :meth:`LinkEstimator.probe_bytes` asks for a probe: an all_reduce that every
 right after the window's figure all_reduce, of about eight latencies' worth of bytes at the
 current estimate, and at least what the caller names (the controllers name the dense exchange
 of their buckets, what the gentlest choice would send), 64 KiB to 8 MiB; it times the bandwidth
-at the cost of that one collective, at most every ``probe_every`` batches (its seconds are in
-every ``auto`` event, ``probe_s``). The floor matters after a recovery: sized from the slow
-link's estimate alone, a probe takes a small share of a latency on a link that became a hundred
-times faster, and the estimate climbs only by a factor per probe; the dense exchange's bytes on
-the new link take what the gentlest choice would take, which is what the decision needs to know.
-A caller may also ask for a probe every batch (``calibrate``; ``auto`` does): eight latencies'
-worth and :data:`CALIBRATION_S` of the link at the estimate, 64 KiB at least. (The latency comes
-from an all_reduce of one element, which takes fewer hops than a ring all_reduce of many bytes:
-on 4 ranks at 1 Gbit/s a 64 KiB probe took 7.9 ms and read the link as 139 Mbit/s.) Since the ranks issue a probe together, its batch reads the link free of
-the ranks' skew, which an exchange's seconds hold (see
+at the cost of two rounds of it and three small all_reduces
+(:class:`gradzip.control.auto_reducer.AutoReducer`), at most every ``probe_every`` batches (its
+seconds are in every ``auto`` event, ``probe_s``). The floor matters after a recovery: sized from
+the slow link's estimate alone, a probe takes a small share of a latency on a link that became a
+hundred times faster, and the estimate climbs only by a factor per probe; the dense exchange's
+bytes on the new link take what the gentlest choice would take, which is what the decision needs
+to know. A caller may also ask for a probe every batch (``calibrate``; ``auto`` does): eight
+latencies' worth and :data:`CALIBRATION_S` of the link at the estimate, 64 KiB at least. (The
+latency comes from an all_reduce of one element, which takes fewer hops than a ring all_reduce of
+many bytes: on 4 ranks at 1 Gbit/s a 64 KiB probe took 7.9 ms and read the link as 139 Mbit/s.)
+Since the ranks issue a probe together, its batch reads the link free of the ranks' skew, which
+an exchange's seconds hold (see
 :meth:`gradzip.control.figures.WindowFigures.link_samples`).
 """
 
