@@ -156,6 +156,13 @@ class AutoConfig:
         return ["none"] + [s for s in specs if s != "none"]
 
 
+def runnable(codec) -> bool:
+    """Whether auto can run ``codec``: single-round codecs and PowerSGD (auto probes every
+    candidate and moves residuals between them, which of the multi-round reducers only
+    PowerSGD's supports)."""
+    return not codec.multi_round or codec.name == "powersgd"
+
+
 def check_candidate(spec: str) -> None:
     """Raise ``ValueError`` (naming ``--auto-candidates``) for a spec that is not a codec auto can
     run: an unknown or out-of-range codec, or a multi-round one other than PowerSGD (auto probes
@@ -166,7 +173,7 @@ def check_candidate(spec: str) -> None:
         codec = build(spec)
     except ValueError as exc:
         raise ValueError(f"--auto-candidates: {spec!r}: {exc}") from None
-    if codec.multi_round and codec.name != "powersgd":
+    if not runnable(codec):
         raise ValueError(f"--auto-candidates take powersgd and single-round codecs, not {codec.name} ({spec!r})")
 
 
@@ -406,15 +413,13 @@ class CostController(_Base):
         at least 64 KiB), where sized from the old estimate it would take what a dense exchange
         takes on the slow link. A function of the window's figures and the controller's state,
         the same on every rank."""
-        link = self.estimator.link
-        collectives = sum(b.collectives for b in window.buckets)
-        sent = sum(b.sent_bytes for b in window.buckets)
-        if asked <= 0 or link is None or collectives <= 0 or sent <= 0 or window.in_flight_s <= 0:
+        link, exchange = self.estimator.link, window.exchange_sample()
+        if asked <= 0 or link is None or exchange is None:
             return asked
-        if window.in_flight_s <= FELL * link.seconds(sent, collectives):
+        collectives, sent, seconds = exchange
+        if sent <= 0 or seconds <= FELL * link.seconds(sent, collectives):
             return asked
-        observed = sent / window.in_flight_s
-        return int(min(asked, max(PROBE_BYTES[0], 8 * link.latency_s * observed)))
+        return int(min(asked, max(PROBE_BYTES[0], 8 * link.latency_s * sent / seconds)))
 
     def state_dict(self) -> dict[str, Any]:
         return {"running": self.running, "running_period_s": self.running_period_s, "trial": self.trial,
@@ -433,10 +438,11 @@ class CostController(_Base):
 
 def _wire_share(window: WindowFigures, link: Link | None) -> float | None:
     """The window's exchange: its seconds on the wire over its seconds in flight, by ``link``."""
-    collectives = sum(b.collectives for b in window.buckets)
-    if link is None or collectives <= 0 or window.in_flight_s <= 0:
+    exchange = window.exchange_sample()
+    if link is None or exchange is None:
         return None
-    return max(0.0, window.in_flight_s - link.latency_s * collectives) / window.in_flight_s
+    collectives, _sent, seconds = exchange
+    return max(0.0, seconds - link.latency_s * collectives) / seconds
 
 
 def _moved(bytes_per_s: float, reference: float) -> bool:

@@ -53,6 +53,7 @@ from gradzip.comm.queue import CollectiveQueue
 from gradzip.comm.reducer import CompressedReducer
 from gradzip.comm.traffic import allreduce_bytes
 from gradzip.compressors import Compressor, build
+from gradzip.control.auto import runnable
 from gradzip.control.figures import BucketFigures, CandidateFigures, Plan, WindowFigures
 from gradzip.keys import label, regroup, tensor_key
 from gradzip.metrics import StepMetrics, quality_figures
@@ -168,9 +169,9 @@ class AutoReducer:
         self._entropy_lock = threading.Lock()
 
     def _make(self, codec: Compressor):
+        if not runnable(codec):
+            raise ValueError(f"auto candidates take powersgd and single-round codecs, not {codec.name}")
         if codec.multi_round:
-            if codec.name != "powersgd":  # auto probes and moves residuals; only PowerSGD's reducer can
-                raise ValueError(f"auto candidates take powersgd and single-round codecs, not {codec.name}")
             return PowerSGDReducer(codec, group=self.group, queue=self.queue, metrics=self.metrics, ledger=self.ledger)
         return CompressedReducer(
             codec, group=self.group, error_feedback=codec.name != "none",
@@ -347,16 +348,11 @@ class AutoReducer:
         # On the device the group's collectives take (CUDA for NCCL): the decision reads the
         # reduced figures on the host anyway, once per window.
         stats = torch.tensor(values, dtype=torch.float64).to(collective_device(self.group))
-
-        def launch() -> Future:
-            work = dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-            return work.get_future()
-
         # Under DDP every collective of the previous step has completed before this step's
         # first bucket is hooked, so this one launches at once and the wait is one small
         # all_reduce, issued where all ranks meet anyway.
         began = time.perf_counter()
-        self.queue.submit(launch, device=stats.device).wait()
+        self._all_reduce(stats, dist.ReduceOp.MAX)
         window = self._unpack(stats.tolist(), order, probed, len(sampled))
         self._figures_s = time.perf_counter() - began
         self._figures_bytes = float(allreduce_bytes(stats.numel() * stats.element_size(), window.world_size))

@@ -134,6 +134,14 @@ class WindowFigures:
     probe_bytes: float = 0.0
     entropy: list[float] = field(default_factory=list)
 
+    def exchange_sample(self) -> tuple[float, float, float] | None:
+        """``(collectives, sent_bytes, seconds in flight)`` of the whole exchange per step, or
+        None when the window saw no collective in flight."""
+        collectives = sum(b.collectives for b in self.buckets)
+        if collectives <= 0 or self.in_flight_s <= 0:
+            return None
+        return collectives, sum(b.sent_bytes for b in self.buckets), self.in_flight_s
+
     def link_samples(self) -> list[tuple[float, float, float]]:
         """``(collectives, sent_bytes, seconds)`` for :class:`gradzip.control.link.LinkEstimator`:
         the link probe's two all_reduces when there was a probe, else the whole exchange per
@@ -147,11 +155,8 @@ class WindowFigures:
         of its rounds."""
         if self.probe_s > 0 and self.probe_bytes > 0 and self.probe_latency_s > 0:
             return [(1.0, self.probe_latency_bytes, self.probe_latency_s), (1.0, self.probe_bytes, self.probe_s)]
-        rows = []
-        collectives = sum(b.collectives for b in self.buckets)
-        sent = sum(b.sent_bytes for b in self.buckets)
-        if collectives > 0 and self.in_flight_s > 0:
-            rows.append((collectives, sent, self.in_flight_s))
+        exchange = self.exchange_sample()
+        rows = [exchange] if exchange is not None else []
         if self.figures_s > 0:
             rows.append((1.0, self.figures_bytes, self.figures_s))
         return rows
