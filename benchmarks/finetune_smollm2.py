@@ -4,8 +4,8 @@
     python benchmarks/finetune_smollm2.py --out runs/finetune_smollm2 --table-only
 
 Each entry is one ``gradzip finetune`` run on 2 local gloo workers with the same seed, data order
-and options; an entry naming an optimizer (``onebit-adam``) runs it behind the uncompressed hook,
-as ``gradzip compare`` does. Runs one at a time; the final checkpoints are deleted (1.6 GB each).
+and options; an entry naming an optimizer (``onebit-adam``, ``tsr-adam``, ``demo``) runs it
+behind the uncompressed hook, as ``gradzip compare`` does. Runs one at a time; the final checkpoints are deleted (1.6 GB each).
 Prints a Markdown table: final validation loss (and against ``none``), payload bytes per step
 handed to the collectives by each worker (mean over the run, and over its last step for entries
 that start dense), compression against the dense gradient.
@@ -20,8 +20,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from gradzip.lab.train.optimizers import names_optimizer
+
 ENTRIES = ["none", "powersgd:approx_rank=4", "topk:ratio=0.01", "efsignsgd", "onebit-adam"]
-OPTIMIZERS = ("onebit-adam", "zeroone-adam")
 
 
 def slug(entry: str) -> str:
@@ -29,7 +30,7 @@ def slug(entry: str) -> str:
 
 
 def command(entry: str, out: Path, args: argparse.Namespace) -> list[str]:
-    exchange = ["--optimizer", entry, "--compressor", "none"] if entry.split(":")[0] in OPTIMIZERS else [
+    exchange = ["--optimizer", entry, "--compressor", "none"] if names_optimizer(entry) else [
         "--compressor", entry]
     return [sys.executable, "-m", "gradzip", "finetune", *exchange, "--steps", str(args.steps),
             "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size), "--eval-every",
