@@ -330,6 +330,36 @@ def test_bench_json_has_exactly_the_fields(capsys):
     assert cli.main(["bench", "--size-mb", "0", "--codecs", "topk"]) == 2
 
 
+def test_bench_times_the_codecs_with_their_own_reducer(capsys):
+    """PowerSGD, SEPARATE, Radius and the count sketch go through their reducers on a one-rank
+    group: the bytes are the codec's formula for the bucket read as a rows x 1024 matrix and a
+    flat remainder, and the group is gone afterwards."""
+    import torch.distributed as dist
+
+    from gradzip.compressors import build
+    from gradzip.lab.bench import bucket_shapes
+
+    specs = ["powersgd:approx_rank=2", "powersgd:approx_rank=2,factor_bits=8", "separate", "radius", "countsketch"]
+    argv = ["bench", "--size-mb", "0.05", "--repeats", "2", "--codecs", ",".join(specs), "--json", "--input", "synthetic"]
+    assert cli.main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    numel = int(0.05 * (1 << 20)) // 4  # 13,107: a 12 x 1024 matrix and 819 elements flat
+    assert bucket_shapes(numel) == [torch.Size((12, 1024)), torch.Size((819,))]
+    expected = {
+        "powersgd:approx_rank=2": (12 + 1024) * 2 * 4 + 819 * 4,
+        # int8 factors with an fp32 scale per column of P and of Q (2 factors x 2 columns)
+        "powersgd:approx_rank=2,factor_bits=8": (12 + 1024) * 2 * 1 + 2 * 2 * 4 + 819 * 4,
+        "separate": 12 * 4 * 4 + 819 * 4,
+        "radius": build("radius").payload_nbytes(numel),
+        "countsketch": build("countsketch").payload_nbytes(numel),
+    }
+    assert [row["codec"] for row in rows] == specs
+    for row in rows:
+        assert row["payload_bytes"] == row["formula_bytes"] == expected[row["codec"]]
+        assert row["gbps"] > 0 and 0 < row["rel_error"]
+    assert not dist.is_initialized()
+
+
 @pytest.mark.parametrize("spec,wire_dtype", [("fp16", torch.float16), ("bf16", torch.bfloat16)])
 def test_casts_saturate_past_the_wire_range_and_match_a_plain_cast_within_it(spec, wire_dtype):
     wire_max = torch.finfo(wire_dtype).max

@@ -184,6 +184,9 @@ def test_orchestration_hung_and_crashed_runs(tmp_path):
     assert {r["compressor"]: r["time_to_target_s"] for r in again if r["status"] == "ok"} == {
         "limit": None, "none": pytest.approx(2 * 0.4), "fp16": pytest.approx(2 * 0.25)}  # fmt: skip
     assert [r["step_s"] for r in again] == [r["step_s"] for r in rows]
+    assert "This report: `gradzip compare --report-only" not in report  # the first report ran the runs
+    rewritten = (out / "report.md").read_text()
+    assert f"- This report: `gradzip compare --report-only --target-loss 5 --out {out}`" in rewritten
 
 
 @pytest.mark.e2e

@@ -108,8 +108,45 @@ def test_compare_runs_an_optimizer_entry_behind_the_uncompressed_hook(tmp_path):
     assert argv("topk:ratio=0.01")[1:3] == ["--compressor", "topk:ratio=0.01"]
     with pytest.raises(ValueError, match="warmup_steps must be an integer >= 1"):
         run_compare(CompareConfig(compressors=["onebit-adam:warmup_steps=0"], out=str(tmp_path / "c")))
+    # the entry is named, not an --optimizer option this command does not have
+    with pytest.raises(ValueError, match=r"^--compressors entry 'tsr-adam:bogus=2': tsr-adam has no parameter 'bogus'"):
+        run_compare(CompareConfig(compressors=["none", "tsr-adam:bogus=2"], out=str(tmp_path / "c")))
+
+
+def test_an_optimizer_that_sends_everything_itself_runs_no_hook_codec(capsys, tmp_path):
+    """tsr-adam and demo never ask DDP's hook for a mean: the default --compressor becomes none (so
+    the run says what it sends), another codec is refused; the hook's users keep it."""
+    from gradzip.lab.train.config import DEFAULT_COMPRESSOR, TrainConfig
+    from gradzip.lab.train.optimizers import label
+
+    for spec in ("demo", "tsr-adam:approx_rank=8", "DEMO"):
+        assert TrainConfig(optimizer=spec).validate().compressor == "none"
+    for spec in ("adamw", "onebit-adam", "zeroone-adam"):
+        assert TrainConfig(optimizer=spec).validate().compressor == DEFAULT_COMPRESSOR
+    assert main(["train", "--optimizer", "demo", "--compressor", "topk:ratio=0.01", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert "--compressor topk:ratio=0.01 would never run: --optimizer demo sends its own payload" in err
+    assert err.count("\n") == 1
+    assert label("adamw", "fp16") == "fp16"
+    assert label("demo", "none") == "demo"
+    assert label("onebit-adam", "fp16") == "onebit-adam + fp16"
 
 
 def test_compressed_optimizer_refuses_fsdp(capsys, tmp_path):
     assert main(["train", "--fsdp", "--compressor", "none", "--optimizer", "onebit-adam", "--out", str(tmp_path / "x")]) == 2
     assert "with --fsdp use adamw" in capsys.readouterr().err
+
+
+def test_a_run_shorter_than_the_dense_steps_of_1bit_adam_is_told():
+    from gradzip.lab.train.config import TrainConfig
+    from gradzip.lab.train.optimizers import dense_steps_note
+
+    note = dense_steps_note(TrainConfig(optimizer="onebit-adam:warmup_steps=60", steps=4))
+    assert note == ("--optimizer onebit-adam: its 60 full-precision steps (warmup_steps) cover all 4 steps, so it "
+                    "never sends a 1-bit momentum; give warmup_steps=N below --steps")
+    # the default, max(--warmup-steps 20, 20% of 4): 20
+    assert "its 20 full-precision steps (var_freeze_step; the default" in dense_steps_note(
+        TrainConfig(optimizer="zeroone-adam", steps=4))
+    assert dense_steps_note(TrainConfig(optimizer="onebit-adam:warmup_steps=3", steps=4)) is None
+    assert dense_steps_note(TrainConfig(optimizer="onebit-adam", steps=300)) is None  # 60 of 300
+    assert dense_steps_note(TrainConfig(optimizer="demo", steps=4)) is None

@@ -8,22 +8,31 @@ outputs afresh (``x.abs()`` a new tensor, the codec its payload and decoded tens
 over the repeats, after one untimed warm-up of each, on one clock: this process's CPU time by
 default (on a machine shared with other jobs it does not count the time the process waits for a
 core), or wall time.
+
+Codecs that bring their own reducer (PowerSGD, SEPARATE, Radius, the count sketch) are timed
+through it: one ``reduce`` of the tensor as a DDP bucket (a ``rows x 1024`` matrix, and the
+remainder flat) over a gloo process group of this process alone, whose collectives copy, so the
+time is their encode, decode and error feedback. Their payload and relative error are those of the
+second step (Radius's first is its dense refresh of the ranges), after one step of error
+feedback; their formula is the codec's own for the bucket's shapes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
-from gradzip.compressors import Compressor, build, list_compressors
+from gradzip.compressors import Compressor, build
 from gradzip.compressors.kernels import fused, native
 from gradzip.compressors.spec import split_spec_list
 from gradzip.compressors.values import check_int
@@ -33,7 +42,7 @@ __all__ = ["heavy_tailed_gradient", "measure", "run", "split_specs"]
 
 FIELDS = ("codec", "gbps", "payload_bytes", "formula_bytes", "compression_ratio", "rel_error", "ratio_to_elementwise")
 
-#: the codecs benchmarked when ``--codecs`` is not given (powersgd is a two-round reducer)
+#: the codecs benchmarked when ``--codecs`` is not given
 DEFAULT_CODECS = (
     "fp16",
     "bf16",
@@ -49,7 +58,15 @@ DEFAULT_CODECS = (
     "signsgd",
     "efsignsgd",
     "topk:ratio=0.01+uniform:bits=8",
+    "powersgd:approx_rank=4",
+    "powersgd:approx_rank=4,factor_bits=8",
+    "separate",
+    "radius",
+    "countsketch",
 )
+
+#: columns of the matrix a codec with its own reducer sees the tensor as
+MATRIX_COLS = 1024
 
 
 def split_specs(text: str) -> list[str]:
@@ -102,6 +119,84 @@ def measure(codec: Compressor, x: Tensor, *, repeats: int, clock: str = "cpu") -
     }
 
 
+def bucket_shapes(numel: int) -> list[torch.Size]:
+    """The gradients a flat tensor of ``numel`` elements is read as by a codec with its own
+    reducer: one ``numel // 1024 x 1024`` matrix, then the remainder as a flat tensor."""
+    rows = numel // MATRIX_COLS
+    shapes = [torch.Size((rows, MATRIX_COLS))] if rows else []
+    if numel - rows * MATRIX_COLS:
+        shapes.append(torch.Size((numel - rows * MATRIX_COLS,)))
+    return shapes
+
+
+def formula_nbytes(codec: Compressor, shapes: list[torch.Size], dtype: torch.dtype) -> int:
+    """The documented payload of a bucket of ``shapes``: per matrix for the low-rank codecs, of the
+    whole flat bucket for the others."""
+    if hasattr(codec, "matrix_payload_nbytes"):
+        return sum(codec.matrix_payload_nbytes(shape, dtype) for shape in shapes)
+    return codec.payload_nbytes(sum(shape.numel() for shape in shapes), dtype)
+
+
+@contextlib.contextmanager
+def one_rank_group() -> Iterator[None]:
+    """A gloo group of this process alone for the reducers (see the module docstring), unless a
+    default group exists already; the group made here is destroyed on leaving."""
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        if made:
+            dist.destroy_process_group()
+
+
+def measure_reducer(codec: Compressor, x: Tensor, *, repeats: int, clock: str = "cpu") -> dict:
+    """Time one ``reduce`` of ``x`` by ``codec``'s own reducer against ``x.abs()``, interleaved,
+    and return one result row (see the module docstring); inside :func:`one_rank_group`."""
+    from gradzip.comm import make_reducer
+    from gradzip.metrics import StepMetrics
+
+    assert dist.is_initialized() and dist.get_world_size() == 1, "measure_reducer runs inside one_rank_group()"
+    shapes = bucket_shapes(x.numel())
+    reducer = make_reducer(codec, metrics=StepMetrics())
+
+    def run_reducer(step: int) -> Callable[[], object]:
+        return lambda: reducer.reduce(0, x, step=step, shapes=shapes).wait()
+
+    dense_bytes = x.numel() * x.element_size()
+    compiled_before = sum(fused.compile_seconds.values())
+    first_start = time.perf_counter()
+    run_reducer(0)()
+    first_call_s = time.perf_counter() - first_start
+    compile_s = sum(fused.compile_seconds.values()) - compiled_before
+    reducer.metrics.pop()
+    decoded = run_reducer(1)()
+    payload_bytes = reducer.metrics.pop()["payload_bytes"]
+    rel_error = float((x.double() - decoded.double()).norm() / x.double().norm().clamp(min=1e-300))
+    del decoded
+    timer = CLOCKS[clock]
+    codec_s, base_s = [], []
+    for step in range(2, repeats + 2):
+        base_s.append(_timed(x.abs, timer))
+        codec_s.append(_timed(run_reducer(step), timer))
+        reducer.metrics.pop()
+    gbps = dense_bytes / _median_s(codec_s) / 1e9
+    base_gbps = dense_bytes / _median_s(base_s) / 1e9
+    return {
+        "codec": codec.spec,
+        "gbps": gbps,
+        "payload_bytes": payload_bytes,
+        "formula_bytes": formula_nbytes(codec, shapes, x.dtype),
+        "compression_ratio": dense_bytes / payload_bytes,
+        "rel_error": rel_error,
+        "ratio_to_elementwise": gbps / base_gbps,
+        "elementwise_gbps": base_gbps,
+        "first_call_s": first_call_s,
+        "compile_s": compile_s,
+    }
+
+
 def _timed(fn: Callable[[], object], timer: Callable[[], float]) -> float:
     start = timer()
     result = fn()
@@ -117,15 +212,14 @@ def run(args: argparse.Namespace) -> int:
     check_int(args.threads, name="--threads", low=1, high=1024)
     specs = split_specs(args.codecs) if args.codecs else list(DEFAULT_CODECS)
     codecs = [build(spec) for spec in specs]
-    for codec in codecs:
-        if codec.multi_round:
-            raise ValueError(f"{codec.name} is a multi-round reducer; bench times single-round codecs")
     torch.set_num_threads(args.threads)
     numel = int(args.size_mb * (1 << 20)) // 4
     x, source = bench_input(numel, source=args.input, checkpoint=args.checkpoint)
-    rows = [measure(codec, x, repeats=args.repeats, clock=args.clock) for codec in codecs]
+    with one_rank_group() if any(codec.multi_round for codec in codecs) else contextlib.nullcontext():
+        rows = [(measure_reducer if codec.multi_round else measure)(codec, x, repeats=args.repeats, clock=args.clock)
+                for codec in codecs]
     note = (
-        f"{source}, {numel:,} fp32 elements ({numel * 4 / 1e6:.1f} MB), {args.threads} thread(s), "
+        f"{source}, {numel:,} fp32 elements ({numel * 4 / 2**20:.1f} MiB), {args.threads} thread(s), "
         f"{args.clock} clock; medians of {args.repeats} interleaved repeats; baseline x.abs(); codec "
         "and baseline both allocate their outputs each repeat; kernels "
         + ("compiled (first call of each codec, compilation included, untimed: see 'first s')" if fused.enabled() else "eager (GRADZIP_COMPILE=0)")
@@ -153,11 +247,12 @@ def run(args: argparse.Namespace) -> int:
 
 def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="codec throughput, payload and error against one elementwise pass")
-    p.add_argument("--size-mb", type=float, default=25.0, help="tensor size in MB of fp32 (default 25)")
+    p.add_argument("--size-mb", type=float, default=25.0, help="tensor size in MiB (2^20 bytes) of fp32 (default 25)")
     p.add_argument(
         "--codecs",
         default=None,
-        help=f"comma-separated specs (default: a set covering {', '.join(n for n in list_compressors() if n not in ('none', 'powersgd'))})",
+        help=f"comma-separated specs (default: {','.join(DEFAULT_CODECS)}); powersgd, separate, radius and "
+        f"countsketch go through their own reducer, the tensor read as a rows x {MATRIX_COLS} matrix",
     )
     p.add_argument("--repeats", type=int, default=9, help="timed repeats per codec; medians are reported (default 9)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")

@@ -43,8 +43,9 @@ def add_parser(sub) -> None:
         description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     p.add_argument("--compressors", default="none,fp16,powersgd:approx_rank=4,topk:ratio=0.01", metavar="SPECS",
-                   help="comma-separated specs; torch:fp16, torch:powersgd etc. run PyTorch's hooks; onebit-adam and "
-                   "zeroone-adam[:options] run that optimizer behind the uncompressed hook; diloco:sync_every=H[,...][+CODEC] "
+                   help="comma-separated specs; torch:fp16, torch:powersgd etc. run PyTorch's hooks; onebit-adam, "
+                   "zeroone-adam, tsr-adam, demo and adamw[:options] run that optimizer behind the uncompressed hook; "
+                   "diloco:sync_every=H[,...][+CODEC] "
                    "runs DiLoCo with CODEC between the workers (gradzip train --outer, --outer-compressor) "
                    "(default: %(default)s)")
     p.add_argument("--world-size", type=int, default=4, help="workers, one per host (default 4)")

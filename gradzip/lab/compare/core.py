@@ -175,7 +175,10 @@ def _check_specs(cfg: CompareConfig) -> None:
 
     for spec in cfg.compressors:
         if names_optimizer(spec):
-            check_optimizer(TrainConfig(optimizer=spec, steps=cfg.steps))
+            try:
+                check_optimizer(TrainConfig(optimizer=spec, steps=cfg.steps))
+            except ValueError as exc:  # its message names --optimizer, which this command has not
+                raise type(exc)(f"--compressors entry {spec!r}: {str(exc).removeprefix('--optimizer ')}") from None
         elif names_outer(spec):
             outer, codec = split_entry(spec)
             TrainConfig(outer=outer, outer_compressor=codec, compressor="none", steps=cfg.steps,
@@ -361,6 +364,10 @@ def rewrite_report(out: str | Path, *, target_loss: float | None = None, target_
         check_number(target_margin, name="--target-margin", low=0, high=1)
         setup["target_margin"] = target_margin
     rounds = [[load_run(run_folder(out, label, k)) for label in setup["entries"]] for k in range(setup.get("repeats", 1))]
+    # the Setup's command is the one that ran the runs; the report says what rewrote it
+    given = [f"--{name} {value:g}" for name, value in (("target-loss", target_loss), ("target-margin", target_margin))
+             if value is not None]
+    setup["report_command"] = " ".join(["gradzip compare --report-only", *given, "--out", str(out)])
     if target_loss is None:  # the comparison's own --target-loss, where it gave one
         target_loss = setup.get("target_loss")
     return write_outputs(out, rounds, setup, target_loss=target_loss, log=log)

@@ -114,6 +114,8 @@ def write_report(out: Path, rows: Sequence[dict[str, Any]], setup: dict[str, Any
         *([f"- Link schedule: `{setup['link_schedule']}` (STEP:RATE) in every run, each run starting at "
              f"{setup['bandwidth']}; the changes as made are listed below."] if setup.get("link_schedule") else []),
         f"- Command: `{setup['command']}`",
+        *([f"- This report: `{setup['report_command']}`, from the runs above without training again."]
+          if setup.get("report_command") else []),
         f"- Target validation loss: {_num(target['target_loss'], '.4f', 'none')} ({target['target_source']}).",
         "",
         "## Results",

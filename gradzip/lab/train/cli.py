@@ -13,7 +13,7 @@ Train a GPT-2 style language model on the Shakespeare plays (or --data FILE) acr
 data-parallel torch.distributed workers whose gradients travel compressed.
 
 With no arguments: 2 local gloo workers, a 3.7 M parameter model, powersgd:approx_rank=4,
-300 steps (a few minutes on 2 CPU cores). Under torchrun (RANK/WORLD_SIZE set) this process
+300 steps (about 10 minutes on 2 CPU cores). Under torchrun (RANK/WORLD_SIZE set) this process
 runs one rank instead of spawning. Writes OUT/metrics.jsonl, summary.json, loss.png (and
 layer_ratios.png, the compression ratio of every layer at every step, under kimad, legacy or edgc)
 and a checkpoint.

@@ -19,6 +19,10 @@ MONITORING = "monitoring and auto"
 FINETUNE_DEFAULTS = {"model": SMOLLM2, "lr": 1e-4, "warmup_steps": 10, "steps": 100}
 
 
+#: ``--compressor`` unless given
+DEFAULT_COMPRESSOR = "powersgd:approx_rank=4"
+
+
 @dataclass
 class TrainConfig:
     """Everything ``gradzip train`` needs; :meth:`validate` raises ``ValueError`` on bad values.
@@ -29,7 +33,7 @@ class TrainConfig:
     """
 
     compressor: str = option(
-        "powersgd:approx_rank=4",
+        DEFAULT_COMPRESSOR,
         "codec spec, e.g. topk:ratio=0.01 (see 'gradzip list'); add start_step=N to exchange the first N steps "
         "dense; warmup_steps=N[,clip_norm=C] after a codec with a ratio for DGC's warm-up; auto picks per bucket; "
         "kimad, legacy and edgc[:params] plan a codec per layer (see gradzip.control.schedules); "
@@ -132,6 +136,20 @@ class TrainConfig:
     extra: dict = field(default_factory=dict)
     """Options added by other components, passed through untouched."""
 
+    def _drop_unused_hook(self) -> None:
+        """Under an optimizer that sends everything itself (tsr-adam, demo) DDP's hook never runs:
+        the default ``--compressor`` becomes ``none``, so that the run's label says what it sends,
+        and any other codec is refused rather than silently unused."""
+        from gradzip.lab.train.optimizers import parse_optimizer, uses_hook
+
+        if uses_hook(self.optimizer) or self.compressor == "none":
+            return
+        if self.compressor != DEFAULT_COMPRESSOR:
+            name = parse_optimizer(self.optimizer)[0]
+            raise ValueError(f"--compressor {self.compressor} would never run: --optimizer {name} sends its own "
+                             "payload every step and DDP's hook stays idle; leave --compressor out or pass none")
+        self.compressor = "none"
+
     def validate(self) -> TrainConfig:
         """Check every field; returns self.
 
@@ -176,6 +194,7 @@ class TrainConfig:
             if str(exc).startswith("--"):
                 raise
             raise type(exc)(f"--optimizer {self.optimizer}: {exc}") from None
+        self._drop_unused_hook()
         if os.path.exists(self.out) and not os.path.isdir(self.out):
             raise ValueError(f"--out must be a folder; {self.out} is a file")
         if self.resume is not None and not os.path.isdir(self.resume):

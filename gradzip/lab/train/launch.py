@@ -30,6 +30,7 @@ from gradzip.lab.train import report
 from gradzip.lab.train.config import TrainConfig
 from gradzip.lab.train.data import Corpus
 from gradzip.lab.train.known_gaps import gap_note
+from gradzip.lab.train.optimizers import dense_steps_note
 
 #: seconds the other workers get to stop by themselves after one fails (then SIGTERM, SIGKILL)
 GRACE_S = 20.0
@@ -107,7 +108,7 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
 
     for line in idle if os.environ.get("RANK", "0") == "0" else []:
         warn(line)  # after every check, so that a refused run prints its one error line alone
-    notes = [gap_note(cfg.choice)]
+    notes = [gap_note(cfg.choice), dense_steps_note(cfg)]
     if cfg.warmup_steps >= cfg.steps > 0 and not cfg.resume:
         notes.append(f"--warmup-steps {cfg.warmup_steps} covers all {cfg.steps} steps: the learning rate never "
                      f"reaches --lr {cfg.lr:g} and never decays (lower --warmup-steps for a short run)")

@@ -34,6 +34,7 @@ from gradzip.lab.train.hooks import warm_up_kernels
 from gradzip.lab.train.known_gaps import gap_note
 from gradzip.lab.train.model import build_model, count_parameters, next_token_loss
 from gradzip.lab.train.optimizers import build_optimizer, owns_communication
+from gradzip.lab.train.optimizers import label as optimizer_label
 from gradzip.lab.train.outer import build_outer, dense_bytes, describe
 from gradzip.lab.train.parallel import Parallel, make_parallel
 from gradzip.optim import grad_sync
@@ -354,7 +355,8 @@ def _progress(cfg: TrainConfig, is_main: bool, start_step: int = 0):
         return None
     from tqdm import tqdm
 
-    return tqdm(total=cfg.steps, initial=start_step, desc=f"train {run_name(cfg)}", unit="step", dynamic_ncols=True)
+    name = optimizer_label(cfg.optimizer, run_name(cfg))
+    return tqdm(total=cfg.steps, initial=start_step, desc=f"train {name}", unit="step", dynamic_ncols=True)
 
 
 def _update_progress(bar, record: dict[str, Any], tokens_per_step: int, skipped_steps: int = 0) -> None:

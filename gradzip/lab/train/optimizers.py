@@ -42,6 +42,9 @@ OPTIMIZERS: dict[str, tuple[str, ...]] = {
     "demo": ("compression_decay", "compression_topk", "compression_chunk"),
 }
 
+#: optimizers that send everything themselves on every step, so DDP's hook (``--compressor``) never runs
+HOOKLESS = ("tsr-adam", "demo")
+
 #: TSR-Adam's settings in the main job unless given (see the module docstring)
 TSR_DEFAULTS = {"update_gap_emb": 10, "scale": 7.5}
 
@@ -76,11 +79,39 @@ def names_optimizer(spec: str) -> bool:
     return len(parts) == 1 and parts[0][0] in OPTIMIZERS
 
 
+def uses_hook(spec: str) -> bool:
+    """Whether optimizer ``spec`` ever asks DDP's hook (``--compressor``) for averaged gradients."""
+    return parse_optimizer(spec)[0] not in HOOKLESS
+
+
+def label(optimizer: str, exchange: str) -> str:
+    """What a run exchanges, for its progress bar and summary: ``exchange`` (the hook's codec) with
+    AdamW, else the optimizer, and the hook's codec when it is not ``none``."""
+    if parse_optimizer(optimizer)[0] == "adamw":
+        return exchange
+    return optimizer if exchange == "none" else f"{optimizer} + {exchange}"
+
+
 def default_warmup_steps(cfg) -> int:
     """Full-precision steps before the variance freezes: 20% of training (1-bit Adam's 15-25%),
     and not before the learning-rate warm-up has ended (0/1 Adam's rule: the variance moves most
     while the learning rate climbs); at least 1."""
     return max(1, cfg.warmup_steps, round(0.2 * cfg.steps))
+
+
+def dense_steps_note(cfg) -> str | None:
+    """One line when 1-bit Adam's or 0/1 Adam's full-precision steps cover the whole run (it would
+    never send a 1-bit momentum); None otherwise."""
+    name, params = parse_optimizer(cfg.optimizer)
+    key = {"onebit-adam": "warmup_steps", "zeroone-adam": "var_freeze_step"}.get(name)
+    if key is None:
+        return None
+    dense = params.get(key, default_warmup_steps(cfg))
+    if not isinstance(dense, int) or dense < cfg.steps:
+        return None
+    given = "" if key in params else "; the default: 20% of --steps, at least --warmup-steps"
+    return (f"--optimizer {name}: its {dense} full-precision steps ({key}{given}) cover all {cfg.steps} steps, "
+            f"so it never sends a 1-bit momentum; give {key}=N below --steps")
 
 
 def build_optimizer(cfg, model: torch.nn.Module, *, metrics: StepMetrics | None = None) -> torch.optim.Optimizer:

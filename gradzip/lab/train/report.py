@@ -104,6 +104,7 @@ def summary_table(s: dict[str, Any]) -> str:
     ratio = s.get("compression_ratio")
     rows = [
         ("compressor", s["compressor"]),
+        ("optimizer", s.get("optimizer", "adamw")),
         ("collective", s.get("collective", "auto")),
         ("world size", s["world_size"]),
         ("steps", s["steps"]),
