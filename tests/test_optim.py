@@ -369,3 +369,31 @@ def test_compressed_adams_on_gloo_ranks(world_size):
     for z in zo:
         assert all(torch.equal(x, y) for x, y in zip(zo[0]["final"], z["final"]))
         assert z["resumed_equal"]
+
+
+def _bucket_members(rank: int, world_size: int) -> dict:
+    """Three 8-element parameters, two per bucket; at step 2 no rank has a gradient for the
+    second, so the first bucket holds the first and the third."""
+    a, b, c = (torch.nn.Parameter(torch.full((8,), float(i))) for i in range(3))
+    opt = OneBitAdam([a, b, c], warmup_steps=1, weight_decay=0.0, bucket_cap_mb=64 / 2**20)
+    gen = torch.Generator().manual_seed(rank)
+    residuals = []
+    for step in range(3):
+        for p in (a, b, c):
+            p.grad = torch.randn(8, generator=gen)
+        if step == 2:
+            b.grad = None
+        opt.step()
+        residuals.append({k: v.clone() for k, v in opt.reducer.state_dict()["feedback"]["residuals"].items()})
+    return {"residuals": residuals}
+
+
+@pytest.mark.dist
+def test_a_bucket_whose_members_change_takes_no_other_buckets_residual():
+    first, _ = run_ranks(_bucket_members, 2)
+    after_1, after_2 = first["residuals"][1], first["residuals"][2]
+    ab, cc, ac = (("exp_avg", 0), ("exp_avg", 1)), (("exp_avg", 2),), (("exp_avg", 0), ("exp_avg", 2))
+    assert set(after_1) == {ab, cc}
+    assert set(after_2) == {ab, cc, ac}
+    # [A, B]'s residual is left as it was, not spent on [A, C]
+    assert torch.equal(after_2[ab], after_1[ab])

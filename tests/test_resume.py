@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -57,6 +58,7 @@ def _resume_worker(rank: int, world_size: int, base: str, data: str) -> dict:
             "hook_state": same(mine_a["hook"], mine_b["hook"]),
             "data_generator": same(mine_a["data_generator"], mine_b["data_generator"]),
             "own_optimizer": same(mine_a["optimizer"], mine_b["optimizer"]),
+            "own_model": same(mine_a["model"], mine_b["model"]),
         }
         if rank == 0:
             shared_a, shared_b = load(final_a, "shared.pt"), load(final_b, "shared.pt")
@@ -83,6 +85,7 @@ def test_resumed_run_is_bit_identical(tmp_path, monkeypatch, world_size):
             assert entry["hook_state"], f"{spec}: rank {rank} compressor state differs after resume"
             assert entry["data_generator"], f"{spec}: rank {rank} data order differs after resume"
             assert entry["own_optimizer"], f"{spec}: rank {rank} optimizer error buffers differ after resume"
+            assert entry["own_model"], f"{spec}: rank {rank} parameters differ after resume"
             if rank == 0:
                 for part in ("model", "optimizer", "scheduler"):
                     assert entry[part], f"{spec}: {part} differs after resume"
@@ -156,3 +159,33 @@ def test_resume_with_other_settings_names_them(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert err.count("\n") == 1
     assert "--world-size (checkpoint 2, now 3)" in err and "--compressor (checkpoint 'topk:ratio=0.1', now 'fp16')" in err
+
+
+@pytest.mark.e2e
+def test_zeroone_adam_resumes_exactly_between_synchronisations(tmp_path):
+    """0/1 Adam's ranks take local steps between synchronisations, so their parameters differ
+    there: a checkpoint at such a step (step 3 here) keeps every rank's own model."""
+    import subprocess
+    import sys
+
+    common = ["--steps", "6", "--checkpoint-every", "3", "--keep-checkpoints", "0", "--n-layer", "1", "--n-embd", "32",
+              "--n-head", "2", "--seq-len", "16", "--batch-size", "2", "--eval-every", "3", "--eval-batches", "1",
+              "--vocab-size", "260", "--compressor", "none", "--warmup-steps", "1", "--lr", "1e-5", "--quiet",
+              "--optimizer", "zeroone-adam:var_freeze_step=1,local_step_scaler=1,local_step_clipper=4"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GRADZIP_CACHE": str(tmp_path / "cache")}
+    data = write_corpus(tmp_path / "corpus.txt")
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+
+    def train(*extra):
+        proc = subprocess.run([sys.executable, "-m", "gradzip", "train", *common, "--data", data, *extra],
+                              capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+
+    train("--out", str(whole))
+    shutil.copytree(whole, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step-000006")
+    (resumed / "checkpoints" / "latest").write_text("step-000003\n")
+    train("--out", str(resumed), "--resume", str(resumed))
+    for name in ("shared.pt", "rank-0.pt", "rank-1.pt"):
+        a, b = (load(folder / "checkpoints" / "step-000006", name) for folder in (whole, resumed))
+        assert same(a["model"], b["model"]), f"{name}: parameters differ after resume"

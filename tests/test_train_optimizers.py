@@ -80,6 +80,9 @@ def test_demo_in_the_main_job_sends_its_top_dct_components(tmp_path):
         ("nosuch", "--optimizer must be one of adamw, onebit-adam, zeroone-adam, tsr-adam, demo"),
         ("tsr-adam:approx_rank=300", "approx_rank must be at most 256 (--n-embd)"),
         ("tsr-adam:scale=0", "scale must be a number > 0"),
+        ("tsr-adam:approx_rank_emb=0", "approx_rank_emb must be an integer >= 1; got 0"),
+        ("tsr-adam:update_gap_emb=0", "update_gap_emb must be an integer >= 1; got 0"),
+        ("tsr-adam:approx_rank_emb=600", "approx_rank_emb must be at most 128 (--n-embd, --seq-len and --vocab-size)"),
         ("demo:compression_chunk=0", "compression_chunk must be an integer >= 1"),
         ("onebit-adam:warmup_steps=0", "warmup_steps must be an integer >= 1"),
         ("onebit-adam:freeze=3", "--optimizer onebit-adam has no parameter 'freeze'; it takes warmup_steps, bucket_cap_mb"),
@@ -127,6 +130,8 @@ def test_an_optimizer_that_sends_everything_itself_runs_no_hook_codec(capsys, tm
     err = capsys.readouterr().err
     assert "--compressor topk:ratio=0.01 would never run: --optimizer demo sends its own payload" in err
     assert err.count("\n") == 1
+    assert main(["train", "--optimizer", "demo", "--no-exchange", "--out", str(tmp_path / "x")]) == 2
+    assert "--no-exchange measures compute alone with adamw" in capsys.readouterr().err
     assert label("adamw", "fp16") == "fp16"
     assert label("demo", "none") == "demo"
     assert label("onebit-adam", "fp16") == "onebit-adam + fp16"

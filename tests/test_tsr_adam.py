@@ -284,3 +284,19 @@ def test_rank_error_names_the_shape_and_dense_groups_take_any_shape():
         opt.set_bases(model[0].weight, torch.eye(6), torch.eye(8))
     with pytest.raises(ValueError, match="left and right must be"):
         opt.set_bases(model[2].weight, torch.eye(4), torch.eye(6))
+
+
+def test_bf16_weights_refresh_their_bases_in_fp32_and_keep_their_dtype():
+    """CPU LAPACK has no bf16 QR or SVD: the refresh computes them in fp32 and keeps the weight's dtype."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(16, 12, generator=gen).to(torch.bfloat16))
+    opt = TSRAdam([{"params": [w], "approx_rank": 4, "update_gap": 2}], lr=1e-3)
+    before = w.detach().clone()
+    for _ in range(3):
+        w.grad = torch.randn(16, 12, generator=gen).to(torch.bfloat16)
+        opt.step()
+    state = opt.state[w]
+    assert w.dtype == state["left"].dtype == state["right"].dtype == torch.bfloat16
+    eye = torch.eye(4)
+    assert torch.allclose(state["left"].float().T @ state["left"].float(), eye, atol=0.05)
+    assert bool(torch.isfinite(w).all()) and not torch.equal(w.detach(), before)

@@ -205,9 +205,11 @@ class CompressedAdamBase(torch.optim.Optimizer):
         Args:
             tensors: ``key -> (tensor, compress)``; keys name the error-feedback buffers across
                 steps. Compressed tensors are flattened into buckets of up to ``bucket_cap_mb``
-                (in key order, identical on every rank; a bucket is keyed by its first tensor's
-                key) and go through :attr:`reducer`, every bucket launched before any is
-                awaited; the others through one uncompressed ``all_reduce``.
+                (in key order, identical on every rank; a bucket is keyed by its tensors' keys,
+                so a bucket whose members change when a parameter has no gradient takes a
+                residual of its own, never another bucket's) and go through :attr:`reducer`,
+                every bucket launched before any is awaited; the others through one
+                uncompressed ``all_reduce``.
             step: the optimizer step (seeds and schedules of the codec).
         """
         if self.world_size == 1 or not tensors:
@@ -217,7 +219,7 @@ class CompressedAdamBase(torch.optim.Optimizer):
         for bucket in self._buckets(compressed):
             parts = [t for _, t in bucket]
             flat = parts[0] if len(parts) == 1 else _flatten_dense_tensors(parts)
-            futures.append((parts, self.reducer.reduce((bucket[0][0], len(parts)), flat, step=step)))
+            futures.append((parts, self.reducer.reduce(tuple(key for key, _ in bucket), flat, step=step)))
         self._dense_mean_([t for t, squeeze in tensors.values() if not squeeze], step=step)
         for parts, fut in futures:
             mean = fut.wait()

@@ -251,22 +251,22 @@ class TSRAdam(CompressedAdamBase):
         sketches, finite = self._mean([g @ omega for g, omega in zip(grads, omegas)], key=("tsr-sketch", "range"))
         if not finite:
             return None
-        ranges = [torch.linalg.qr(y).Q for y in sketches]
+        ranges = [_orthonormal(y) for y in sketches]
         for i in range(self.power_iters):
             sketches, finite = self._mean([g.T @ q for g, q in zip(grads, ranges)], key=("tsr-sketch", "corange", i))
             if not finite:
                 return None
-            coranges = [torch.linalg.qr(z).Q for z in sketches]
+            coranges = [_orthonormal(z) for z in sketches]
             sketches, finite = self._mean([g @ q for g, q in zip(grads, coranges)], key=("tsr-sketch", "range", i))
             if not finite:
                 return None
-            ranges = [torch.linalg.qr(y).Q for y in sketches]
+            ranges = [_orthonormal(y) for y in sketches]
         projected, finite = self._mean([q.T @ g for g, q in zip(grads, ranges)], key=("tsr-sketch", "projection"))
         if not finite:
             return None
         bases = {}
         for (_key, p, group), q, b in zip(due, ranges, projected):
-            u_small, _s, vh = torch.linalg.svd(b, full_matrices=False)
+            u_small, _s, vh = (t.to(b.dtype) for t in torch.linalg.svd(_wide_enough(b), full_matrices=False))
             rank = group["approx_rank"]
             bases[p] = ((q @ u_small[:, :rank]).contiguous(), vh[:rank].T.contiguous())
         return bases
@@ -342,3 +342,14 @@ class TSRAdam(CompressedAdamBase):
         self.seed = state["seed"]
         self.oversampling = state["oversampling"]
         self.power_iters = state["power_iters"]
+
+
+def _wide_enough(t: Tensor) -> Tensor:
+    """``t`` in a dtype the QR and SVD kernels take everywhere (fp32 for fp16 and bf16, which CPU
+    LAPACK lacks); fp32 and fp64 unchanged."""
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
+def _orthonormal(y: Tensor) -> Tensor:
+    """An orthonormal basis of ``y``'s columns (QR's ``Q``), in ``y``'s dtype."""
+    return torch.linalg.qr(_wide_enough(y)).Q.to(y.dtype)

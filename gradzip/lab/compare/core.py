@@ -176,7 +176,8 @@ def _check_specs(cfg: CompareConfig) -> None:
     for spec in cfg.compressors:
         if names_optimizer(spec):
             try:
-                check_optimizer(TrainConfig(optimizer=spec, steps=cfg.steps))
+                given = {k: v for k, v in cfg.train_options.items() if v is not None}
+                check_optimizer(TrainConfig(optimizer=spec, steps=cfg.steps, **given))
             except ValueError as exc:  # its message names --optimizer, which this command has not
                 raise type(exc)(f"--compressors entry {spec!r}: {str(exc).removeprefix('--optimizer ')}") from None
         elif names_outer(spec):

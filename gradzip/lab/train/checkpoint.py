@@ -290,7 +290,8 @@ def save_training_state(
     optimizer state (a collective under FSDP, so every rank calls this). With
     ``per_rank_optimizer`` each rank also saves its own optimizer state: optimizers that own their
     communication keep error buffers that differ across ranks. With ``per_rank_model`` each rank
-    also saves its own model: under ``--outer`` the replicas' parameters differ between outer steps.
+    also saves its own model: under ``--outer`` the replicas' parameters differ between outer steps,
+    and under 0/1 Adam between its synchronisations.
     """
     config = cfg.to_dict()
     if parallel is not None:

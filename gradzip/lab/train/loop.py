@@ -33,7 +33,7 @@ from gradzip.lab.train.data import Corpus, batch_generator, sample_batch, val_ba
 from gradzip.lab.train.hooks import warm_up_kernels
 from gradzip.lab.train.known_gaps import gap_note
 from gradzip.lab.train.model import build_model, count_parameters, next_token_loss
-from gradzip.lab.train.optimizers import build_optimizer, owns_communication
+from gradzip.lab.train.optimizers import build_optimizer, owns_communication, params_differ
 from gradzip.lab.train.optimizers import label as optimizer_label
 from gradzip.lab.train.outer import build_outer, dense_bytes, describe
 from gradzip.lab.train.parallel import Parallel, make_parallel
@@ -173,7 +173,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
         optimizer = build_outer(cfg, model, inner, outer_group=outer_group,
                                 replica_group=replica_group if cfg.replica_size > 1 else None, metrics=outer_metrics)
     per_rank = dict(per_rank_optimizer=owns_communication(optimizer) or outer_metrics is not None,
-                    per_rank_model=outer_metrics is not None)
+                    per_rank_model=outer_metrics is not None or params_differ(optimizer))
     data_gen = batch_generator(cfg.seed, rank)
     val = val_batches(corpus, cfg.eval_batches, cfg.batch_size, cfg.seq_len, cfg.seed)
     tokens_per_step = world_size * cfg.batch_size * cfg.seq_len

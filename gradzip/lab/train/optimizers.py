@@ -12,7 +12,7 @@ attention and MLP matrices with ``approx_rank`` and ``update_gap``, the token an
 embeddings with ``approx_rank_emb`` and ``update_gap_emb``, everything else (norms, biases) dense.
 Defaults, measured on the 300-step demo job
 (``benchmarks/results/optimizers_subspace``): ``approx_rank`` n_embd / 4 (the paper's scripts:
-n_embd / 2 up to 350 M, n_embd / 4 at 1 B); ``approx_rank_emb`` n_embd / 2 (at most ``--seq-len``, the position table's rows) and
+n_embd / 2 up to 350 M, n_embd / 4 at 1 B); ``approx_rank_emb`` n_embd / 2 (at most ``--seq-len`` and ``--vocab-size``, the tables' rows) and
 ``update_gap_emb`` 10 (the paper's n_embd / 8 every 2 steps sends as many bytes here, where the
 token embedding is also the output layer, and trained worse); ``update_gap`` 10% of ``--steps``,
 at most the paper's 100 (bases from the first gradient serving a third of a short run stalled
@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from gradzip.compressors import SpecError, parse_spec
+from gradzip.compressors import SpecError, check_int, parse_spec
 from gradzip.metrics import StepMetrics
 from gradzip.optim import CompressedAdamBase, DeMo, OneBitAdam, TSRAdam, ZeroOneAdam
 
@@ -151,15 +151,21 @@ def tsr_settings(cfg, params: dict[str, Any]) -> dict[str, Any]:
         ValueError: for a rank larger than the weights it applies to allow, naming it.
     """
     width = model_width(cfg)
-    out = {"approx_rank": max(1, width // 4), "approx_rank_emb": max(1, min(width // 2, cfg.seq_len)),
+    what_width = f"the width of --model {cfg.model}" if cfg.model else "--n-embd"
+    # the embeddings' tables: positions (--seq-len rows) and tokens (--vocab-size rows, the
+    # model's own vocabulary under --model)
+    emb_bound, emb_what = min(width, cfg.seq_len), f"{what_width} and --seq-len"
+    if cfg.model is None:
+        emb_bound, emb_what = min(emb_bound, cfg.vocab_size), f"{what_width}, --seq-len and --vocab-size"
+    out = {"approx_rank": max(1, width // 4), "approx_rank_emb": max(1, min(width // 2, emb_bound)),
            "update_gap": min(100, max(1, cfg.steps // 10)), **TSR_DEFAULTS}
     out.update({k: v for k, v in params.items() if k in out})
-    what_width = f"the width of --model {cfg.model}" if cfg.model else "--n-embd"
-    for name, bound, what in (("approx_rank", width, what_width),
-                              ("approx_rank_emb", min(width, cfg.seq_len), f"{what_width} and --seq-len")):
-        value = out[name]
-        if isinstance(value, int) and not isinstance(value, bool) and value > bound:
+    for name, bound, what in (("approx_rank", width, what_width), ("approx_rank_emb", emb_bound, emb_what)):
+        value = check_int(out[name], name=name, low=1)  # named here: the group's check says approx_rank
+        if value > bound:
             raise ValueError(f"--optimizer tsr-adam: {name} must be at most {bound} ({what}); got {value}")
+    for name in ("update_gap", "update_gap_emb"):
+        check_int(out[name], name=name, low=1)
     return out
 
 
@@ -202,6 +208,12 @@ def check_optimizer(cfg) -> None:
         ValueError: for a bad spec or parameter.
     """
     build_optimizer(cfg, torch.nn.Linear(1, 1))
+
+
+def params_differ(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ranks' parameters may differ between steps of ``optimizer`` (0/1 Adam's local
+    steps, until its next synchronisation), so that a checkpoint keeps every rank's own model."""
+    return isinstance(optimizer, ZeroOneAdam)
 
 
 def owns_communication(optimizer: torch.optim.Optimizer) -> bool:
