@@ -83,7 +83,6 @@ CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 
 def measure(codec: Compressor, x: Tensor, *, repeats: int, clock: str = "cpu") -> dict:
     """Time ``codec`` against ``x.abs()``, interleaved, and return one result row."""
-    dense_bytes = x.numel() * x.element_size()
     compiled_before = sum(fused.compile_seconds.values())
     first_start = time.perf_counter()
     payload = codec.compress(x, step=0, key=0)
@@ -98,24 +97,34 @@ def measure(codec: Compressor, x: Tensor, *, repeats: int, clock: str = "cpu") -
     def run_codec(step: int) -> Callable[[], object]:
         return lambda: codec.decompress(codec.compress(x, step=step, key=0), like=x)
 
+    return _row(codec, x, run_codec, range(1, repeats + 1), clock, payload_bytes=payload_bytes,
+                formula_bytes=codec.payload_nbytes(x.numel(), x.dtype), rel_error=rel_error,
+                first_call_s=first_call_s, compile_s=compile_s)
+
+
+def _row(codec: Compressor, x: Tensor, run: Callable[[int], Callable[[], object]], steps: range, clock: str,
+         **figures: float) -> dict:
+    """One result row: ``run(step)`` timed against ``x.abs()`` for each of ``steps``, interleaved,
+    beside the ``figures`` measured untimed (payload, formula, error, first call)."""
     timer = CLOCKS[clock]
     codec_s, base_s = [], []
-    for step in range(1, repeats + 1):
+    for step in steps:
         base_s.append(_timed(x.abs, timer))
-        codec_s.append(_timed(run_codec(step), timer))
+        codec_s.append(_timed(run(step), timer))
+    dense_bytes = x.numel() * x.element_size()
     gbps = dense_bytes / _median_s(codec_s) / 1e9
     base_gbps = dense_bytes / _median_s(base_s) / 1e9
     return {
         "codec": codec.spec,
         "gbps": gbps,
-        "payload_bytes": payload_bytes,
-        "formula_bytes": codec.payload_nbytes(x.numel(), x.dtype),
-        "compression_ratio": dense_bytes / payload_bytes,
-        "rel_error": rel_error,
+        "payload_bytes": figures["payload_bytes"],
+        "formula_bytes": figures["formula_bytes"],
+        "compression_ratio": dense_bytes / figures["payload_bytes"],
+        "rel_error": figures["rel_error"],
         "ratio_to_elementwise": gbps / base_gbps,
         "elementwise_gbps": base_gbps,
-        "first_call_s": first_call_s,
-        "compile_s": compile_s,
+        "first_call_s": figures["first_call_s"],
+        "compile_s": figures["compile_s"],
     }
 
 
@@ -162,39 +171,25 @@ def measure_reducer(codec: Compressor, x: Tensor, *, repeats: int, clock: str = 
     reducer = make_reducer(codec, metrics=StepMetrics())
 
     def run_reducer(step: int) -> Callable[[], object]:
-        return lambda: reducer.reduce(0, x, step=step, shapes=shapes).wait()
+        def once() -> Tensor:
+            mean = reducer.reduce(0, x, step=step, shapes=shapes).wait()
+            reducer.metrics.pop()  # one step's figures at a time
+            return mean
 
-    dense_bytes = x.numel() * x.element_size()
+        return once
+
     compiled_before = sum(fused.compile_seconds.values())
     first_start = time.perf_counter()
     run_reducer(0)()
     first_call_s = time.perf_counter() - first_start
     compile_s = sum(fused.compile_seconds.values()) - compiled_before
-    reducer.metrics.pop()
-    decoded = run_reducer(1)()
+    decoded = reducer.reduce(0, x, step=1, shapes=shapes).wait()
     payload_bytes = reducer.metrics.pop()["payload_bytes"]
     rel_error = float((x.double() - decoded.double()).norm() / x.double().norm().clamp(min=1e-300))
     del decoded
-    timer = CLOCKS[clock]
-    codec_s, base_s = [], []
-    for step in range(2, repeats + 2):
-        base_s.append(_timed(x.abs, timer))
-        codec_s.append(_timed(run_reducer(step), timer))
-        reducer.metrics.pop()
-    gbps = dense_bytes / _median_s(codec_s) / 1e9
-    base_gbps = dense_bytes / _median_s(base_s) / 1e9
-    return {
-        "codec": codec.spec,
-        "gbps": gbps,
-        "payload_bytes": payload_bytes,
-        "formula_bytes": formula_nbytes(codec, shapes, x.dtype),
-        "compression_ratio": dense_bytes / payload_bytes,
-        "rel_error": rel_error,
-        "ratio_to_elementwise": gbps / base_gbps,
-        "elementwise_gbps": base_gbps,
-        "first_call_s": first_call_s,
-        "compile_s": compile_s,
-    }
+    return _row(codec, x, run_reducer, range(2, repeats + 2), clock, payload_bytes=payload_bytes,
+                formula_bytes=formula_nbytes(codec, shapes, x.dtype), rel_error=rel_error,
+                first_call_s=first_call_s, compile_s=compile_s)
 
 
 def _timed(fn: Callable[[], object], timer: Callable[[], float]) -> float:
