@@ -69,6 +69,12 @@ class ZeroOneAdam(CompressedAdamBase):
 
     Raises:
         ValueError: for a value out of its range, naming it.
+
+    Non-finite gradients are not checked here: unlike :class:`~gradzip.optim.DeMo` and
+    :class:`~gradzip.optim.TSRAdam`, whose exchanges show every rank a NaN sent by one, a NaN
+    on one rank reaches the others unevenly through the sign exchange and the local steps.
+    Before :meth:`step`, agree on skipping such a step on every rank (an ``all_reduce`` MIN of a
+    0/1 finiteness flag, as ``gradzip train`` does) and do not call ``step`` for it.
     """
 
     def __init__(
