@@ -176,10 +176,13 @@ class TrainConfig:
             raise ValueError(f"--compressor {choice.schedule} adapts DDP buckets; with --fsdp name a codec")
         if self.fsdp and choice.kind == "codec" and choice.warmup:
             raise ValueError("warmup_steps and clip_norm wrap DDP buckets; with --fsdp name the codec alone")
-        if self.no_exchange and self.optimizer.split(":")[0].strip().lower() != "adamw":
+        from gradzip.lab.train.optimizers import is_adamw
+
+        adamw = is_adamw(self.optimizer)
+        if self.no_exchange and not adamw:
             raise ValueError(f"--no-exchange measures compute alone with adamw; --optimizer {self.optimizer} exchanges "
                              "its own payload, which --no-exchange would not stop")
-        if self.fsdp and self.optimizer.split(":")[0].strip().lower() != "adamw":
+        if self.fsdp and not adamw:
             raise ValueError(
                 f"--optimizer {self.optimizer} exchanges its own momenta over replicated parameters; with --fsdp use adamw"
             )

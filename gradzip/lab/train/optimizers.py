@@ -79,6 +79,12 @@ def names_optimizer(spec: str) -> bool:
     return len(parts) == 1 and parts[0][0] in OPTIMIZERS
 
 
+def is_adamw(spec: str) -> bool:
+    """Whether ``spec`` names plain AdamW (read leniently: a bad spec is named by
+    :func:`parse_optimizer` when it is checked)."""
+    return spec.split(":")[0].strip().lower() == "adamw"
+
+
 def uses_hook(spec: str) -> bool:
     """Whether optimizer ``spec`` ever asks DDP's hook (``--compressor``) for averaged gradients."""
     return parse_optimizer(spec)[0] not in HOOKLESS
@@ -87,7 +93,7 @@ def uses_hook(spec: str) -> bool:
 def label(optimizer: str, exchange: str) -> str:
     """What a run exchanges, for its progress bar and summary: ``exchange`` (the hook's codec) with
     AdamW, else the optimizer, and the hook's codec when it is not ``none``."""
-    if parse_optimizer(optimizer)[0] == "adamw":
+    if is_adamw(optimizer):
         return exchange
     return optimizer if exchange == "none" else f"{optimizer} + {exchange}"
 

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from gradzip.compressors import SpecError, parse_spec
+from gradzip.lab.train.optimizers import is_adamw
 
 #: what ``--outer diloco:...`` takes (DiLoCo's keyword arguments)
 OUTER_KEYS = ("sync_every", "outer_lr", "outer_momentum", "fragments", "delay", "mix", "method", "eager", "carry")
@@ -98,7 +99,7 @@ def check_outer(cfg) -> None:
         raise ValueError(f"--replica-size must divide {source}={world_size}; got {cfg.replica_size}")
     if cfg.fsdp:
         raise ValueError("--outer replicates the model per replica; it does not run with --fsdp")
-    if cfg.optimizer.split(":")[0].strip().lower() != "adamw":
+    if not is_adamw(cfg.optimizer):
         raise ValueError(f"--outer wraps the inner adamw; --optimizer {cfg.optimizer} exchanges its own momenta")
     if cfg.no_exchange:
         raise ValueError("--no-exchange measures compute alone; it does not run with --outer")
