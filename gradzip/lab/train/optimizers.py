@@ -12,14 +12,15 @@ attention and MLP matrices with ``approx_rank`` and ``update_gap``, the token an
 embeddings with ``approx_rank_emb`` and ``update_gap_emb``, everything else (norms, biases) dense.
 Defaults, measured on the 300-step demo job
 (``benchmarks/results/optimizers_subspace``): ``approx_rank`` n_embd / 4 (the paper's scripts:
-n_embd / 2 up to 350 M, n_embd / 4 at 1 B); ``approx_rank_emb`` n_embd / 2 (at most ``--seq-len`` and ``--vocab-size``, the tables' rows) and
-``update_gap_emb`` 10 (the paper's n_embd / 8 every 2 steps sends as many bytes here, where the
-token embedding is also the output layer, and trained worse); ``update_gap`` 10% of ``--steps``,
-at most the paper's 100 (bases from the first gradient serving a third of a short run stalled
-it); ``scale`` 7.5, the paper's 0.75 at its lr of 10x AdamW's, since the job has one ``--lr``
+n_embd / 2 up to 350 M, n_embd / 4 at 1 B); ``approx_rank_emb`` n_embd / 2 (at most ``--seq-len``
+and ``--vocab-size``, the tables' rows) and ``update_gap_emb`` 10 (the paper's n_embd / 8 every
+2 steps sends as many bytes here, where the token embedding is also the output layer, and trained
+worse); ``update_gap`` 10% of ``--steps``, at most the paper's 100 (bases from the first gradient
+serving a third of a short run stalled it); ``scale`` 7.5, the paper's 0.75 at its lr of 10x AdamW's, since the job has one ``--lr``
 and the dense parameters keep AdamW's. ``demo`` takes DeMo's paper defaults
 (``compression_decay`` 0.999, ``compression_topk`` 32, ``compression_chunk`` 64) with the job's
-``--lr`` and ``--weight-decay``.
+``--lr`` and ``--weight-decay``. Under ``tsr-adam`` and ``demo`` DDP's hook never runs, so
+``--compressor`` defaults to ``none`` there and any other codec is refused.
 """
 
 from __future__ import annotations
