@@ -19,9 +19,10 @@ two-round reducer with a rank per layer (:class:`~gradzip.comm.powersgd.PowerSGD
 1 carries every layer's ``P`` and the dense layers, round 2 every ``Q``. A plan mixes low-rank
 layers with ``none`` only.
 
-Error feedback is per layer, keyed ``(bucket, layer)``, and stays with the layer when its codec or
-ratio changes (a change of plan moves nothing); a layer sent dense sends its residual with it and
-keeps none. When a bucket moves between the single-round and the low-rank exchange its residuals
+Error feedback is per layer, keyed ``(bucket, layer)``, for the codecs that keep it (their
+``error_feedback``), and stays with the layer when its codec or ratio changes (a change of plan
+moves nothing); a layer sent dense, or by a codec without it (``fp16``, ``bf16``), sends its
+residual with it and keeps none. When a bucket moves between the single-round and the low-rank exchange its residuals
 move along. Non-finite gradients follow :mod:`gradzip.comm.nonfinite`: a rank with inf or NaN in
 the bucket poisons every floating payload tensor, and every rank returns all NaN.
 """
@@ -225,14 +226,17 @@ class LayeredReducer(SettlingReducer):
             for i, ((codec, _), shape, o) in enumerate(zip(entries, shapes, offsets)):
                 piece = flat[o : o + shape.numel()]
                 lkey = tensor_key(key, i)
-                if codec.name == DENSE:
+                if codec.name == DENSE or not codec.error_feedback:
+                    # No residual of its own (dense, fp16, bf16): one left by an earlier codec
+                    # travels with it. Decoded only for the quality figures, where asked.
                     x = self.feedback.compensate(lkey, piece, step=step) if lkey in self.feedback.residuals else piece
                     self.feedback.drop(lkey, step=step)
                     x, ok = nonfinite.checked_input(piece, x)
                     sendable = sendable and ok
-                    payloads.append(codec.compress(x, step=step, key=lkey))
+                    payload = codec.compress(x, step=step, key=lkey)
+                    payloads.append(payload)
                     sent_x.append(x)
-                    decoded.append(None)
+                    decoded.append(codec.decompress(payload, like=x) if monitored and codec.name != DENSE else None)
                     continue
                 x, ok = nonfinite.checked_input(piece, self.feedback.compensate(lkey, piece, step=step))
                 sendable = sendable and ok

@@ -55,13 +55,16 @@ def reference(world_size: int) -> list[torch.Tensor]:
         for i, (spec, shape, o) in enumerate(zip(plan, SHAPES, offsets_of(SHAPES))):
             layer = [g[o : o + shape.numel()] for g in grads]
             codec = build(spec)
-            if spec == "none":  # sent with what the rank still owed the layer
+            if spec == "none" or not codec.error_feedback:  # sent with what the rank still owed the layer
                 layer = [feedback[r].compensate((0, i), x, step=step) for r, x in enumerate(layer)]
                 for f in feedback:
                     f.residuals.pop((0, i), None)
-                out[o : o + shape.numel()] = sum(layer) / world_size
-                continue
+                if spec == "none":
+                    out[o : o + shape.numel()] = sum(layer) / world_size
+                    continue
             route = REGISTRY["allreduce" if codec.aggregatable else "allgather"]
-            out[o : o + shape.numel()] = route.reference(codec, layer, step=step, key=(0, i), feedback=feedback)[0]
+            # error feedback only for the codecs that keep it (Top-K, Random-K; not fp16 or QSGD)
+            memory = feedback if codec.error_feedback else None
+            out[o : o + shape.numel()] = route.reference(codec, layer, step=step, key=(0, i), feedback=memory)[0]
         outs.append(out)
     return outs
