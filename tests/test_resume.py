@@ -15,6 +15,7 @@ from helpers.tiny_run import load, same, tiny_config, without_plots, write_corpu
 
 from gradzip.lab.cli import main
 from gradzip.lab.train.checkpoint import NoUsableCheckpoint, find_checkpoint, save_checkpoint
+from gradzip.lab.train.config import TrainConfig
 from gradzip.lab.train.loop import train_worker
 from gradzip.testing import run_ranks
 
@@ -189,3 +190,22 @@ def test_zeroone_adam_resumes_exactly_between_synchronisations(tmp_path):
     for name in ("shared.pt", "rank-0.pt", "rank-1.pt"):
         a, b = (load(folder / "checkpoints" / "step-000006", name) for folder in (whole, resumed))
         assert same(a["model"], b["model"]), f"{name}: parameters differ after resume"
+
+
+def test_a_hookless_optimizers_checkpoint_with_the_old_unused_compressor_resumes(tmp_path):
+    """Checkpoints of tsr-adam and demo runs from before --compressor became none under them
+    recorded the unused default; that difference does not refuse a resume (any other does)."""
+    from gradzip.lab.train.checkpoint import check_compatible
+
+    saved = TrainConfig(optimizer="demo", steps=10).to_dict() | {"compressor": "powersgd:approx_rank=4"}
+    for rank in (1, 0):  # rank 0 last: it writes the manifest
+        save_checkpoint(tmp_path / "run", 2, shared={}, per_rank={}, rank=rank, world_size=2, config=saved)
+    folder = tmp_path / "run" / "checkpoints" / "step-000002"
+    check_compatible(folder, TrainConfig(optimizer="demo", steps=10).validate().to_dict(), 2)
+    with pytest.raises(ValueError, match="--batch-size"):
+        check_compatible(folder, TrainConfig(optimizer="demo", steps=10, batch_size=4).validate().to_dict(), 2)
+    adamw = TrainConfig(steps=10).to_dict() | {"compressor": "topk:ratio=0.1"}
+    for rank in (1, 0):  # rank 0 last: it writes the manifest
+        save_checkpoint(tmp_path / "adamw", 2, shared={}, per_rank={}, rank=rank, world_size=2, config=adamw)
+    with pytest.raises(ValueError, match="--compressor"):
+        check_compatible(tmp_path / "adamw" / "checkpoints" / "step-000002", TrainConfig(steps=10).to_dict(), 2)
