@@ -21,9 +21,9 @@ layers with ``none`` only.
 
 Error feedback is per layer, keyed ``(bucket, layer)``, for the codecs that keep it (their
 ``error_feedback``), and stays with the layer when its codec or ratio changes (a change of plan
-moves nothing); a layer sent dense, or by a codec without it (``fp16``, ``bf16``), sends its
-residual with it and keeps none. When a bucket moves between the single-round and the low-rank exchange its residuals
-move along. Non-finite gradients follow :mod:`gradzip.comm.nonfinite`: a rank with inf or NaN in
+moves nothing); a layer sent dense, or by a codec without it (``fp16``, ``bf16``, QSGD), sends
+its residual with it and keeps none. When a bucket moves between the single-round and the
+low-rank exchange its residuals move along. Non-finite gradients follow :mod:`gradzip.comm.nonfinite`: a rank with inf or NaN in
 the bucket poisons every floating payload tensor, and every rank returns all NaN.
 """
 
@@ -226,24 +226,21 @@ class LayeredReducer(SettlingReducer):
             for i, ((codec, _), shape, o) in enumerate(zip(entries, shapes, offsets)):
                 piece = flat[o : o + shape.numel()]
                 lkey = tensor_key(key, i)
-                if codec.name == DENSE or not codec.error_feedback:
-                    # No residual of its own (dense, fp16, bf16): one left by an earlier codec
-                    # travels with it. Decoded only for the quality figures, where asked.
+                dense = codec.name == DENSE
+                keeps = not dense and codec.error_feedback
+                if keeps:
+                    x = self.feedback.compensate(lkey, piece, step=step)
+                else:  # no residual of its own (dense, fp16, bf16, QSGD): one an earlier codec left travels with it
                     x = self.feedback.compensate(lkey, piece, step=step) if lkey in self.feedback.residuals else piece
                     self.feedback.drop(lkey, step=step)
-                    x, ok = nonfinite.checked_input(piece, x)
-                    sendable = sendable and ok
-                    payload = codec.compress(x, step=step, key=lkey)
-                    payloads.append(payload)
-                    sent_x.append(x)
-                    decoded.append(codec.decompress(payload, like=x) if monitored and codec.name != DENSE else None)
-                    continue
-                x, ok = nonfinite.checked_input(piece, self.feedback.compensate(lkey, piece, step=step))
+                x, ok = nonfinite.checked_input(piece, x)
                 sendable = sendable and ok
-                payload = codec.compress(x if ok else torch.zeros_like(x), step=step, key=lkey)
-                d = codec.decompress(payload, like=x)
-                self.feedback.update(lkey, x, d, step=step)
-                assert payload.nbytes == codec.payload_nbytes(shape.numel(), grad.dtype), (
+                payload = codec.compress(x if ok or dense else torch.zeros_like(x), step=step, key=lkey)
+                # decoded for the residual, and for the quality figures where asked
+                d = codec.decompress(payload, like=x) if keeps or (monitored and not dense) else None
+                if keeps:
+                    self.feedback.update(lkey, x, d, step=step)
+                assert dense or payload.nbytes == codec.payload_nbytes(shape.numel(), grad.dtype), (
                     f"{codec.name}: payload of {payload.nbytes} bytes, formula says "
                     f"{codec.payload_nbytes(shape.numel(), grad.dtype)}")
                 payloads.append(payload)
