@@ -27,12 +27,13 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradzip.compressors import Compressor, build
+from gradzip.compressors import Compressor, Payload, build
 from gradzip.compressors.kernels import fused, native
 from gradzip.compressors.spec import split_spec_list
 from gradzip.compressors.values import check_int
@@ -83,13 +84,12 @@ CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 
 def measure(codec: Compressor, x: Tensor, *, repeats: int, clock: str = "cpu") -> dict:
     """Time ``codec`` against ``x.abs()``, interleaved, and return one result row."""
-    compiled_before = sum(fused.compile_seconds.values())
-    first_start = time.perf_counter()
-    payload = codec.compress(x, step=0, key=0)
-    decoded = codec.decompress(payload, like=x)
-    first_call_s = time.perf_counter() - first_start
-    compile_s = sum(fused.compile_seconds.values()) - compiled_before
-    rel_error = float((x.double() - decoded.double()).norm() / x.double().norm().clamp(min=1e-300))
+    def encode_decode() -> tuple[Payload, Tensor]:
+        payload = codec.compress(x, step=0, key=0)
+        return payload, codec.decompress(payload, like=x)
+
+    (payload, decoded), first_call_s, compile_s = _first_call(encode_decode)
+    rel_error = _rel_error(x, decoded)
     payload_bytes = payload.nbytes
     del payload, decoded
     x.abs()
@@ -178,18 +178,27 @@ def measure_reducer(codec: Compressor, x: Tensor, *, repeats: int, clock: str = 
 
         return once
 
-    compiled_before = sum(fused.compile_seconds.values())
-    first_start = time.perf_counter()
-    run_reducer(0)()
-    first_call_s = time.perf_counter() - first_start
-    compile_s = sum(fused.compile_seconds.values()) - compiled_before
+    _, first_call_s, compile_s = _first_call(run_reducer(0))
     decoded = reducer.reduce(0, x, step=1, shapes=shapes).wait()
     payload_bytes = reducer.metrics.pop()["payload_bytes"]
-    rel_error = float((x.double() - decoded.double()).norm() / x.double().norm().clamp(min=1e-300))
+    rel_error = _rel_error(x, decoded)
     del decoded
     return _row(codec, x, run_reducer, range(2, repeats + 2), clock, payload_bytes=payload_bytes,
                 formula_bytes=formula_nbytes(codec, shapes, x.dtype), rel_error=rel_error,
                 first_call_s=first_call_s, compile_s=compile_s)
+
+
+def _first_call(fn: Callable[[], Any]) -> tuple[Any, float, float]:
+    """``fn()``'s result, its wall seconds, and the kernel compilation seconds they include."""
+    compiled_before = sum(fused.compile_seconds.values())
+    start = time.perf_counter()
+    result = fn()
+    return result, time.perf_counter() - start, sum(fused.compile_seconds.values()) - compiled_before
+
+
+def _rel_error(x: Tensor, decoded: Tensor) -> float:
+    """``||x - decoded|| / ||x||``, in float64."""
+    return float((x.double() - decoded.double()).norm() / x.double().norm().clamp(min=1e-300))
 
 
 def _timed(fn: Callable[[], object], timer: Callable[[], float]) -> float:
