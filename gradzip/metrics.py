@@ -304,6 +304,11 @@ class StepMetrics:
         with self._lock:
             self._entry(key)["quality"] = dict(figures)
 
+    def add_figures(self, key: Hashable, **figures: float) -> None:
+        """Attach a reducer's own figures to bucket ``key`` (e.g. the count sketch's ``unpeeled``)."""
+        with self._lock:
+            self._entry(key).update(figures)
+
     def add_verify(self, key: Hashable, figures: dict[str, float]) -> None:
         """Attach the exactness check of bucket ``key`` (compressed mean against the dense mean)."""
         with self._lock:

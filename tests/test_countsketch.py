@@ -142,6 +142,38 @@ def test_ranks_bit_identical_equal_reference_bytes_and_resume(world_size):
             assert torch.equal(got, want), "a resumed run differs"
 
 
+def _narrow_sketch_steps(rank: int, world_size: int, spec: str, numel: int, steps: int) -> dict:
+    """``steps`` steps of one bucket through a sketch too narrow to peel its support: every
+    output, the unpeeled counts, and the residual left at the end."""
+    reducer = make_reducer(spec)
+    outs, unpeeled = [], []
+    for step in range(steps):
+        outs.append(reducer.reduce(0, bucket_grad(rank, step, numel), step=step).wait().clone())
+        unpeeled.append(reducer.metrics.pop()["buckets"][0]["unpeeled"])
+    return {"outs": outs, "unpeeled": unpeeled, "residual": reducer.state_dict()["feedback"]["residuals"][0]}
+
+
+def test_what_does_not_peel_decodes_to_zero_and_returns_through_the_residuals():
+    """A sketch of 0.5 cells per kept entry cannot peel the union of 3 ranks' kept sets. What
+    every rank applied over the steps plus the mean of the residuals left is then the mean of
+    every gradient given, exactly (nothing is lost to estimates); each output coordinate is 0
+    or a value that peeled, so where two ranks' kept values differ the output is no median."""
+    numel, steps, world_size = 600, 5, 3
+    spec = "countsketch:ratio=0.2,width=0.5"
+    results = run_ranks(_narrow_sketch_steps, world_size, spec, numel, steps)
+    given = sum(bucket_grad(r, t, numel) for r in range(world_size) for t in range(steps)) / world_size
+    left = sum(res["residual"] for res in results) / world_size
+    for res in results:
+        assert all(n > 0 for n in res["unpeeled"]), res["unpeeled"]
+        assert res["unpeeled"] == results[0]["unpeeled"]
+        for got, first in zip(res["outs"], results[0]["outs"]):
+            assert torch.equal(got, first)
+        torch.testing.assert_close(sum(res["outs"]) + left, given, rtol=1e-5, atol=1e-4)
+    # zeros at exactly the unpeeled coordinates beyond those no rank kept
+    zeros = [int((out == 0).sum()) for out in results[0]["outs"]]
+    assert all(z >= n for z, n in zip(zeros, results[0]["unpeeled"]))
+
+
 def test_nonfinite_input_marks_every_rank_and_leaves_no_state():
     check_nonfinite(["countsketch:ratio=0.2,width=3"])
 

@@ -9,8 +9,10 @@ one launch of the group's queue:
 2. Two collectives issued together: an all_reduce of the bitmaps with ``ReduceOp.BOR`` (gloo and
    MPI), or, on backends without it (NCCL), with ``ReduceOp.MAX`` on one byte per element (MAX of
    packed bytes is not an OR); and an all_reduce (sum) of the sketches.
-3. Decode the summed sketch on the OR-ed support by peeling, then median estimates; the
-   residual keeps what thresholding dropped (``compensated - kept``).
+3. Decode the summed sketch on the OR-ed support by peeling; the residual keeps what
+   thresholding dropped (``compensated - kept``) and, at the coordinates that did not peel
+   (the same on every rank: they decode to 0), what this rank kept there, which is sent again
+   at a later step. The bucket's metrics count those coordinates (``unpeeled``).
 
 Non-finite gradients (:mod:`gradzip.comm.nonfinite`): a rank whose bucket holds inf or NaN sends an
 all-NaN sketch; every rank sees the NaN sum, returns all NaN, and the step's residual updates are
@@ -108,7 +110,8 @@ class CountSketchReducer(SettlingReducer):
                 if not sendable:
                     table.fill_(float("nan"))  # the marker: every rank's sum turns NaN
                 else:
-                    self.feedback.update(key, compensated, compensated * mask, step=step)
+                    box["kept"] = compensated * mask
+                    self.feedback.update(key, compensated, box["kept"], step=step)
                 box["bitmap"] = bitmap if packed else mask.to(torch.uint8)
                 box["table"] = table
             assert wire.nbytes([box["bitmap"], table]) == payload_bytes, "payload differs from its formula"
@@ -126,7 +129,12 @@ class CountSketchReducer(SettlingReducer):
             with self.metrics.timed("decompress_s", key):
                 bitmap = box["bitmap"]
                 support = wire.unpack_bits(bitmap, 1, numel).bool() if packed else bitmap.bool()
-                return codec.decode(support, box["table"], step=step, key=key, like=grad)
+                out, unpeeled = codec.decode_peeled(support, box["table"], step=step, key=key, like=grad)
+                if unpeeled.numel():
+                    # sent again later: what this rank kept at the coordinates no rank could read
+                    self.feedback.add_back(key, unpeeled, box["kept"][unpeeled], step=step)
+                self.metrics.add_figures(key, unpeeled=unpeeled.numel())
+                return out
 
         return self.queue.submit(launch, device=grad.device).then(finish)
 

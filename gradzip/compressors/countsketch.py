@@ -95,17 +95,21 @@ def _first_true_row(mask: Tensor) -> Tensor:
     return first
 
 
-def unsketch(table: Tensor, index: Tensor, hashes: Hashes) -> Tensor:
-    """Values at ``index`` (the known support) from a count sketch ``table`` (``rows x cols``).
+def peel(table: Tensor, index: Tensor, hashes: Hashes) -> tuple[Tensor, Tensor]:
+    """Values at ``index`` (the known support) from a count sketch ``table`` (``rows x cols``),
+    and which of them are exact.
 
-    Peeling first: a cell that holds exactly one coordinate of the support gives that
-    coordinate's value (times its sign); the value is subtracted from its cells in every row,
-    which may leave other cells with one coordinate; repeat until nothing changes. Coordinates
-    still unresolved (a 2-core of the hash graph) get the median over rows of their cells'
-    signed remainders. Arithmetic in float64; the same on every rank for the same inputs.
+    Peeling: a cell that holds exactly one coordinate of the support gives that coordinate's
+    value (times its sign); the value is subtracted from its cells in every row, which may
+    leave other cells with one coordinate; repeat until nothing changes. Coordinates still
+    unresolved (a 2-core of the hash graph) get the median over rows of their cells' signed
+    remainders, an estimate biased by the collisions. Arithmetic in float64; the same on every
+    rank for the same inputs.
 
     Returns:
-        float64 tensor of ``len(index)`` values.
+        ``(values, peeled)``: float64 values of ``len(index)`` coordinates, and a bool tensor of
+        the same length, True where peeling resolved the coordinate (its value is exact up to
+        float rounding).
     """
     rows, n_cols = table.shape
     cols, signs = hashes.cells(index)
@@ -132,10 +136,17 @@ def unsketch(table: Tensor, index: Tensor, hashes: Hashes) -> Tensor:
         cells = flat_cells[:, pick].reshape(-1)
         rest.index_add_(0, cells, -(signs[:, pick] * values[pick].reshape(1, -1)).reshape(-1))
         counts.index_add_(0, cells, torch.full((cells.numel(),), -1, dtype=torch.int64, device=index.device))
+    peeled = torch.ones(index.numel(), dtype=torch.bool, device=index.device)
     if left.numel():
         estimates = signs[:, left] * rest[flat_cells[:, left]]
         values[left] = estimates.median(0).values if rows % 2 else estimates.quantile(0.5, dim=0)
-    return values
+        peeled[left] = False
+    return values, peeled
+
+
+def unsketch(table: Tensor, index: Tensor, hashes: Hashes) -> Tensor:
+    """The values of :func:`peel` (exact where peeled, median estimates elsewhere), float64."""
+    return peel(table, index, hashes)[0]
 
 
 @register
@@ -151,15 +162,19 @@ class CountSketch(Compressor):
     packed one bit per element, combined across ranks by a bitwise OR, and (2) a count sketch
     (``rows x cols`` fp32, ``cols = ceil(width * k)``) of the kept values divided by world_size,
     summed across ranks; the hashes (:class:`Hashes`) are drawn from ``(seed, step, key)``.
-    Every rank decodes the OR-ed support from the summed sketch by peeling, then median
-    estimates (:func:`unsketch`), and gets bit-identical results.
+    Every rank decodes the OR-ed support from the summed sketch by peeling (:func:`peel`) and
+    gets bit-identical results.
 
     Exact recovery: where the support's hash graph peels completely (with 3 rows, about when
     ``rows * cols > 1.23 * |support|``; the support is the union over ranks, up to
     ``world_size * k``) the decode is the mean of the sparsified tensors up to float rounding.
-    Otherwise the coordinates left get median estimates, which are biased by collisions.
-    Aggregatable (the sketch is linear and the bitmap an OR); biased (thresholding), with error
-    feedback of what thresholding drops; collision errors after aggregation are not fed back.
+    Coordinates that do not peel (all ranks see the same ones): in training
+    (:class:`~gradzip.comm.countsketch.CountSketchReducer`) they decode to 0 and every rank puts
+    what it kept there back into its residual, so they are sent again at a later step and the
+    applied mean is exact wherever it is not 0; :meth:`decompress` of a lone payload gives them
+    median estimates, which collisions bias. Aggregatable (the sketch is linear and the bitmap
+    an OR); biased (thresholding), with error feedback of what thresholding drops and of what
+    did not peel.
 
     TAGC's defaults (its reference training script): 80% of the entries dropped (``ratio=0.2``
     here), a sketch of ``numel / 2`` cells (its ``compress_ratio=2``; here ``rows * cols`` with
@@ -178,6 +193,8 @@ class CountSketch(Compressor):
     ranks (54% of the coordinates) a sketch of half the entries cannot peel (16% decoded
     exactly). TAGC's sketch is the lossless-homomorphic-compression layout in blocks of 1,024
     elements; here a count sketch of ``rows`` hash rows with 4-wise independent hashes.
+    Coordinates that do not peel go back to the residuals in training (above) rather than
+    taking an estimate.
 
     Args:
         ratio: fraction of entries each rank keeps, in (0, 1].
@@ -269,13 +286,23 @@ class CountSketch(Compressor):
 
     def decode(self, support: Tensor, table: Tensor, *, step: int, key: Hashable, like: Tensor) -> Tensor:
         """The vector with support ``support`` (a bool mask, ``like``'s numel) whose sketch is
-        ``table``, in ``like``'s shape and dtype (saturated at its range)."""
+        ``table``, in ``like``'s shape and dtype (saturated at its range); coordinates that do
+        not peel take median estimates."""
+        return self.decode_peeled(support, table, step=step, key=key, like=like, estimate=True)[0]
+
+    def decode_peeled(
+        self, support: Tensor, table: Tensor, *, step: int, key: Hashable, like: Tensor, estimate: bool = False,
+    ) -> tuple[Tensor, Tensor]:
+        """:meth:`decode` that also returns the flat int64 indices of the support that did not
+        peel; those hold 0 in the result unless ``estimate`` (then their median estimates)."""
         index = support.reshape(-1).nonzero().reshape(-1)
-        values = unsketch(table, index, self.hashes(like.numel(), step=step, key=key))
+        values, peeled = peel(table, index, self.hashes(like.numel(), step=step, key=key))
+        if not estimate:
+            values = values.masked_fill(~peeled, 0.0)
         out = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
         limit = torch.finfo(like.dtype).max
         out[index] = values.clamp(-limit, limit).to(like.dtype)
-        return out.view(like.shape)
+        return out.view(like.shape), index[~peeled]
 
     def compress(self, x: Tensor, *, step: int = 0, key: Hashable = 0) -> Payload:
         """One rank's payload ``(bitmap, sketch)``; ``ctx`` keeps ``(step, key)`` for the hashes."""
