@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradzip.ddp import CompressionState, compression_hook
-from gradzip.optim import OneBitAdam, ZeroOneAdam, grad_sync
+from gradzip.optim import DeMo, OneBitAdam, TSRAdam, ZeroOneAdam, grad_sync
 from gradzip.testing import run_ranks
 
 
@@ -186,6 +186,58 @@ def test_adamw_state_dict_loads_into_onebit_adam():
     opt = OneBitAdam(groups(model), warmup_steps=5)
     opt.load_state_dict(copy.deepcopy(adamw.state_dict()))
     assert opt.steps_taken == 2 and opt.needs_grad_sync
+
+
+#: every gradzip optimizer, built on a small model's parameters
+OPTIMIZERS = {
+    "onebit-adam": lambda ps: OneBitAdam(ps, warmup_steps=1),
+    "zeroone-adam": lambda ps: ZeroOneAdam(ps, var_freeze_step=2),
+    "tsr-adam": lambda ps: TSRAdam(ps, approx_rank=2, update_gap=2),
+    "demo": lambda ps: DeMo(ps),
+    "adamw": lambda ps: torch.optim.AdamW(ps),
+}
+
+
+def _stepped(name: str, seed: int, steps: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = tiny_model(seed)
+    opt = OPTIMIZERS[name](model.parameters())
+    for step in range(steps):
+        opt.zero_grad()
+        backward(model, *batch(seed, 0, step))
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("source", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("target", sorted(set(OPTIMIZERS) - {"adamw"}))
+def test_another_optimizers_state_dict_is_refused_and_changes_nothing(source, target):
+    """A state_dict loads into the optimizer that wrote it; another gradzip optimizer's is a
+    ValueError naming both, and so is a plain AdamW's where the moments do not have the
+    parameters' shapes (TSR-Adam) or do not exist (DeMo). The target's state is untouched."""
+    _, written = _stepped(source, 1)
+    _, opt = _stepped(target, 2)
+    before = copy.deepcopy(opt.state_dict())
+    if source == target or (source == "adamw" and target in ("onebit-adam", "zeroone-adam")):
+        opt.load_state_dict(copy.deepcopy(written.state_dict()))
+        return
+    with pytest.raises(ValueError, match=target if source == "adamw" else f"{source}.*{target}"):
+        opt.load_state_dict(copy.deepcopy(written.state_dict()))
+    after = opt.state_dict()
+    assert after["gradzip"] == before["gradzip"]
+    for key, state in before["state"].items():
+        for name, value in state.items():
+            assert torch.equal(torch.as_tensor(after["state"][key][name]), torch.as_tensor(value)), (key, name)
+
+
+@pytest.mark.parametrize("name", sorted(set(OPTIMIZERS) - {"adamw"}))
+def test_a_param_group_out_of_range_is_refused_and_not_added(name):
+    _, opt = _stepped(name, 3, steps=0)
+    groups_before = len(opt.param_groups)
+    with pytest.raises(ValueError, match="lr"):
+        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "lr": -1.0})
+    assert len(opt.param_groups) == groups_before
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))], "lr": 1e-3})
+    assert len(opt.param_groups) == groups_before + 1
 
 
 @pytest.mark.parametrize(

@@ -76,6 +76,53 @@ def grad_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Abstr
     return nullcontext()
 
 
+def check_loadable(state_dict: Any, *, kind: str, extra_keys: tuple[str, ...], state_keys: tuple[str, ...],
+                   plain_ok: bool) -> None:
+    """Refuse, before anything is loaded, a ``state_dict`` that another optimizer wrote.
+
+    Args:
+        state_dict: what is about to be loaded.
+        kind: the optimizer's name, as its :meth:`state_dict` records it under ``"gradzip"``.
+        extra_keys: the keys its ``"gradzip"`` section holds (checked where the section names
+            no optimizer, as a section written without the name does).
+        state_keys: keys every parameter's state of this optimizer holds.
+        plain_ok: whether a ``state_dict`` without the ``"gradzip"`` section (a plain
+            ``torch.optim.AdamW``'s) loads.
+
+    Raises:
+        ValueError: naming what the ``state_dict`` is and what this optimizer is.
+    """
+    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
+        raise ValueError(f"state_dict must be a dict with 'state' and 'param_groups' (an optimizer's); got {type(state_dict).__name__}")
+    extra = state_dict.get("gradzip")
+    if extra is None:
+        if not plain_ok:
+            raise ValueError(f"state_dict has no 'gradzip' section: it is not a {kind} optimizer's "
+                             "(a plain torch optimizer's loads only into onebit-adam and zeroone-adam)")
+    else:
+        other = extra.get("optimizer")
+        if other is not None and other != kind:
+            raise ValueError(f"state_dict is a {other} optimizer's; this optimizer is {kind}")
+        missing = [k for k in extra_keys if k not in extra]
+        if missing:
+            raise ValueError(f"state_dict is not a {kind} optimizer's: its 'gradzip' section lacks {', '.join(missing)}")
+    for state in state_dict["state"].values():
+        missing = [k for k in state_keys if k not in state]
+        if missing:
+            raise ValueError(f"state_dict is not a {kind} optimizer's: a parameter's state lacks {', '.join(missing)}")
+
+
+def added_checked(optimizer: torch.optim.Optimizer, param_group: dict[str, Any], check) -> None:
+    """``torch.optim.Optimizer.add_param_group`` followed by ``check(group)`` on the group as
+    completed with the defaults; a group that fails the check is taken out again."""
+    torch.optim.Optimizer.add_param_group(optimizer, param_group)
+    try:
+        check(optimizer.param_groups[-1])
+    except ValueError:
+        optimizer.param_groups.pop()
+        raise
+
+
 class CompressedAdamBase(torch.optim.Optimizer):
     """AdamW (decoupled weight decay, bias-corrected moments) whose subclasses decide which
     steps communicate what.
@@ -133,11 +180,6 @@ class CompressedAdamBase(torch.optim.Optimizer):
             "compress": True,
         }
         super().__init__(params, defaults)
-        for group in self.param_groups:
-            group["betas"] = check_betas(group["betas"])
-            check_nonnegative(group["lr"], name="lr", strict=True)
-            check_nonnegative(group["eps"], name="eps")
-            check_nonnegative(group["weight_decay"], name="weight_decay")
         self.bucket_cap_mb = check_nonnegative(bucket_cap_mb, name="bucket_cap_mb")
         self.process_group = process_group
         self.average_grads = bool(average_grads)
@@ -146,6 +188,25 @@ class CompressedAdamBase(torch.optim.Optimizer):
         self.steps_taken = 0
         self._reducer = reducer
         self._dense: Reducer | None = None
+
+    #: the name :meth:`state_dict` records; :meth:`load_state_dict` refuses another's
+    kind = "adamw"
+    #: whether a plain ``torch.optim.AdamW`` state_dict loads (its moments have the parameters' shapes)
+    loads_plain_adamw = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.add_param_group`` with the ranges checked.
+
+        Raises:
+            ValueError: naming the setting out of range; the group is not added.
+        """
+        added_checked(self, param_group, self._check_group)
+
+    def _check_group(self, group: dict[str, Any]) -> None:
+        group["betas"] = check_betas(group["betas"])
+        check_nonnegative(group["lr"], name="lr", strict=True)
+        check_nonnegative(group["eps"], name="eps")
+        check_nonnegative(group["weight_decay"], name="weight_decay")
 
     # ----- what subclasses decide -------------------------------------------------------------
 
@@ -334,12 +395,20 @@ class CompressedAdamBase(torch.optim.Optimizer):
         state and the exchange's error-feedback buffers (this rank's; they differ per rank)."""
         out = super().state_dict()
         reducer_state = self._reducer.state_dict() if self._reducer is not None else None
-        out["gradzip"] = {"steps_taken": self.steps_taken, "exchange": reducer_state, **self.extra_state()}
+        out["gradzip"] = {"optimizer": self.kind, "steps_taken": self.steps_taken, "exchange": reducer_state,
+                          **self.extra_state()}
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned. A plain ``torch.optim.AdamW`` state_dict
-        loads too (the step counter is then taken from the parameters' ``step``)."""
+        loads too where :attr:`loads_plain_adamw` (the step counter is then taken from the
+        parameters' ``step``).
+
+        Raises:
+            ValueError: for another optimizer's state_dict (checked before anything is loaded).
+        """
+        check_loadable(state_dict, kind=self.kind, extra_keys=("steps_taken", "exchange", *self.extra_state()),
+                       state_keys=("step", "exp_avg", "exp_avg_sq"), plain_ok=self.loads_plain_adamw)
         state_dict = dict(state_dict)
         extra = state_dict.pop("gradzip", None)
         super().load_state_dict(state_dict)

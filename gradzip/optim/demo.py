@@ -19,11 +19,19 @@ from gradzip.compressors import check_int
 from gradzip.compressors.kernels import wire
 from gradzip.metrics import StepMetrics
 from gradzip.optim import dct
-from gradzip.optim.base import check_nonnegative, group_world_size
+from gradzip.optim.base import added_checked, check_loadable, check_nonnegative, group_world_size
 from gradzip.optim.collectives import gather_payloads
 
 #: the name its bucket carries in StepMetrics
 CODEC = "demo"
+
+#: the name :meth:`DeMo.state_dict` records
+KIND = "demo"
+
+
+def _check_group(group: dict[str, Any]) -> None:
+    check_nonnegative(group["lr"], name="lr", strict=True)
+    check_nonnegative(group["weight_decay"], name="weight_decay")
 
 
 class DeMo(torch.optim.Optimizer):
@@ -92,9 +100,6 @@ class DeMo(torch.optim.Optimizer):
         defaults = {"lr": check_nonnegative(lr, name="lr", strict=True),
                     "weight_decay": check_nonnegative(weight_decay, name="weight_decay")}
         super().__init__(params, defaults)
-        for group in self.param_groups:
-            check_nonnegative(group["lr"], name="lr", strict=True)
-            check_nonnegative(group["weight_decay"], name="weight_decay")
         decay = check_nonnegative(compression_decay, name="compression_decay")
         if decay >= 1:
             raise ValueError(f"compression_decay must be a number in [0, 1); got {compression_decay!r}")
@@ -107,6 +112,14 @@ class DeMo(torch.optim.Optimizer):
         self.steps_taken = 0
         self.skipped_steps = 0
         self.last_step_skipped = False
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """``torch.optim.Optimizer.add_param_group`` with the ranges checked.
+
+        Raises:
+            ValueError: naming the setting out of range; the group is not added.
+        """
+        added_checked(self, param_group, _check_group)
 
     @property
     def needs_grad_sync(self) -> bool:
@@ -229,11 +242,17 @@ class DeMo(torch.optim.Optimizer):
         """``torch.optim`` state (each parameter's ``delta`` and ``step``; this rank's, they differ
         per rank) plus ``"gradzip"``: the step counters."""
         out = super().state_dict()
-        out["gradzip"] = {"steps_taken": self.steps_taken, "skipped_steps": self.skipped_steps}
+        out["gradzip"] = {"optimizer": KIND, "steps_taken": self.steps_taken, "skipped_steps": self.skipped_steps}
         return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned.
+
+        Raises:
+            ValueError: for another optimizer's state_dict (checked before anything is loaded).
+        """
+        check_loadable(state_dict, kind=KIND, extra_keys=("steps_taken", "skipped_steps"), state_keys=("delta",),
+                       plain_ok=False)
         state_dict = dict(state_dict)
         extra = state_dict.pop("gradzip")
         super().load_state_dict(state_dict)

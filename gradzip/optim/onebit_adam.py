@@ -66,6 +66,8 @@ class OneBitAdam(CompressedAdamBase):
     them on load), so a resumed run continues bit-exactly.
     """
 
+    kind = "onebit-adam"
+
     def __init__(
         self,
         params: Iterable,

@@ -94,6 +94,9 @@ class TSRAdam(CompressedAdamBase):
     kind of CPU/GPU; elsewhere the bases agree to rounding.
     """
 
+    kind = "tsr-adam"
+    loads_plain_adamw = False  # its moments live in core space, r x r
+
     def __init__(
         self,
         params: Iterable,
@@ -127,8 +130,10 @@ class TSRAdam(CompressedAdamBase):
         self.skipped_steps = 0
         self.last_step_skipped = False
 
-    @staticmethod
-    def _check_group(group: dict[str, Any]) -> None:
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        if any(name not in group for name in ("approx_rank", "update_gap", "scale")):
+            return  # during construction: checked once the defaults hold them
         if group["approx_rank"] is not None:
             rank = check_int(group["approx_rank"], name="approx_rank", low=1)
             for p in group["params"]:

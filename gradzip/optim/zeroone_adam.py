@@ -77,6 +77,8 @@ class ZeroOneAdam(CompressedAdamBase):
     0/1 finiteness flag, as ``gradzip train`` does) and do not call ``step`` for it.
     """
 
+    kind = "zeroone-adam"
+
     def __init__(
         self,
         params: Iterable,
