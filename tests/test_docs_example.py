@@ -20,7 +20,7 @@ def _block(label: str) -> str:
 
 
 def test_extending_example_codec_and_its_tests_run():
-    name = "int8"
+    name = "absmax8"
     assert name not in REGISTRY
     try:
         exec(compile(_block("codec"), str(PAGE), "exec"), {"__name__": "docs_example_codec"})

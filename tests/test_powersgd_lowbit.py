@@ -10,7 +10,9 @@ from helpers.aggregatable_runs import bucket_grad, check_nonfinite, ddp_steps, r
 
 from gradzip.compressors import build
 from gradzip.compressors.base import seeded_generator
-from gradzip.compressors.lowrank import PowerSGD, from_codes, int8_levels, to_codes
+from gradzip.compressors.int8sum import from_codes, to_codes
+from gradzip.compressors.int8sum import levels_for as int8_levels
+from gradzip.compressors.lowrank import PowerSGD
 from gradzip.testing import run_ranks
 
 # (12, 10) and (6, 8) are sent as factors at r = 2; (10,) and (3, 2) travel dense in fp32.

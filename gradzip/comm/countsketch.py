@@ -138,27 +138,3 @@ class CountSketchReducer(SettlingReducer):
 
         return self.queue.submit(launch, device=grad.device).then(finish)
 
-    def _reduce_dense(self, key: Hashable, grad: Tensor, world_size: int, step: int) -> Future:
-        """Before ``start_step``, below ``min_numel``, or where the payload would not be smaller:
-        the plain mean."""
-        tensor = grad.div(world_size)
-        if not nonfinite.is_finite(grad):
-            tensor.fill_(float("nan"))  # the marker; an inf alone could pass for an overflow
-        raw = wire.nbytes([tensor])
-        self.metrics.add_bucket(
-            key, payload_bytes=raw, dense_bytes=raw, collective="dense", compressed=False,
-            sent_bytes=allreduce_bytes(raw, world_size), received_bytes=allreduce_bytes(raw, world_size),
-            codec=self.compressor.spec,
-        )
-
-        def launch() -> Future:
-            work = dist.all_reduce(tensor, group=self.group, async_op=True)
-            return self.metrics.track(work.get_future(), (key,))
-
-        def finish(fut: Future) -> Tensor:
-            fut.value()
-            if not nonfinite.received_marker([tensor]):
-                return tensor
-            return self.ledger.marked_result(step, tensor)
-
-        return self.queue.submit(launch, device=grad.device).then(finish)

@@ -41,9 +41,11 @@ from gradzip.comm.queue import CollectiveQueue, completed
 from gradzip.comm.settling import SettlingReducer
 from gradzip.comm.traffic import allreduce_bytes, dense_probe
 from gradzip.compressors.base import seeded_generator
+from gradzip.compressors.int8sum import from_codes, to_codes
+from gradzip.compressors.int8sum import levels_for as int8_levels
 from gradzip.compressors.kernels import wire
 from gradzip.compressors.kernels.placement import to_device
-from gradzip.compressors.lowrank import PowerSGD, from_codes, int8_levels, matrix_view_shape, to_codes
+from gradzip.compressors.lowrank import PowerSGD, matrix_view_shape
 from gradzip.keys import tensor_key
 from gradzip.metrics import QualityAccumulator, StepMetrics, quality_figures
 

@@ -1,5 +1,5 @@
 """The part every reducer with an error memory of its own shares (PowerSGD, SEPARATE, the count
-sketch, the per-layer reducer): one deferred residual memory whose updates stay undoable until
+sketch, int8 sums, the per-layer reducer): one deferred residual memory whose updates stay undoable until
 the step is known to be finite on every rank (:mod:`gradzip.comm.nonfinite`), settled when the
 next step starts or before the state is read."""
 
@@ -10,9 +10,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import Tensor
+from torch.futures import Future
 
 from gradzip.comm import nonfinite
 from gradzip.comm.queue import CollectiveQueue
+from gradzip.comm.traffic import allreduce_bytes
+from gradzip.compressors.kernels import wire
 from gradzip.feedback import ErrorFeedback
 from gradzip.metrics import StepMetrics
 
@@ -81,3 +85,28 @@ class SettlingReducer:
         """Restore what :meth:`state_dict` returned (anything undoable is forgotten)."""
         self.open_step.finish()
         self.feedback.load_state_dict(state["feedback"])
+
+    def _reduce_dense(self, key: Hashable, grad: Tensor, world_size: int, step: int) -> Future:
+        """The plain mean of a bucket the codec does not compress (before ``start_step``, below a
+        size, or where its payload would not be smaller), through one all_reduce."""
+        tensor = grad.div(world_size)
+        if not nonfinite.is_finite(grad):
+            tensor.fill_(float("nan"))  # the marker; an inf alone could pass for an overflow
+        raw = wire.nbytes([tensor])
+        self.metrics.add_bucket(
+            key, payload_bytes=raw, dense_bytes=raw, collective="dense", compressed=False,
+            sent_bytes=allreduce_bytes(raw, world_size), received_bytes=allreduce_bytes(raw, world_size),
+            codec=self.compressor.spec,
+        )
+
+        def launch() -> Future:
+            work = dist.all_reduce(tensor, group=self.group, async_op=True)
+            return self.metrics.track(work.get_future(), (key,))
+
+        def finish(fut: Future) -> Tensor:
+            fut.value()
+            if not nonfinite.received_marker([tensor]):
+                return tensor
+            return self.ledger.marked_result(step, tensor)
+
+        return self.queue.submit(launch, device=grad.device).then(finish)

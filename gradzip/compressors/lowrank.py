@@ -25,34 +25,6 @@ def matrix_view_shape(shape: torch.Size | tuple[int, ...]) -> tuple[int, int] | 
     return n, m
 
 
-def int8_levels(world_size: int) -> int:
-    """Code levels each rank may use so that the int8 sum over ``world_size`` ranks cannot
-    overflow: ``floor(127 / world_size)``.
-
-    Raises:
-        ValueError: if ``world_size`` exceeds 127 (no level would be left).
-    """
-    if world_size > 127:
-        raise ValueError(f"powersgd factor_bits=8 sums int8 codes over at most 127 ranks; world_size is {world_size}")
-    return 127 // world_size
-
-
-def to_codes(x: Tensor, scale: float | Tensor, levels: int) -> Tensor:
-    """``round(x / scale * levels)`` as int8; ``|x| <= scale``. ``scale`` is one number or one
-    per column of ``x`` (a tensor of ``x.shape[-1]`` values); a zero scale gives zero codes."""
-    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    factor = torch.where(scale > 0, levels / scale.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
-    return torch.round(x.float() * factor).clamp_(-levels, levels).to(torch.int8)
-
-
-def from_codes(codes: Tensor, scale: float | Tensor, levels: int) -> Tensor:
-    """``codes / levels * scale`` in fp32 (codes of any integer or floating dtype; ``scale`` one
-    number or one per column); dividing first keeps ``|result| <= scale`` wherever
-    ``|codes| <= levels``, so a scale near the fp32 maximum does not overflow. Pass
-    ``levels * world_size`` to turn summed codes into a mean."""
-    return codes.float().div_(levels).mul_(scale)
-
-
 @register
 class PowerSGD(Compressor):
     """PowerSGD: rank-``r`` approximation by one step of subspace iteration per training step.

@@ -33,7 +33,8 @@ from gradzip.integrations.tensorboard import summary_writer
 from gradzip.keys import label
 from gradzip.metrics import QUALITY_FIELDS
 
-BUCKET_FIELDS = ("codec", "collective", "payload_bytes", "dense_bytes", "compress_s", "decompress_s", "communicate_s", "layers")
+BUCKET_FIELDS = ("codec", "collective", "payload_bytes", "dense_bytes", "compress_s", "decompress_s", "communicate_s", "layers",
+                 "unpeeled")
 #: error-feedback ratio above which a check of a codec with error feedback counts as low
 FEEDBACK_LIMIT = 20.0
 
