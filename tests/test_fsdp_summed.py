@@ -19,7 +19,7 @@ from gradzip.testing import run_ranks
 # Shapes of the parameters within one chunk: two matrices and two vectors.
 SHARD_SHAPES = [torch.Size(s) for s in [(6, 40), (7,), (5, 48), (4,)]]
 CHUNK = sum(s.numel() for s in SHARD_SHAPES)
-SPECS = ["separate:approx_rank=2", "radius:ratio=0.3,range_size=8,period=2", "countsketch:ratio=0.1,width=2"]
+SPECS = ["separate:approx_rank=2", "radius:ratio=0.3,range_size=8,period=2", "countsketch:ratio=0.1,width=2", "int8:group=16"]
 STEPS, RESUME_AT = 4, 2
 
 
