@@ -9,7 +9,7 @@ over the repeats, after one untimed warm-up of each, on one clock: this process'
 default (on a machine shared with other jobs it does not count the time the process waits for a
 core), or wall time.
 
-Codecs that bring their own reducer (PowerSGD, SEPARATE, Radius, the count sketch) are timed
+Codecs that bring their own reducer (PowerSGD, SEPARATE, Radius, the count sketch, int8) are timed
 through it: one ``reduce`` of the tensor as a DDP bucket (a ``rows x 1024`` matrix, and the
 remainder flat) over a gloo process group of this process alone, whose collectives copy, so the
 time is their encode, decode and error feedback. Their payload and relative error are those of the
@@ -64,6 +64,7 @@ DEFAULT_CODECS = (
     "separate",
     "radius",
     "countsketch",
+    "int8",
 )
 
 #: columns of the matrix a codec with its own reducer sees the tensor as
@@ -255,8 +256,8 @@ def add_parser(sub) -> None:
     p.add_argument(
         "--codecs",
         default=None,
-        help=f"comma-separated specs (default: {','.join(DEFAULT_CODECS)}); powersgd, separate, radius and "
-        f"countsketch go through their own reducer, the tensor read as a rows x {MATRIX_COLS} matrix",
+        help=f"comma-separated specs (default: {','.join(DEFAULT_CODECS)}); powersgd, separate, radius, "
+        f"countsketch and int8 go through their own reducer, the tensor read as a rows x {MATRIX_COLS} matrix",
     )
     p.add_argument("--repeats", type=int, default=9, help="timed repeats per codec; medians are reported (default 9)")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
