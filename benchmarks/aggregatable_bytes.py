@@ -36,7 +36,7 @@ from gradzip.compressors.spec import split_spec_list
 from gradzip.testing import run_ranks
 
 DEFAULT_CODECS = (
-    "none,separate,radius,countsketch:ratio=0.01,width=2,randomk,powersgd,powersgd:factor_bits=8,topk:ratio=0.01"
+    "none,separate,radius,countsketch:ratio=0.01,width=2,randomk,powersgd,powersgd:factor_bits=8,int8,topk:ratio=0.01"
 )
 
 

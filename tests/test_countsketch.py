@@ -153,11 +153,10 @@ def _narrow_sketch_steps(rank: int, world_size: int, spec: str, numel: int, step
     return {"outs": outs, "unpeeled": unpeeled, "residual": reducer.state_dict()["feedback"]["residuals"][0]}
 
 
-def test_what_does_not_peel_decodes_to_zero_and_returns_through_the_residuals():
+def test_what_does_not_peel_is_estimated_and_its_error_returns_through_the_residuals():
     """A sketch of 0.5 cells per kept entry cannot peel the union of 3 ranks' kept sets. What
     every rank applied over the steps plus the mean of the residuals left is then the mean of
-    every gradient given, exactly (nothing is lost to estimates); each output coordinate is 0
-    or a value that peeled, so where two ranks' kept values differ the output is no median."""
+    every gradient given, exactly: the estimates' errors are not lost. Ranks agree bit for bit."""
     numel, steps, world_size = 600, 5, 3
     spec = "countsketch:ratio=0.2,width=0.5"
     results = run_ranks(_narrow_sketch_steps, world_size, spec, numel, steps)
@@ -169,9 +168,6 @@ def test_what_does_not_peel_decodes_to_zero_and_returns_through_the_residuals():
         for got, first in zip(res["outs"], results[0]["outs"]):
             assert torch.equal(got, first)
         torch.testing.assert_close(sum(res["outs"]) + left, given, rtol=1e-5, atol=1e-4)
-    # zeros at exactly the unpeeled coordinates beyond those no rank kept
-    zeros = [int((out == 0).sum()) for out in results[0]["outs"]]
-    assert all(z >= n for z, n in zip(zeros, results[0]["unpeeled"]))
 
 
 def test_nonfinite_input_marks_every_rank_and_leaves_no_state():

@@ -9,10 +9,11 @@ one launch of the group's queue:
 2. Two collectives issued together: an all_reduce of the bitmaps with ``ReduceOp.BOR`` (gloo and
    MPI), or, on backends without it (NCCL), with ``ReduceOp.MAX`` on one byte per element (MAX of
    packed bytes is not an OR); and an all_reduce (sum) of the sketches.
-3. Decode the summed sketch on the OR-ed support by peeling; the residual keeps what
-   thresholding dropped (``compensated - kept``) and, at the coordinates that did not peel
-   (the same on every rank: they decode to 0), what this rank kept there, which is sent again
-   at a later step. The bucket's metrics count those coordinates (``unpeeled``).
+3. Decode the summed sketch on the OR-ed support by peeling, then median estimates for the
+   coordinates that did not peel (the same on every rank); the residual keeps what
+   thresholding dropped (``compensated - kept``) and, at those coordinates, ``kept -
+   estimate``: the mean of that over ranks is the estimate's error, which the residuals carry
+   to a later step. The bucket's metrics count those coordinates (``unpeeled``).
 
 Non-finite gradients (:mod:`gradzip.comm.nonfinite`): a rank whose bucket holds inf or NaN sends an
 all-NaN sketch; every rank sees the NaN sum, returns all NaN, and the step's residual updates are
@@ -129,10 +130,13 @@ class CountSketchReducer(SettlingReducer):
             with self.metrics.timed("decompress_s", key):
                 bitmap = box["bitmap"]
                 support = wire.unpack_bits(bitmap, 1, numel).bool() if packed else bitmap.bool()
-                out, unpeeled = codec.decode_peeled(support, box["table"], step=step, key=key, like=grad)
+                out, unpeeled = codec.decode_peeled(support, box["table"], step=step, key=key, like=grad,
+                                                    estimate=True)
                 if unpeeled.numel():
-                    # sent again later: what this rank kept at the coordinates no rank could read
-                    self.feedback.add_back(key, unpeeled, box["kept"][unpeeled], step=step)
+                    # The mean over ranks of (kept - estimate) is the estimate's error, so the
+                    # residuals carry it to a later step (each rank's own share is not known).
+                    self.feedback.add_back(key, unpeeled, box["kept"][unpeeled] - out.reshape(-1)[unpeeled].float(),
+                                           step=step)
                 self.metrics.add_figures(key, unpeeled=unpeeled.numel())
                 return out
 

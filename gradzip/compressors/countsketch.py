@@ -168,13 +168,12 @@ class CountSketch(Compressor):
     Exact recovery: where the support's hash graph peels completely (with 3 rows, about when
     ``rows * cols > 1.23 * |support|``; the support is the union over ranks, up to
     ``world_size * k``) the decode is the mean of the sparsified tensors up to float rounding.
-    Coordinates that do not peel (all ranks see the same ones): in training
-    (:class:`~gradzip.comm.countsketch.CountSketchReducer`) they decode to 0 and every rank puts
-    what it kept there back into its residual, so they are sent again at a later step and the
-    applied mean is exact wherever it is not 0; :meth:`decompress` of a lone payload gives them
-    median estimates, which collisions bias. Aggregatable (the sketch is linear and the bitmap
-    an OR); biased (thresholding), with error feedback of what thresholding drops and of what
-    did not peel.
+    Coordinates that do not peel (all ranks see the same ones) take median estimates, which
+    collisions bias; in training (:class:`~gradzip.comm.countsketch.CountSketchReducer`) every
+    rank adds ``kept - estimate`` there to its residual, whose mean over ranks is the
+    estimate's error, so the error is sent again at a later step. Aggregatable (the sketch is
+    linear and the bitmap an OR); biased (thresholding), with error feedback of what
+    thresholding drops and of the estimates' errors.
 
     TAGC's defaults (its reference training script): 80% of the entries dropped (``ratio=0.2``
     here), a sketch of ``numel / 2`` cells (its ``compress_ratio=2``; here ``rows * cols`` with
@@ -193,8 +192,7 @@ class CountSketch(Compressor):
     ranks (54% of the coordinates) a sketch of half the entries cannot peel (16% decoded
     exactly). TAGC's sketch is the lossless-homomorphic-compression layout in blocks of 1,024
     elements; here a count sketch of ``rows`` hash rows with 4-wise independent hashes.
-    Coordinates that do not peel go back to the residuals in training (above) rather than
-    taking an estimate.
+    The estimates' errors are fed back in training (above).
 
     Args:
         ratio: fraction of entries each rank keeps, in (0, 1].
