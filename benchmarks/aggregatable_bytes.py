@@ -5,7 +5,7 @@ the demo job's model (the default ``gradzip train`` configuration, freshly initi
 of its corpus per rank) as one bucket with the model's layer shapes, and reduces it for a few
 steps through each codec's reducer: the dense fp32 ring all_reduce (``none``), the aggregatable
 codecs (summed by ``all_reduce``: ``separate``, ``radius``, ``countsketch``, ``randomk``,
-``powersgd`` and its 8-bit factors), and, for contrast, ``topk:ratio=0.01`` through the route the
+``powersgd`` and its 8-bit factors, ``int8``), and, for contrast, ``topk:ratio=0.01`` through the route the
 chooser picks (``all_gather`` at 2 ranks, two-phase above).
 
 Bytes per worker are counted two ways: by the formulas the reducer records in its metrics
