@@ -33,7 +33,7 @@ from gradzip.comm import nonfinite
 from gradzip.comm.queue import completed
 from gradzip.comm.settling import SettlingReducer
 from gradzip.comm.traffic import allreduce_bytes
-from gradzip.compressors.int8sum import group_codes, group_scales, group_values, levels_for
+from gradzip.compressors.int8sum import group_rounded, group_scales, group_values, levels_for
 
 
 class Int8SumReducer(SettlingReducer):
@@ -111,10 +111,11 @@ class Int8SumReducer(SettlingReducer):
                 box["skip"] = True
                 return completed(None)
             with self.metrics.timed("compress_s", key):
-                codes.copy_(group_codes(box["x"], scales, levels, codec.group))
+                steps = group_rounded(box["x"], scales, levels, codec.group)  # whole numbers, fp32
+                codes.copy_(steps)
                 if codec.error_feedback:
                     # what this rank's codes carry, so the rounding is fed back
-                    self.feedback.update(key, box["x"], group_values(codes, scales, levels, codec.group), step=step)
+                    self.feedback.update(key, box["x"], group_values(steps, scales, levels, codec.group), step=step)
             work = dist.all_reduce(codes, group=self.group, async_op=True)
             return self.metrics.track(work.get_future(), (key,))
 

@@ -34,16 +34,22 @@ def levels_for(world_size: int) -> int:
 def group_scales(x: Tensor, group: int) -> Tensor:
     """``max |x|`` over each run of ``group`` elements of flat ``x`` (the last run may be
     shorter), fp32, ``ceil(numel / group)`` values."""
-    return _grouped(x.float().abs(), group).amax(dim=1)
+    low, high = _grouped(x.float(), group).aminmax(dim=1)  # no |x| of the whole tensor
+    return torch.maximum(high, low.neg())
+
+
+def rounded(x: Tensor, scale: float | Tensor, levels: int) -> Tensor:
+    """``round(x / scale * levels)`` in fp32, within ``[-levels, levels]``, ``|x| <= scale``;
+    ``scale`` is one number or a tensor that broadcasts against ``x`` (one per column, one per
+    row of groups); a zero scale gives zeros."""
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    factor = torch.where(scale > 0, levels / scale.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+    return torch.round(x.float() * factor).clamp_(-levels, levels)
 
 
 def to_codes(x: Tensor, scale: float | Tensor, levels: int) -> Tensor:
-    """``round(x / scale * levels)`` as int8, ``|x| <= scale``; ``scale`` is one number or a
-    tensor that broadcasts against ``x`` (one per column, one per row of groups); a zero scale
-    gives zero codes."""
-    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    factor = torch.where(scale > 0, levels / scale.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
-    return torch.round(x.float() * factor).clamp_(-levels, levels).to(torch.int8)
+    """:func:`rounded` as int8 codes."""
+    return rounded(x, scale, levels).to(torch.int8)
 
 
 def from_codes(codes: Tensor, scale: float | Tensor, levels: int) -> Tensor:
@@ -63,7 +69,12 @@ def _grouped(x: Tensor, group: int) -> Tensor:
 
 def group_codes(x: Tensor, scales: Tensor, levels: int, group: int) -> Tensor:
     """:func:`to_codes` of flat ``x`` with one scale per group: flat int8, ``x.numel()`` codes."""
-    return to_codes(_grouped(x, group), scales.reshape(-1, 1), levels).reshape(-1)[: x.numel()]
+    return group_rounded(x, scales, levels, group).to(torch.int8)
+
+
+def group_rounded(x: Tensor, scales: Tensor, levels: int, group: int) -> Tensor:
+    """:func:`rounded` of flat ``x`` with one scale per group: flat fp32, ``x.numel()`` values."""
+    return rounded(_grouped(x, group), scales.reshape(-1, 1), levels).reshape(-1)[: x.numel()]
 
 
 def group_values(codes: Tensor, scales: Tensor, levels: int, group: int) -> Tensor:
