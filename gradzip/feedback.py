@@ -174,21 +174,6 @@ class ErrorFeedback:
         self.residuals[key] = residual if self.dtype is None else residual.to(self.dtype)
 
     @_locked
-    def add_back(self, key: Hashable, index: Tensor, values: Tensor, *, step: int) -> None:
-        """Add ``values`` at the flat positions ``index`` of the residual of ``key``: what was
-        counted as sent by :meth:`update` in this step but did not arrive. Nothing before
-        ``start_step``.
-
-        Raises:
-            KeyError: if ``key`` has no residual (no :meth:`update` came first).
-        """
-        if step < self.start_step:
-            return
-        # update replaced the residual by a new tensor in deferred mode, so the one discard
-        # would put back is not touched
-        self.residuals[key].view(-1).index_add_(0, index, values.to(self.residuals[key].dtype))
-
-    @_locked
     def drop(self, key: Hashable, *, step: int) -> None:
         """Forget the residual of ``key`` (what it held was just sent whole); in ``deferred``
         mode it is kept for :meth:`discard`. Nothing changes before ``start_step``."""

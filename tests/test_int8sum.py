@@ -36,9 +36,12 @@ def test_levels_keep_the_sum_of_every_rank_in_int8():
 
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(numel=st.integers(1, 400), group=st.integers(1, 64), levels=st.sampled_from([1, 7, 31, 127]),
-       seed=st.integers(0, 10**6), scale=st.sampled_from([1e-30, 1.0, 1e30]))
-def test_codes_round_to_the_nearest_level_of_each_groups_scale(numel, group, levels, seed, scale):
+       seed=st.integers(0, 10**6), scale=st.sampled_from([1e-38, 1e-30, 1.0, 1e30]), zeros=st.integers(0, 3))
+def test_codes_round_to_the_nearest_level_of_each_groups_scale(numel, group, levels, seed, scale, zeros):
+    """Scales near the bottom of fp32 (where ``levels / scale`` would overflow) and exact zeros
+    beside them too."""
     x = torch.randn(numel, generator=torch.Generator().manual_seed(seed)) * scale
+    x[::zeros + 2] = 0.0 if zeros else x[::zeros + 2]
     scales = group_scales(x, group)
     # each scale is its group's largest magnitude, computed here by slicing
     want = torch.tensor([x[i : i + group].abs().max().item() for i in range(0, numel, group)])
@@ -47,7 +50,16 @@ def test_codes_round_to_the_nearest_level_of_each_groups_scale(numel, group, lev
     assert codes.dtype == torch.int8 and codes.numel() == numel and int(codes.abs().max()) <= levels
     back = group_values(codes, scales, levels, group)
     step = scales.repeat_interleave(group)[:numel] / levels
-    assert bool(((back - x).abs() <= step / 2 * (1 + 1e-5)).all())
+    assert bool(torch.isfinite(back).all())
+    assert bool(((back - x).abs() <= step / 2 * (1 + 1e-5) + torch.finfo(torch.float32).tiny).all())
+
+
+def test_a_group_larger_than_the_tensor_is_one_group_of_the_tensor():
+    x = torch.randn(10)
+    assert torch.equal(group_scales(x, 10**12), x.abs().max().reshape(1))
+    codec = build("int8:group=1000000000000")
+    assert codec.payload_nbytes(10) == 10 + 4
+    assert codec.compress(x).nbytes == 14
 
 
 def test_payload_formula_and_lone_payload_bytes():
@@ -72,7 +84,7 @@ def reference(world_size: int, codec: Int8Sum, numel: int, steps: int) -> list[t
         for g in range(n_groups):
             span = slice(g * codec.group, (g + 1) * codec.group)
             scale[span] = max(x[span].abs().max().item() for x in xs)
-        codes = [torch.round(x * (levels / scale)) for x in xs]
+        codes = [torch.round(x / scale * levels) for x in xs]
         total = sum(codes)
         assert total.abs().max() <= 127
         outs.append(total / (levels * world_size) * scale)
@@ -114,6 +126,31 @@ def test_bytes_per_worker_are_the_two_all_reduces(world_size):
     for payload, sent in run_ranks(_sent, world_size, numel):
         assert payload == numel + 4 * 16
         assert sent == allreduce_bytes(4 * 16, world_size) + allreduce_bytes(numel, world_size)
+
+
+def _dtype_steps(rank: int, world_size: int, dtype: torch.dtype, numel: int) -> list:
+    from gradzip.comm import make_reducer
+
+    reducer = make_reducer("int8:group=16")
+    return [reducer.reduce(0, bucket_grad(rank, step, numel).to(dtype), step=step).wait() for step in range(3)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16])
+def test_other_gradient_dtypes_take_the_fp32_arithmetic(dtype):
+    """An fp64 or fp16 bucket is compensated and coded in fp32 and comes back in its own dtype:
+    the fp32 reference's values, cast."""
+    numel, world_size = 208, 2
+    results = run_ranks(_dtype_steps, world_size, dtype, numel)
+    levels, errors = 127 // world_size, [torch.zeros(numel) for _ in range(world_size)]
+    for step in range(3):
+        xs = [bucket_grad(r, step, numel).to(dtype).float() + errors[r] for r in range(world_size)]
+        scale = torch.stack([x.view(-1, 16).abs().amax(1) for x in xs]).amax(0).repeat_interleave(16)
+        codes = [torch.round(x / scale * levels) for x in xs]
+        want = (sum(codes) / (levels * world_size) * scale).to(dtype)
+        errors = [x - c / levels * scale for x, c in zip(xs, codes)]
+        for res in results:
+            assert res[step].dtype == dtype
+            torch.testing.assert_close(res[step], want, rtol=1e-3, atol=1e-3)
 
 
 def test_nonfinite_input_marks_every_rank_and_leaves_no_state():

@@ -229,6 +229,44 @@ def test_another_optimizers_state_dict_is_refused_and_changes_nothing(source, ta
             assert torch.equal(torch.as_tensor(after["state"][key][name]), torch.as_tensor(value)), (key, name)
 
 
+def test_a_plain_sgd_state_dict_is_refused_and_a_plain_adamw_one_keeps_the_groups_settings():
+    """A plain state_dict loads into 1-bit Adam only if it is AdamW's (its groups hold betas and
+    eps); loading one keeps what AdamW does not know, a group's ``compress=False``."""
+    model = tiny_model(4)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = OneBitAdam(model.parameters(), warmup_steps=1)
+    with pytest.raises(ValueError, match="AdamW"):
+        opt.load_state_dict(sgd.state_dict())
+    assert "betas" in opt.param_groups[0]
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    adamw = torch.optim.AdamW([{"params": matrices}, {"params": vectors}])
+    opt = OneBitAdam([{"params": matrices}, {"params": vectors, "compress": False}], warmup_steps=1)
+    opt.load_state_dict(adamw.state_dict())
+    assert [g["compress"] for g in opt.param_groups] == [True, False]
+
+
+@pytest.mark.parametrize("name", sorted(set(OPTIMIZERS) - {"adamw"}))
+@pytest.mark.parametrize("damage", ["gradzip a list", "a state None", "lr out of range", "groups missing"])
+def test_a_malformed_state_dict_is_a_value_error_before_anything_loads(name, damage):
+    _, written = _stepped(name, 5)
+    _, opt = _stepped(name, 6)
+    before = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(written.state_dict())
+    if damage == "gradzip a list":
+        bad["gradzip"] = []
+    elif damage == "a state None":
+        bad["state"][0] = None
+    elif damage == "lr out of range":
+        bad["param_groups"][0]["lr"] = -1.0
+    else:
+        bad["param_groups"] = []
+    with pytest.raises(ValueError):
+        opt.load_state_dict(bad)
+    after = opt.state_dict()
+    assert after["gradzip"] == before["gradzip"] and after["param_groups"] == before["param_groups"]
+
+
 @pytest.mark.parametrize("name", sorted(set(OPTIMIZERS) - {"adamw"}))
 def test_a_param_group_out_of_range_is_refused_and_not_added(name):
     _, opt = _stepped(name, 3, steps=0)

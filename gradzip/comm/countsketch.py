@@ -10,10 +10,12 @@ one launch of the group's queue:
    MPI), or, on backends without it (NCCL), with ``ReduceOp.MAX`` on one byte per element (MAX of
    packed bytes is not an OR); and an all_reduce (sum) of the sketches.
 3. Decode the summed sketch on the OR-ed support by peeling, then median estimates for the
-   coordinates that did not peel (the same on every rank); the residual keeps what
-   thresholding dropped (``compensated - kept``) and, at those coordinates, ``kept -
-   estimate``: the mean of that over ranks is the estimate's error, which the residuals carry
-   to a later step. The bucket's metrics count those coordinates (``unpeeled``).
+   coordinates that did not peel (the same on every rank; the bucket's metrics count them,
+   ``unpeeled``); the residual keeps what thresholding dropped (``compensated - kept``). The
+   estimates' errors are not fed back: feeding ``kept - estimate`` back made the residuals grow
+   without bound on a sketch too small for its support, and sending those coordinates again
+   later instead of estimating them ended further from ``none`` on the demo job
+   (``benchmarks/results/remedies_main_job``).
 
 Non-finite gradients (:mod:`gradzip.comm.nonfinite`): a rank whose bucket holds inf or NaN sends an
 all-NaN sketch; every rank sees the NaN sum, returns all NaN, and the step's residual updates are
@@ -111,8 +113,7 @@ class CountSketchReducer(SettlingReducer):
                 if not sendable:
                     table.fill_(float("nan"))  # the marker: every rank's sum turns NaN
                 else:
-                    box["kept"] = compensated * mask
-                    self.feedback.update(key, compensated, box["kept"], step=step)
+                    self.feedback.update(key, compensated, compensated * mask, step=step)
                 box["bitmap"] = bitmap if packed else mask.to(torch.uint8)
                 box["table"] = table
             assert wire.nbytes([box["bitmap"], table]) == payload_bytes, "payload differs from its formula"
@@ -130,14 +131,8 @@ class CountSketchReducer(SettlingReducer):
             with self.metrics.timed("decompress_s", key):
                 bitmap = box["bitmap"]
                 support = wire.unpack_bits(bitmap, 1, numel).bool() if packed else bitmap.bool()
-                out, unpeeled = codec.decode_peeled(support, box["table"], step=step, key=key, like=grad,
-                                                    estimate=True)
-                if unpeeled.numel():
-                    # The mean over ranks of (kept - estimate) is the estimate's error, so the
-                    # residuals carry it to a later step (each rank's own share is not known).
-                    self.feedback.add_back(key, unpeeled, box["kept"][unpeeled] - out.reshape(-1)[unpeeled].float(),
-                                           step=step)
-                self.metrics.add_figures(key, unpeeled=unpeeled.numel())
+                out, unpeeled = codec.decode_peeled(support, box["table"], step=step, key=key, like=grad)
+                self.metrics.add_figures(key, unpeeled=unpeeled)
                 return out
 
         return self.queue.submit(launch, device=grad.device).then(finish)

@@ -125,8 +125,7 @@ class Int8SumReducer(SettlingReducer):
                 return self.ledger.marked_result(step, grad)
             with self.metrics.timed("decompress_s", key):
                 mean = group_values(codes, scales, levels * world_size, codec.group)
-                limit = torch.finfo(grad.dtype).max
-                return mean.clamp_(-limit, limit).to(grad.dtype).view(grad.shape)
+                return nonfinite.saturate(mean, grad.dtype).to(grad.dtype).view(grad.shape)
 
         first = self.queue.submit(launch_scales, device=device)
         return self.queue.submit(launch_codes, after=first, device=device).then(finish)

@@ -168,12 +168,10 @@ class CountSketch(Compressor):
     Exact recovery: where the support's hash graph peels completely (with 3 rows, about when
     ``rows * cols > 1.23 * |support|``; the support is the union over ranks, up to
     ``world_size * k``) the decode is the mean of the sparsified tensors up to float rounding.
-    Coordinates that do not peel (all ranks see the same ones) take median estimates, which
-    collisions bias; in training (:class:`~gradzip.comm.countsketch.CountSketchReducer`) every
-    rank adds ``kept - estimate`` there to its residual, whose mean over ranks is the
-    estimate's error, so the error is sent again at a later step. Aggregatable (the sketch is
-    linear and the bitmap an OR); biased (thresholding), with error feedback of what
-    thresholding drops and of the estimates' errors.
+    Otherwise the coordinates left (all ranks see the same ones; the reducer's metrics count
+    them as ``unpeeled``) get median estimates, which collisions bias. Aggregatable (the sketch
+    is linear and the bitmap an OR); biased (thresholding), with error feedback of what
+    thresholding drops; collision errors after aggregation are not fed back.
 
     TAGC's defaults (its reference training script): 80% of the entries dropped (``ratio=0.2``
     here), a sketch of ``numel / 2`` cells (its ``compress_ratio=2``; here ``rows * cols`` with
@@ -192,7 +190,6 @@ class CountSketch(Compressor):
     ranks (54% of the coordinates) a sketch of half the entries cannot peel (16% decoded
     exactly). TAGC's sketch is the lossless-homomorphic-compression layout in blocks of 1,024
     elements; here a count sketch of ``rows`` hash rows with 4-wise independent hashes.
-    The estimates' errors are fed back in training (above).
 
     Args:
         ratio: fraction of entries each rank keeps, in (0, 1].
@@ -286,21 +283,16 @@ class CountSketch(Compressor):
         """The vector with support ``support`` (a bool mask, ``like``'s numel) whose sketch is
         ``table``, in ``like``'s shape and dtype (saturated at its range); coordinates that do
         not peel take median estimates."""
-        return self.decode_peeled(support, table, step=step, key=key, like=like, estimate=True)[0]
+        return self.decode_peeled(support, table, step=step, key=key, like=like)[0]
 
-    def decode_peeled(
-        self, support: Tensor, table: Tensor, *, step: int, key: Hashable, like: Tensor, estimate: bool = False,
-    ) -> tuple[Tensor, Tensor]:
-        """:meth:`decode` that also returns the flat int64 indices of the support that did not
-        peel; those hold 0 in the result unless ``estimate`` (then their median estimates)."""
+    def decode_peeled(self, support: Tensor, table: Tensor, *, step: int, key: Hashable, like: Tensor) -> tuple[Tensor, int]:
+        """:meth:`decode` and how many coordinates of the support did not peel."""
         index = support.reshape(-1).nonzero().reshape(-1)
         values, peeled = peel(table, index, self.hashes(like.numel(), step=step, key=key))
-        if not estimate:
-            values = values.masked_fill(~peeled, 0.0)
         out = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
         limit = torch.finfo(like.dtype).max
         out[index] = values.clamp(-limit, limit).to(like.dtype)
-        return out.view(like.shape), index[~peeled]
+        return out.view(like.shape), int(index.numel() - peeled.sum())
 
     def compress(self, x: Tensor, *, step: int = 0, key: Hashable = 0) -> Payload:
         """One rank's payload ``(bitmap, sketch)``; ``ctx`` keeps ``(step, key)`` for the hashes."""

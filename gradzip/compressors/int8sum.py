@@ -43,8 +43,10 @@ def rounded(x: Tensor, scale: float | Tensor, levels: int) -> Tensor:
     ``scale`` is one number or a tensor that broadcasts against ``x`` (one per column, one per
     row of groups); a zero scale gives zeros."""
     scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
-    factor = torch.where(scale > 0, levels / scale.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
-    return torch.round(x.float() * factor).clamp_(-levels, levels)
+    # x / scale first: levels / scale overflows for a scale below levels / 3.4e38, and 0 * inf
+    # is NaN; a zero scale (a group of zeros) divides by 1
+    safe = torch.where(scale > 0, scale, 1.0)
+    return torch.round(x.float() / safe * levels).clamp_(-levels, levels)
 
 
 def to_codes(x: Tensor, scale: float | Tensor, levels: int) -> Tensor:
@@ -61,8 +63,10 @@ def from_codes(codes: Tensor, scale: float | Tensor, levels: int) -> Tensor:
 
 
 def _grouped(x: Tensor, group: int) -> Tensor:
-    """Flat ``x`` as rows of ``group`` elements, the last padded with zeros."""
+    """Flat ``x`` as rows of ``group`` elements, the last padded with zeros (one row of all of
+    ``x`` where ``group`` is larger: the padding never outgrows the tensor)."""
     flat = x.reshape(-1)
+    group = max(1, min(group, flat.numel()))
     pad = (-flat.numel()) % group
     return (torch.cat([flat, flat.new_zeros(pad)]) if pad else flat).view(-1, group)
 
@@ -152,5 +156,5 @@ class Int8Sum(Compressor):
         """``codes / 127 * scale`` in ``like``'s shape and dtype."""
         codes, scales = payload.tensors
         out = group_values(codes, scales, INT8_MAX, self.group)
-        limit = torch.finfo(like.dtype).max
+        limit = min(torch.finfo(like.dtype).max, torch.finfo(out.dtype).max)  # fp64: fp32's own
         return out.clamp_(-limit, limit).to(like.dtype).view(like.shape)

@@ -76,30 +76,42 @@ def grad_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Abstr
     return nullcontext()
 
 
-def check_loadable(state_dict: Any, *, kind: str, extra_keys: tuple[str, ...], state_keys: tuple[str, ...],
-                   plain_ok: bool) -> None:
-    """Refuse, before anything is loaded, a ``state_dict`` that another optimizer wrote.
+def check_loadable(optimizer: torch.optim.Optimizer, state_dict: Any, *, kind: str, extra_keys: tuple[str, ...],
+                   state_keys: tuple[str, ...], plain_ok: bool, check_group) -> None:
+    """Refuse, before anything is loaded, a ``state_dict`` that another optimizer wrote or whose
+    settings are out of range.
 
     Args:
+        optimizer: the optimizer about to load it.
         state_dict: what is about to be loaded.
         kind: the optimizer's name, as its :meth:`state_dict` records it under ``"gradzip"``.
         extra_keys: the keys its ``"gradzip"`` section holds (checked where the section names
             no optimizer, as a section written without the name does).
         state_keys: keys every parameter's state of this optimizer holds.
         plain_ok: whether a ``state_dict`` without the ``"gradzip"`` section (a plain
-            ``torch.optim.AdamW``'s) loads.
+            ``torch.optim.AdamW``'s: its groups must hold AdamW's settings) loads.
+        check_group: the optimizer's range check of one parameter group, run on each loaded
+            group's settings over the optimizer's own group (same parameters).
 
     Raises:
-        ValueError: naming what the ``state_dict`` is and what this optimizer is.
+        ValueError: naming what the ``state_dict`` is and what this optimizer is, or the setting
+            out of range.
     """
-    if not isinstance(state_dict, dict) or "state" not in state_dict or "param_groups" not in state_dict:
-        raise ValueError(f"state_dict must be a dict with 'state' and 'param_groups' (an optimizer's); got {type(state_dict).__name__}")
+    if not isinstance(state_dict, dict) or not isinstance(state_dict.get("state"), dict) \
+            or not isinstance(state_dict.get("param_groups"), list):
+        raise ValueError("state_dict must be a dict with a 'state' dict and a 'param_groups' list (an optimizer's)")
     extra = state_dict.get("gradzip")
     if extra is None:
         if not plain_ok:
             raise ValueError(f"state_dict has no 'gradzip' section: it is not a {kind} optimizer's "
                              "(a plain torch optimizer's loads only into onebit-adam and zeroone-adam)")
+        adamw = ("lr", "betas", "eps", "weight_decay")
+        if any(not isinstance(g, dict) or any(k not in g for k in adamw) for g in state_dict["param_groups"]):
+            raise ValueError(f"state_dict has no 'gradzip' section and its param_groups lack AdamW's {', '.join(adamw)}: "
+                             f"it is not an AdamW optimizer's, which is the plain kind {kind} loads")
     else:
+        if not isinstance(extra, dict):
+            raise ValueError(f"state_dict's 'gradzip' section must be a dict; got {type(extra).__name__}")
         other = extra.get("optimizer")
         if other is not None and other != kind:
             raise ValueError(f"state_dict is a {other} optimizer's; this optimizer is {kind}")
@@ -107,9 +119,31 @@ def check_loadable(state_dict: Any, *, kind: str, extra_keys: tuple[str, ...], s
         if missing:
             raise ValueError(f"state_dict is not a {kind} optimizer's: its 'gradzip' section lacks {', '.join(missing)}")
     for state in state_dict["state"].values():
+        if not isinstance(state, dict):
+            raise ValueError(f"state_dict's per-parameter states must be dicts; got {type(state).__name__}")
         missing = [k for k in state_keys if k not in state]
         if missing:
             raise ValueError(f"state_dict is not a {kind} optimizer's: a parameter's state lacks {', '.join(missing)}")
+    saved = state_dict["param_groups"]
+    if len(saved) != len(optimizer.param_groups):
+        raise ValueError(f"state_dict has {len(saved)} parameter groups; this optimizer has {len(optimizer.param_groups)}")
+    for own, group in zip(optimizer.param_groups, saved):
+        if not isinstance(group, dict):
+            raise ValueError(f"state_dict's param_groups must be dicts; got {type(group).__name__}")
+        check_group({**own, **{k: v for k, v in group.items() if k != "params"}})
+
+
+def kept_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each group's settings, to put back after ``torch.optim.Optimizer.load_state_dict`` those
+    that the loaded groups lack (``compress`` and TSR-Adam's ranks under a plain AdamW's)."""
+    return [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+
+
+def restore_missing(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> None:
+    """Put back into each group the settings of :func:`kept_settings` it no longer has."""
+    for group, own in zip(optimizer.param_groups, settings):
+        for key, value in own.items():
+            group.setdefault(key, value)
 
 
 def added_checked(optimizer: torch.optim.Optimizer, param_group: dict[str, Any], check) -> None:
@@ -407,11 +441,14 @@ class CompressedAdamBase(torch.optim.Optimizer):
         Raises:
             ValueError: for another optimizer's state_dict (checked before anything is loaded).
         """
-        check_loadable(state_dict, kind=self.kind, extra_keys=("steps_taken", "exchange", *self.extra_state()),
-                       state_keys=("step", "exp_avg", "exp_avg_sq"), plain_ok=self.loads_plain_adamw)
+        check_loadable(self, state_dict, kind=self.kind, extra_keys=("steps_taken", "exchange", *self.extra_state()),
+                       state_keys=("step", "exp_avg", "exp_avg_sq"), plain_ok=self.loads_plain_adamw,
+                       check_group=self._check_group)
         state_dict = dict(state_dict)
         extra = state_dict.pop("gradzip", None)
+        settings = kept_settings(self)
         super().load_state_dict(state_dict)
+        restore_missing(self, settings)
         for state in self.state.values():
             state.setdefault("variance_steps", int(float(state["step"])))
         if extra is None:

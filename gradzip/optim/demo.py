@@ -19,7 +19,14 @@ from gradzip.compressors import check_int
 from gradzip.compressors.kernels import wire
 from gradzip.metrics import StepMetrics
 from gradzip.optim import dct
-from gradzip.optim.base import added_checked, check_loadable, check_nonnegative, group_world_size
+from gradzip.optim.base import (
+    added_checked,
+    check_loadable,
+    check_nonnegative,
+    group_world_size,
+    kept_settings,
+    restore_missing,
+)
 from gradzip.optim.collectives import gather_payloads
 
 #: the name its bucket carries in StepMetrics
@@ -251,10 +258,12 @@ class DeMo(torch.optim.Optimizer):
         Raises:
             ValueError: for another optimizer's state_dict (checked before anything is loaded).
         """
-        check_loadable(state_dict, kind=KIND, extra_keys=("steps_taken", "skipped_steps"), state_keys=("delta",),
-                       plain_ok=False)
+        check_loadable(self, state_dict, kind=KIND, extra_keys=("steps_taken", "skipped_steps"), state_keys=("delta",),
+                       plain_ok=False, check_group=_check_group)
         state_dict = dict(state_dict)
         extra = state_dict.pop("gradzip")
+        settings = kept_settings(self)
         super().load_state_dict(state_dict)
+        restore_missing(self, settings)
         self.steps_taken = extra["steps_taken"]
         self.skipped_steps = extra["skipped_steps"]
