@@ -82,11 +82,24 @@ def summarize(records: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
             "wall_s": records[-1]["elapsed_s"] if records else 0.0,
         }
     )
+    unpeeled = [[b["unpeeled"] for b in r.get("buckets", {}).values() if "unpeeled" in b] for r in records]
+    if any(unpeeled):  # a count sketch ran: how often part of its support took an estimate
+        summary["unpeeled_steps"] = sum(1 for counts in unpeeled if sum(counts))
+        summary["unpeeled_max"] = max(sum(counts) for counts in unpeeled)
     compute = summary.get("compute_s")
     if compute is not None:
         exposed = summary["fwd_bwd_s_median"] - compute - summary["compress_s_median"]
         summary["exposed_communicate_s"] = max(0.0, exposed)
     return summary
+
+
+def unpeeled_note(s: dict[str, Any]) -> str | None:
+    """The end-of-run note of a count sketch whose support did not all peel (None otherwise)."""
+    if not s.get("unpeeled_steps"):
+        return None
+    return (f"the count sketch could not peel part of its support at {s['unpeeled_steps']} of {s['steps']} "
+            f"steps (up to {s['unpeeled_max']:,} coordinates a step); those took median estimates, which "
+            "collisions bias: a larger width (countsketch:width=...) peels more")
 
 
 def _fmt_bytes(n: float | None) -> str:

@@ -1,0 +1,28 @@
+"""The run summary's count of steps where a count sketch did not peel its whole support."""
+
+from gradzip.lab.train.report import summarize, unpeeled_note
+
+
+def _record(step: int, buckets: dict) -> dict:
+    return {"step": step, "payload_bytes": 10, "dense_bytes": 40, "step_s": 1.0, "fwd_bwd_s": 0.5,
+            "optimizer_s": 0.1, "compress_s": 0.1, "decompress_s": 0.1, "communicate_s": 0.2,
+            "elapsed_s": step + 1.0, "buckets": buckets}
+
+
+def test_steps_with_unpeeled_coordinates_are_counted_and_noted():
+    records = [
+        _record(0, {"a": {"unpeeled": 0}, "b": {"unpeeled": 0}}),
+        _record(1, {"a": {"unpeeled": 5}, "b": {"unpeeled": 7}}),
+        _record(2, {"a": {"unpeeled": 0}, "b": {"unpeeled": 3}}),
+    ]
+    summary = summarize(records)
+    assert (summary["unpeeled_steps"], summary["unpeeled_max"]) == (2, 12)
+    note = unpeeled_note(summary)
+    assert "2 of 3 steps" in note and "12 coordinates" in note and "width" in note
+
+
+def test_no_note_where_everything_peeled_or_no_sketch_ran():
+    peeled = summarize([_record(0, {"a": {"unpeeled": 0}})])
+    assert peeled["unpeeled_steps"] == 0 and unpeeled_note(peeled) is None
+    other = summarize([_record(0, {"a": {"codec": "fp16"}})])
+    assert "unpeeled_steps" not in other and unpeeled_note(other) is None
