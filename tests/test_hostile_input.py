@@ -186,3 +186,10 @@ def test_any_argv_exits_cleanly(cli_env, argv):
         return
     assert code in (0, 2), (argv, code, err)
     assert err.count("\n") <= 1 and "Traceback" not in err, (argv, err)
+
+
+@pytest.mark.parametrize("spec", ["int8", "powersgd:factor_bits=8"])
+def test_int8_sums_are_refused_past_127_workers_before_any_starts(spec):
+    assert TrainConfig(compressor=spec, world_size=127).validate().world_size == 127
+    with pytest.raises(ValueError, match="at most 127 workers"):
+        TrainConfig(compressor=spec, world_size=128).validate()

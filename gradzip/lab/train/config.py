@@ -192,6 +192,11 @@ class TrainConfig:
 
         if self.outer is None or self.replica_size > 1:  # one rank per replica builds no hook
             check_hook(self)
+        codec = getattr(choice, "codec", None)
+        int8_sum = codec is not None and (codec.name == "int8" or getattr(codec, "factor_bits", 32) == 8)
+        if int8_sum and self.world_size > 127:
+            raise ValueError(f"--compressor {codec.spec} sums int8 codes over at most 127 workers; "
+                             f"--world-size is {self.world_size}")
         check_outer(self)
 
         try:
