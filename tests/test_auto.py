@@ -284,7 +284,7 @@ def test_auto_config_validation():
         AutoConfig(candidates=("fp16", "bogus")).validate()
     with pytest.raises(ValueError, match=r"auto-candidates: 'topk:ratio=5': ratio must be in \(0, 1\]"):
         AutoConfig(candidates=("topk:ratio=5",)).validate()
-    with pytest.raises(ValueError, match="powersgd and single-round codecs, not separate"):
+    with pytest.raises(ValueError, match="powersgd, int8 and single-round codecs, not separate"):
         AutoConfig(candidates=("separate",)).validate()
     AutoConfig(candidates=("fp16", "powersgd:approx_rank=2", "topk:ratio=0.1")).validate()
 
@@ -344,15 +344,15 @@ FORCED = {2: "topk:ratio=0.1", 5: "powersgd:approx_rank=1", 8: "fp16", 10: "none
           14: "powersgd:approx_rank=1"}
 
 
-def _forced(rank: int, world_size: int) -> dict:
+def _forced(rank: int, world_size: int, forced: dict | None = None, candidates: tuple | None = None) -> dict:
     from gradzip.control.auto import make_controller
     from gradzip.control.auto_reducer import AutoReducer
 
-    cfg = AutoConfig(adapt_every=1000, candidates=("fp16", "topk:ratio=0.1", "powersgd:approx_rank=1"))
+    cfg = AutoConfig(adapt_every=1000, candidates=candidates or ("fp16", "topk:ratio=0.1", "powersgd:approx_rank=1"))
     specs = cfg.candidate_specs()
     metrics = StepMetrics()
     reducer = AutoReducer(specs, make_controller(cfg, specs), metrics=metrics)
-    for step, spec in FORCED.items():
+    for step, spec in (forced or FORCED).items():
         reducer.force(step, {0: spec, 1: spec})
     sum_out = {k: torch.zeros(_grad(0, 0, k).numel(), dtype=torch.float64) for k in SHAPES}
     sum_mean = {k: torch.zeros_like(v) for k, v in sum_out.items()}
@@ -389,6 +389,21 @@ def test_forced_codec_changes_keep_error_feedback_consistent():
         assert torch.equal(results[0]["sum_out"][k], results[1]["sum_out"][k])
         assert float((got - expected).norm()) <= 2e-3 * float(expected.norm())
         assert float(owed.norm()) > 0.05 * float(expected.norm())  # PowerSGD at the end owes a real residual
+
+
+@pytest.mark.dist
+def test_int8_as_a_candidate_takes_and_hands_back_its_residual():
+    """``int8`` runs in auto beside single-round codecs: switched in and out (forced), what every
+    rank received plus what the ranks still owe, averaged, is everything they sent, and the
+    ranks agree bit for bit."""
+    forced = {2: "int8:group=16", 5: "topk:ratio=0.1", 8: "int8:group=16", 11: "fp16", 13: "int8:group=16"}
+    results = run_ranks(_forced, 3, forced, ("fp16", "int8:group=16", "topk:ratio=0.1"), timeout_s=120)
+    for k in SHAPES:
+        owed = sum(r["residuals"][k].double() for r in results) / len(results)
+        expected = results[0]["sum_mean"][k]
+        got = results[0]["sum_out"][k] + owed
+        assert all(torch.equal(r["sum_out"][k], results[0]["sum_out"][k]) for r in results)
+        assert float((got - expected).norm()) <= 2e-3 * float(expected.norm())
 
 
 @pytest.mark.e2e

@@ -21,6 +21,7 @@ the step's residual updates are put back when the next step starts.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -32,7 +33,7 @@ from torch.futures import Future
 from gradzip.comm import nonfinite
 from gradzip.comm.queue import completed
 from gradzip.comm.settling import SettlingReducer
-from gradzip.comm.traffic import allreduce_bytes
+from gradzip.comm.traffic import allreduce_bytes, dense_probe
 from gradzip.compressors.int8sum import group_rounded, group_scales, group_values, levels_for
 
 
@@ -129,3 +130,32 @@ class Int8SumReducer(SettlingReducer):
 
         first = self.queue.submit(launch_scales, device=device)
         return self.queue.submit(launch_codes, after=first, device=device).then(finish)
+
+    def probe(self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None) -> dict[str, Any]:
+        """Code and decode ``grad`` locally at the group's levels, on this rank's own scales (the
+        agreed ones are no smaller, so the error read here is a lower bound): no collective, no
+        state change. Used by controllers to price ``int8`` on a real bucket.
+
+        Returns:
+            ``compress_s``, ``decompress_s``, ``payload_bytes``, ``sent_bytes`` (both ring
+            all_reduces), ``collectives`` (2) and ``decoded`` (``grad``'s shape and dtype).
+        """
+        world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        codec = self.compressor
+        numel = grad.numel()
+        if numel == 0 or step < codec.start_step or codec.payload_nbytes(numel, grad.dtype) >= numel * grad.element_size():
+            return dense_probe(grad, world_size)
+        levels = levels_for(world_size)
+        start = time.perf_counter()
+        scales = group_scales(grad, codec.group)
+        steps = group_rounded(grad, scales, levels, codec.group)
+        middle = time.perf_counter()
+        decoded = nonfinite.saturate(group_values(steps, scales, levels, codec.group), grad.dtype)
+        end = time.perf_counter()
+        n_scales = codec.n_scales(numel)
+        return {
+            "compress_s": middle - start, "decompress_s": end - middle,
+            "payload_bytes": codec.payload_nbytes(numel, grad.dtype),
+            "sent_bytes": allreduce_bytes(4 * n_scales, world_size) + allreduce_bytes(numel, world_size),
+            "collectives": 2, "decoded": decoded.to(grad.dtype).view(grad.shape),
+        }

@@ -5,7 +5,7 @@ next step starts or before the state is read."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -85,6 +85,12 @@ class SettlingReducer:
         """Restore what :meth:`state_dict` returned (anything undoable is forgotten)."""
         self.open_step.finish()
         self.feedback.load_state_dict(state["feedback"])
+
+    def take_residual(self, key: Hashable, shapes: Sequence[torch.Size] | None = None) -> Tensor | None:
+        """Remove and return the residual of bucket ``key`` (flat), or None: for a bucket that
+        changes codec (reducers keyed per gradient, as PowerSGD's, lay theirs out themselves)."""
+        residual = self.feedback.take(key)
+        return None if residual is None else residual.reshape(-1)
 
     def _reduce_dense(self, key: Hashable, grad: Tensor, world_size: int, step: int) -> Future:
         """The plain mean of a bucket the codec does not compress (before ``start_step``, below a

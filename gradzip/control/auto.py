@@ -156,17 +156,22 @@ class AutoConfig:
         return ["none"] + [s for s in specs if s != "none"]
 
 
+#: the multi-round codecs whose reducers auto can probe and move residuals into and out of
+MULTI_ROUND_CANDIDATES = ("powersgd", "int8")
+
+
 def runnable(codec) -> bool:
-    """Whether auto can run ``codec``: single-round codecs and PowerSGD (auto probes every
-    candidate and moves residuals between them, which of the multi-round reducers only
-    PowerSGD's supports)."""
-    return not codec.multi_round or codec.name == "powersgd"
+    """Whether auto can run ``codec``: single-round codecs, PowerSGD and ``int8`` (auto probes
+    every candidate and moves residuals between them, which of the multi-round reducers only
+    theirs support)."""
+    return not codec.multi_round or codec.name in MULTI_ROUND_CANDIDATES
 
 
 def check_candidate(spec: str) -> None:
     """Raise ``ValueError`` (naming ``--auto-candidates``) for a spec that is not a codec auto can
-    run: an unknown or out-of-range codec, or a multi-round one other than PowerSGD (auto probes
-    every candidate and moves residuals between them, which only PowerSGD's reducer supports)."""
+    run: an unknown or out-of-range codec, or a multi-round one other than PowerSGD and ``int8``
+    (auto probes every candidate and moves residuals between them, which only their reducers
+    support)."""
     from gradzip.compressors import build
 
     try:
@@ -174,7 +179,7 @@ def check_candidate(spec: str) -> None:
     except ValueError as exc:
         raise ValueError(f"--auto-candidates: {spec!r}: {exc}") from None
     if not runnable(codec):
-        raise ValueError(f"--auto-candidates take powersgd and single-round codecs, not {codec.name} ({spec!r})")
+        raise ValueError(f"--auto-candidates take powersgd, int8 and single-round codecs, not {codec.name} ({spec!r})")
 
 
 def parse_candidates(text: str) -> tuple[str, ...]:

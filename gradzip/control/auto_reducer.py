@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.futures import Future
 
-from gradzip.comm import nonfinite
+from gradzip.comm import nonfinite, own_reducer
 from gradzip.comm.devices import collective_device
 from gradzip.comm.powersgd import PowerSGDReducer
 from gradzip.comm.queue import CollectiveQueue
@@ -170,9 +170,9 @@ class AutoReducer:
 
     def _make(self, codec: Compressor):
         if not runnable(codec):
-            raise ValueError(f"auto candidates take powersgd and single-round codecs, not {codec.name}")
+            raise ValueError(f"auto candidates take powersgd, int8 and single-round codecs, not {codec.name}")
         if codec.multi_round:
-            return PowerSGDReducer(codec, group=self.group, queue=self.queue, metrics=self.metrics, ledger=self.ledger)
+            return own_reducer(codec, group=self.group, queue=self.queue, metrics=self.metrics, ledger=self.ledger)
         return CompressedReducer(
             codec, group=self.group, error_feedback=codec.name != "none",
             collective="auto" if codec.aggregatable else "allgather", queue=self.queue, metrics=self.metrics,
