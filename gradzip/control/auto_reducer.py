@@ -92,7 +92,8 @@ class AutoReducer:
     Args:
         candidates: codec specs or codecs; ``none`` is put first if absent. Lossy single-round
             codecs run with error feedback (non-aggregatable ones through all_gather, whose
-            residual is all worker-side and so moves with a switch); PowerSGD keeps its own.
+            residual is all worker-side and so moves with a switch); PowerSGD and ``int8`` keep their
+            own and hand it over at a switch.
             Nothing is held back for a fused exchange (``min_compress_bytes`` is 0).
         controller: see :class:`Controller` (``gradzip.control.auto`` builds them).
         group: the process group (None: the default group).
