@@ -82,16 +82,15 @@ class Int8SumReducer(SettlingReducer):
             return completed(grad.clone())
         codec = self.compressor
         numel = grad.numel()
-        raw = numel * grad.element_size()
-        if step < codec.start_step or codec.payload_nbytes(numel, grad.dtype) >= raw:
+        if self._dense(grad, step):
             return self._reduce_dense(key, grad, world_size, step)
         device = grad.device
         scales = torch.zeros(codec.n_scales(numel), dtype=torch.float32, device=device)
         codes = torch.zeros(numel, dtype=torch.int8, device=device)
-        sent = allreduce_bytes(scales.numel() * 4, world_size) + allreduce_bytes(numel, world_size)
+        sent = self._sent_bytes(numel, world_size)
         self.metrics.add_bucket(
-            key, payload_bytes=codec.payload_nbytes(numel, grad.dtype), dense_bytes=raw, collective="allreduce",
-            sent_bytes=sent, received_bytes=sent, codec=codec.spec,
+            key, payload_bytes=codec.payload_nbytes(numel, grad.dtype), dense_bytes=numel * grad.element_size(),
+            collective="allreduce", sent_bytes=sent, received_bytes=sent, codec=codec.spec,
         )
         box: dict[str, Any] = {}
 
@@ -143,7 +142,7 @@ class Int8SumReducer(SettlingReducer):
         world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
         codec = self.compressor
         numel = grad.numel()
-        if numel == 0 or step < codec.start_step or codec.payload_nbytes(numel, grad.dtype) >= numel * grad.element_size():
+        if numel == 0 or self._dense(grad, step):
             return dense_probe(grad, world_size)
         levels = levels_for(world_size)
         start = time.perf_counter()
@@ -152,10 +151,19 @@ class Int8SumReducer(SettlingReducer):
         middle = time.perf_counter()
         decoded = nonfinite.saturate(group_values(steps, scales, levels, codec.group), grad.dtype)
         end = time.perf_counter()
-        n_scales = codec.n_scales(numel)
         return {
             "compress_s": middle - start, "decompress_s": end - middle,
-            "payload_bytes": codec.payload_nbytes(numel, grad.dtype),
-            "sent_bytes": allreduce_bytes(4 * n_scales, world_size) + allreduce_bytes(numel, world_size),
+            "payload_bytes": codec.payload_nbytes(numel, grad.dtype), "sent_bytes": self._sent_bytes(numel, world_size),
             "collectives": 2, "decoded": decoded.to(grad.dtype).view(grad.shape),
         }
+
+    def _dense(self, grad: Tensor, step: int) -> bool:
+        """Whether ``grad`` travels dense at ``step``: before ``start_step``, or where its payload
+        would not be smaller than its raw bytes."""
+        codec = self.compressor
+        return step < codec.start_step or codec.payload_nbytes(grad.numel(), grad.dtype) >= grad.numel() * grad.element_size()
+
+    def _sent_bytes(self, numel: int, world_size: int) -> int:
+        """What this rank sends for a compressed bucket: two ring all_reduces, the fp32 scales and
+        the int8 codes."""
+        return allreduce_bytes(4 * self.compressor.n_scales(numel), world_size) + allreduce_bytes(numel, world_size)

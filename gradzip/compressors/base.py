@@ -75,6 +75,8 @@ class Compressor(ABC):
     #: steps exchanged dense (an uncompressed all_reduce, error feedback untouched) before the
     #: codec takes over; every codec accepts ``start_step=N`` in its spec (see :func:`build`)
     start_step: int = 0
+    #: the most ranks the codec sums over (its int8 codes would overflow past it); None: no limit
+    max_world_size: int | None = None
 
     def __init__(self, **params: Any) -> None:
         self.params = params

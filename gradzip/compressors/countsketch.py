@@ -144,11 +144,6 @@ def peel(table: Tensor, index: Tensor, hashes: Hashes) -> tuple[Tensor, Tensor]:
     return values, peeled
 
 
-def unsketch(table: Tensor, index: Tensor, hashes: Hashes) -> Tensor:
-    """The values of :func:`peel` (exact where peeled, median estimates elsewhere), float64."""
-    return peel(table, index, hashes)[0]
-
-
 @register
 class CountSketch(Compressor):
     """Threshold sparsification sent as a shared support bitmap and a count sketch of the values.

@@ -130,6 +130,7 @@ class Int8Sum(Compressor):
     aggregatable = True
     unbiased = False
     own_reducer = "gradzip.comm.int8sum:Int8SumReducer"  # the scales are agreed before the codes
+    max_world_size = INT8_MAX
 
     def __init__(self, *, group: int = 256, error_feedback: bool = True, start_step: int = 0) -> None:
         super().__init__(group=group, error_feedback=error_feedback, start_step=start_step)

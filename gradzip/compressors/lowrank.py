@@ -10,6 +10,7 @@ from torch import Tensor
 
 from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload, check_int
+from gradzip.compressors.int8sum import INT8_MAX
 from gradzip.compressors.kernels import wire
 from gradzip.compressors.values import shown
 
@@ -101,6 +102,11 @@ class PowerSGD(Compressor):
         self.warm_start = warm_start
         self.seed = check_int(seed, name="seed", low=0)
         self.factor_bits = wire.check_bits(factor_bits, allowed=(8, 16, 32), name="factor_bits")
+
+    @property
+    def max_world_size(self) -> int | None:
+        """127 with 8-bit factors (their int8 codes are summed), else no limit."""
+        return INT8_MAX if self.factor_bits == 8 else None
 
     def factor_dtype(self, dtype: torch.dtype) -> torch.dtype:
         """The dtype ``P`` and ``Q`` travel in for a gradient of ``dtype``."""

@@ -193,9 +193,9 @@ class TrainConfig:
         if self.outer is None or self.replica_size > 1:  # one rank per replica builds no hook
             check_hook(self)
         codec = getattr(choice, "codec", None)
-        int8_sum = codec is not None and (codec.name == "int8" or getattr(codec, "factor_bits", 32) == 8)
-        if int8_sum and self.world_size > 127:
-            raise ValueError(f"--compressor {codec.spec} sums int8 codes over at most 127 workers; "
+        limit = codec.max_world_size if codec is not None else None
+        if limit is not None and self.world_size > limit:
+            raise ValueError(f"--compressor {codec.spec} sums int8 codes over at most {limit} workers; "
                              f"--world-size is {self.world_size}")
         check_outer(self)
 

@@ -324,8 +324,9 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
         print("\n".join(monitor.summary_lines()))
         if summary["known_gap"]:
             print(f"note: {summary['known_gap']}")
-        if report.unpeeled_note(summary):
-            print(f"note: {report.unpeeled_note(summary)}")
+        unpeeled = report.unpeeled_note(summary)
+        if unpeeled:
+            print(f"note: {unpeeled}")
         print(f"\nwrote {out}/metrics.jsonl, summary.json, loss.png, {'layer_ratios.png, ' if per_layer else ''}"
               "checkpoints/")
     return summary
