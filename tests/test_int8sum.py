@@ -161,3 +161,14 @@ def test_ddp_hook_two_ranks_bit_identical():
     params = run_ranks(ddp_steps, 2, "int8:group=32")
     assert torch.isfinite(params[0]).all()
     assert torch.equal(params[0], params[1])
+
+
+def test_decoding_fp32_codes_leaves_them_as_they_were():
+    """Codes held as whole numbers in fp32 (as the reducers hold them before the int8 copy),
+    their count a multiple of the group so no padding copies them: decoding must not rewrite them."""
+    steps = torch.tensor([3.0, -2.0, 1.0, 0.0, 5.0, -5.0, 2.0, 4.0])
+    kept = steps.clone()
+    scales = torch.tensor([2.0, 4.0])
+    values = group_values(steps, scales, 5, 4)
+    assert torch.equal(steps, kept)
+    assert torch.equal(values, torch.tensor([1.2, -0.8, 0.4, 0.0, 4.0, -4.0, 1.6, 3.2]))

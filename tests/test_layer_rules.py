@@ -235,7 +235,7 @@ def _kimad_window(errors, *, rate, latency=0.0, probed=True):
 def test_kimad_splits_the_budget_to_the_layer_that_loses_least():
     # floor=none: every layer's lightest choice is the dense gradient (the default floor, fp16,
     # is checked below)
-    ctl = KimadController(KimadConfig(levels="0.1/0.01", floor="none", target_ms=11, hysteresis=0.1))
+    ctl = KimadController(KimadConfig(levels="0.1/0.01", light="none", floor="none", target_ms=11, hysteresis=0.1))
     ctl.layer_plan(0, SHAPES, torch.float32, 0)
     # 2 ranks: a layer sends 4,000 bytes dense, 600 at ratio 0.1 (100 fp32 values and 100 int16
     # indices, all_gathered), 60 at 0.01. Layer 0 loses more than layer 1 at every level.
@@ -258,12 +258,12 @@ def test_kimad_splits_the_budget_to_the_layer_that_loses_least():
     # noise within the hysteresis keeps the plan
     assert "kept" in ctl.decide(_kimad_window(errors, rate=5.2e5, probed=False)).note
     # Kimad (not +): one level for every layer, the gentlest that fits
-    uniform = KimadController(KimadConfig(levels="0.1/0.01", floor="none", target_ms=11, layerwise=False))
+    uniform = KimadController(KimadConfig(levels="0.1/0.01", light="none", floor="none", target_ms=11, layerwise=False))
     uniform.layer_plan(0, SHAPES, torch.float32, 0)
     uniform.decide(_kimad_window(errors, rate=5e5))
     assert uniform.layer_plan(0, SHAPES, torch.float32, 1) == ("topk:ratio=0.1", "topk:ratio=0.1")
     state = ctl.state_dict()
-    again = KimadController(KimadConfig(levels="0.1/0.01", floor="none", target_ms=11, hysteresis=0.1))
+    again = KimadController(KimadConfig(levels="0.1/0.01", light="none", floor="none", target_ms=11, hysteresis=0.1))
     again.load_state_dict(state)
     again.layer_plan(0, SHAPES, torch.float32, 0)
     for rate in (5e4, 5e4, 5e4):
@@ -273,7 +273,7 @@ def test_kimad_splits_the_budget_to_the_layer_that_loses_least():
 
 
 def test_kimad_keeps_every_layer_on_the_fp16_floor_while_it_fits():
-    ctl = KimadController(KimadConfig(levels="0.1/0.01", target_ms=11, hysteresis=0.1))
+    ctl = KimadController(KimadConfig(levels="0.1/0.01", light="none", target_ms=11, hysteresis=0.1))
     assert ctl.cfg.floor == "fp16"
     assert ctl.layer_plan(0, SHAPES, torch.float32, 0) == ("fp16", "fp16")  # before any plan
     assert ctl.probe_specs(0, SHAPES) == [["fp16", "topk:ratio=0.1", "topk"]] * 2
@@ -308,7 +308,7 @@ def test_kimad_keeps_every_layer_on_the_fp16_floor_while_it_fits():
 def test_kimad_floor_edges():
     # a budget that crosses the floor's bytes re-plans even within the hysteresis: 380 kB/s for
     # 11 ms is 4,180 bytes (the floor's 4,000 fit); 350 kB/s is 3,850, 8% lower, and does not
-    ctl = KimadController(KimadConfig(levels="0.1/0.01", target_ms=11, hysteresis=0.1))
+    ctl = KimadController(KimadConfig(levels="0.1/0.01", light="none", target_ms=11, hysteresis=0.1))
     ctl.layer_plan(0, SHAPES, torch.float32, 0)
     errors = [(1e-6, 5.0, 40.0), (1e-6, 1.0, 2.0)]
     ctl.decide(_kimad_window(errors, rate=3.8e5))  # priced once; the floor fits
@@ -331,6 +331,44 @@ def test_kimad_floor_edges():
     for codec in ("countsketch", "separate", "radius"):
         with pytest.raises(ValueError, match=f"codec must be a single-round codec or powersgd .*; {codec} has its own exchange"):
             KimadConfig(codec=codec).validate()
+
+
+def test_kimad_takes_int8_between_the_fp16_floor_and_top_k():
+    """The default ``light=int8``: 2 ranks, a 1,000-element layer sends 2,000 bytes at fp16, 1,016
+    at int8 (16 bytes of scales and 1,000 of codes, both all_reduced), 600 at Top-K 0.1 and 60
+    at 0.01; int8 loses far less than Top-K, a little more than fp16."""
+    errors = [(1e-6, 1e-4, 5.0, 40.0), (1e-6, 2e-4, 1.0, 2.0)]
+
+    def plan_at(rate, errors=errors, **cfg):
+        ctl = KimadController(KimadConfig(levels="0.1/0.01", target_ms=11, **cfg))
+        ctl.layer_plan(0, SHAPES, torch.float32, 0)
+        ctl.decide(_kimad_window(errors, rate=rate))
+        return ctl, ctl.layer_plan(0, SHAPES, torch.float32, 1)
+
+    ctl, plan = plan_at(2.5e5)
+    assert ctl.cfg.light.name == "int8"
+    assert ctl.probe_specs(0, SHAPES) == [["fp16", "int8", "topk:ratio=0.1", "topk"]] * 2
+    # 2,750 bytes: both at int8 (2,032 bytes, error 3e-4) beats fp16 with Top-K 0.1 (2,600, error 1)
+    assert plan == ("int8", "int8")
+    # 1,650 bytes: int8 on the layer that loses more at 0.1, Top-K 0.1 on the other (1,616 bytes)
+    assert plan_at(1.5e5)[1] == ("int8", "topk:ratio=0.1")
+    # Kimad's one level for all: int8 is the gentlest that fits 2,750 bytes
+    assert plan_at(2.5e5, layerwise=False)[1] == ("int8", "int8")
+    # without it, the same budget puts one layer on Top-K (the test above)
+    without = [(e[0], *e[2:]) for e in errors]
+    assert plan_at(2.5e5, without, light="none")[1] == ("fp16", "topk:ratio=0.1")
+    # int8 sums over at most 127 ranks: past that it is no candidate
+    ctl.world_size = 128
+    assert ctl.candidates(SHAPES[0], torch.float32) == ["fp16", "topk:ratio=0.1", "topk"]
+    assert ctl.candidates(SHAPES[0], torch.float16) == ["none", "topk:ratio=0.1", "topk"]
+    assert KimadController.from_params({}).state_dict()["world_size"] == 1
+    with pytest.raises(ValueError, match="light must be a registered codec name or none; got 'nope'"):
+        KimadConfig(light="nope").validate()
+    with pytest.raises(ValueError, match="light must be int8 or a single-round codec; countsketch"):
+        KimadConfig(light="countsketch").validate()
+    with pytest.raises(ValueError, match="light must be none with codec=powersgd"):
+        KimadConfig(codec="powersgd", light="int8").validate()
+    assert KimadConfig(codec="powersgd").validate().light is None
 
 
 # -- EDGC -----------------------------------------------------------------------------------------
@@ -406,7 +444,7 @@ def test_edgc_entropy_is_the_reference_codes_estimate():
 
 
 def test_kimad_sizes_its_budget_to_the_compute_time_by_default():
-    ctl = KimadController(KimadConfig(levels="0.1/0.01", floor="none", hysteresis=0.1))
+    ctl = KimadController(KimadConfig(levels="0.1/0.01", light="none", floor="none", hysteresis=0.1))
     assert ctl.cfg.target_ms == "compute"
     ctl.layer_plan(0, SHAPES, torch.float32, 0)
     errors = [(5.0, 40.0), (1.0, 2.0)]
@@ -437,7 +475,7 @@ def test_kimad_sizes_its_budget_to_the_compute_time_by_default():
     assert ctl.layer_plan(0, SHAPES, torch.float32, 4) == ("none", "none")
     # an exchange longer than the period counts as no compute
     assert ctl.target_s(window(0.010, 0.029)) == pytest.approx(0.110)  # median of 9 + one 0
-    again = KimadController(KimadConfig(levels="0.1/0.01", floor="none", hysteresis=0.1))
+    again = KimadController(KimadConfig(levels="0.1/0.01", light="none", floor="none", hysteresis=0.1))
     again.load_state_dict(ctl.state_dict())
     assert again.compute == ctl.compute
     for bad in ("fast", 0, -5):

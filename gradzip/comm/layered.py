@@ -9,10 +9,15 @@ travel together, one set of collectives per bucket whatever the number of layers
   ``randomk``), divided by ``world_size``, goes into one all_reduce per dtype (fp32 and fp16
   at most, in practice);
 - every other layer's payload is packed as bytes into one ``all_gather``; every rank decodes all
-  ranks' payloads of each layer in rank order and averages them, as the ``allgather`` route does.
+  ranks' payloads of each layer in rank order and averages them, as the ``allgather`` route does;
+- the ``int8`` layers (:mod:`gradzip.compressors.int8sum`) add a round: their group scales, laid
+  end to end, go into one ``all_reduce`` MAX launched with the collectives above; once it is
+  back, their int8 codes on the agreed scales go into one ``all_reduce`` SUM.
 
 Bytes: the aggregatable part ``A_d`` of dtype ``d`` sends ``2 (W-1) A_d // W``; the gathered part
-``G`` sends ``(W-1) G``; ``A_d`` and ``G`` are sums of the layers' ``payload_nbytes(numel)``.
+``G`` sends ``(W-1) G``; ``A_d`` and ``G`` are sums of the layers' ``payload_nbytes(numel)``. The
+``int8`` layers send ``2 (W-1) S // W`` for their ``S = 4 sum ceil(numel / group)`` bytes of scales
+and ``2 (W-1) C // W`` for their ``C = sum numel`` bytes of codes.
 
 Low-rank plans (``powersgd:approx_rank=r`` per layer, ``none`` for a dense layer) go to PowerSGD's
 two-round reducer with a rank per layer (:class:`~gradzip.comm.powersgd.PowerSGDReducer`): round
@@ -24,7 +29,8 @@ Error feedback is per layer, keyed ``(bucket, layer)``, for the codecs that keep
 moves nothing); a layer sent dense, or by a codec without it (``fp16``, ``bf16``, QSGD), sends
 its residual with it and keeps none. When a bucket moves between the single-round and the
 low-rank exchange its residuals move along. Non-finite gradients follow :mod:`gradzip.comm.nonfinite`: a rank with inf or NaN in
-the bucket poisons every floating payload tensor, and every rank returns all NaN.
+the bucket poisons every floating payload tensor (and sends +inf scales for its ``int8`` layers, so
+that no rank sends their codes), and every rank returns all NaN.
 """
 
 from __future__ import annotations
@@ -45,12 +51,17 @@ from gradzip.comm.settling import SettlingReducer
 from gradzip.comm.traffic import allgather_bytes, allreduce_bytes
 from gradzip.comm.twophase import mean_of_payloads
 from gradzip.compressors import Compressor, Payload, build, seeded_generator
+from gradzip.compressors.int8sum import group_rounded, group_scales, group_values, levels_for
 from gradzip.compressors.kernels import wire
 from gradzip.compressors.lowrank import matrix_view_shape
 from gradzip.keys import tensor_key
 from gradzip.metrics import QualityAccumulator, StepMetrics
 
 DENSE = "none"
+#: the codec whose layers take the two-round summed exchange (scales agreed by MAX, then codes)
+INT8 = "int8"
+#: the codec whose plans go to PowerSGD's reducer
+LOW_RANK = "powersgd"
 
 
 def offsets_of(shapes: Sequence[torch.Size]) -> list[int]:
@@ -114,8 +125,8 @@ class LayeredReducer(SettlingReducer):
             entry = self._codecs.get(spec)
         if entry is None:
             codec = build(spec)
-            if codec.multi_round and codec.name != "powersgd":
-                raise ValueError(f"a per-layer plan takes powersgd and single-round codecs, not {codec.name}")
+            if codec.multi_round and codec.name not in (LOW_RANK, INT8):
+                raise ValueError(f"a per-layer plan takes powersgd, int8 and single-round codecs, not {codec.name}")
             if not codec.multi_round:
                 codec = nonfinite.with_marker_slot(codec)
             entry = (codec, summed(codec))
@@ -128,23 +139,23 @@ class LayeredReducer(SettlingReducer):
         next :meth:`reduce` of ``key`` on.
 
         Raises:
-            ValueError: for an unknown spec, a multi-round codec other than powersgd, or a plan
-                that mixes powersgd with codecs other than ``none``.
+            ValueError: for an unknown spec, a multi-round codec other than powersgd and int8, or
+                a plan that mixes powersgd with codecs other than ``none``.
         """
         plan = tuple(plan)
         codecs = [self.codec(spec) for spec in plan]
-        low_rank = any(c.multi_round for c in codecs)
-        if low_rank and any(not c.multi_round and c.name != DENSE for c in codecs):
+        low_rank = any(c.name == LOW_RANK for c in codecs)
+        if low_rank and any(c.name not in (LOW_RANK, DENSE) for c in codecs):
             raise ValueError(f"a per-layer plan mixes powersgd only with none; got {', '.join(sorted(set(plan)))}")
-        if low_rank and len({c.replace(approx_rank=1).spec for c in codecs if c.multi_round}) > 1:
+        if low_rank and len({c.replace(approx_rank=1).spec for c in codecs if c.name == LOW_RANK}) > 1:
             raise ValueError("the powersgd layers of a plan must differ in approx_rank only")
         self.plans[key] = plan
         if low_rank:
-            first = next(c for c in codecs if c.multi_round)
+            first = next(c for c in codecs if c.name == LOW_RANK)
             if self.powersgd is None:
                 self.powersgd = PowerSGDReducer(first, group=self.group, queue=self.queue, metrics=self.metrics,
                                                 ledger=self.ledger)
-            self.powersgd.layer_codecs[key] = [c if c.multi_round else None for c in codecs]
+            self.powersgd.layer_codecs[key] = [c if c.name == LOW_RANK else None for c in codecs]
             self.low_rank_keys.add(key)
         else:
             self.low_rank_keys.discard(key)
@@ -193,7 +204,8 @@ class LayeredReducer(SettlingReducer):
             every rank if any rank's bucket held inf or NaN.
 
         Raises:
-            ValueError: if ``shapes`` do not add up to ``grad.numel()``.
+            ValueError: if ``shapes`` do not add up to ``grad.numel()``, or the plan has ``int8``
+                layers and the group more than 127 ranks.
         """
         shapes = [torch.Size(s) for s in shapes] if shapes is not None else [grad.shape]
         offsets = offsets_of(shapes)
@@ -211,6 +223,8 @@ class LayeredReducer(SettlingReducer):
         world_size = dist.get_world_size(self.group)
         plan = self.plan(key, len(shapes))
         entries = [self._entry(spec) for spec in plan]
+        coded = [i for i, (codec, _) in enumerate(entries) if codec.name == INT8]  # the int8 layers
+        levels = levels_for(world_size) if coded else 0
         flat = grad.reshape(-1)
         itemsize = grad.element_size()
         layer_bytes = [codec.payload_nbytes(s.numel(), grad.dtype) for (codec, _), s in zip(entries, shapes)]
@@ -219,6 +233,9 @@ class LayeredReducer(SettlingReducer):
         ])
         box: dict[str, Any] = {}
         monitored = self.metrics.wants_quality(step)
+        n_scales = [entries[i][0].n_scales(shapes[i].numel()) for i in coded]
+        scales = torch.zeros(sum(n_scales), dtype=torch.float32, device=grad.device)
+        codes = torch.zeros(sum(shapes[i].numel() for i in coded), dtype=torch.int8, device=grad.device)
 
         def encode() -> None:
             sendable = True
@@ -235,6 +252,11 @@ class LayeredReducer(SettlingReducer):
                     self.feedback.drop(lkey, step=step)
                 x, ok = nonfinite.checked_input(piece, x)
                 sendable = sendable and ok
+                if codec.name == INT8:  # coded in the second round, on the agreed scales
+                    payloads.append(None)
+                    sent_x.append(x)
+                    decoded.append(None)
+                    continue
                 payload = codec.compress(x if ok or dense else torch.zeros_like(x), step=step, key=lkey)
                 # decoded for the residual, and for the quality figures where asked
                 d = codec.decompress(payload, like=x) if keeps or (monitored and not dense) else None
@@ -247,7 +269,10 @@ class LayeredReducer(SettlingReducer):
                 sent_x.append(x)
                 decoded.append(d)
             if not sendable:
-                payloads = [nonfinite.marked(p) for p in payloads]
+                payloads = [None if p is None else nonfinite.marked(p) for p in payloads]
+                scales.fill_(float("inf"))  # the int8 marker: every rank's MAX turns +inf
+            elif coded:
+                scales.copy_(torch.cat([group_scales(sent_x[i], entries[i][0].group) for i in coded]))
             box["payloads"], box["sent"], box["decoded"] = payloads, sent_x, decoded
 
         def launch() -> Future:
@@ -255,7 +280,9 @@ class LayeredReducer(SettlingReducer):
                 encode()
                 reduce_parts: dict[torch.dtype, list[Tensor]] = {}
                 gather_parts: list[Tensor] = []
-                for (_codec, summed_), payload in zip(entries, box["payloads"]):
+                for (codec, summed_), payload in zip(entries, box["payloads"]):
+                    if codec.name == INT8:
+                        continue
                     if summed_:
                         for t in payload.tensors:
                             reduce_parts.setdefault(t.dtype, []).append(t.reshape(-1).div(world_size))
@@ -268,38 +295,76 @@ class LayeredReducer(SettlingReducer):
             # The bytes handed to the collectives, per the module docstring's formula.
             sent = sum(allreduce_bytes(wire.nbytes([t]), world_size) for t in box["reduced"].values())
             sent += allgather_bytes(send.numel(), world_size)
+            if coded:
+                sent += allreduce_bytes(4 * scales.numel(), world_size) + allreduce_bytes(codes.numel(), world_size)
             self.metrics.add_bucket(
                 key, payload_bytes=sum(layer_bytes), dense_bytes=grad.numel() * itemsize, collective="layered",
                 compressed=any(codec.name != DENSE for codec, _ in entries), sent_bytes=sent, received_bytes=sent,
                 codec="layered",
             )
-            if monitored:
+            if monitored and not coded:
                 self._record_quality(key, grad, box)
             works = [dist.all_reduce(t, group=self.group, async_op=True).get_future() for t in box["reduced"].values()]
             if send.numel():
                 works.append(dist.all_gather_single(box["recv"], send, group=self.group, async_op=True).get_future())
+            if coded:
+                works.append(dist.all_reduce(scales, op=dist.ReduceOp.MAX, group=self.group, async_op=True).get_future())
             works = [self.metrics.track(w, (key,)) for w in works]
             return works[0] if len(works) == 1 else torch.futures.collect_all(works)
 
+        def launch_codes() -> Future:
+            if not nonfinite.is_finite(scales):  # the same MAX on every rank: all skip together
+                box["skip"] = True
+                return completed(None)
+            with self.metrics.timed("compress_s", key):
+                start, parts = 0, []
+                for i, n in zip(coded, n_scales):
+                    codec, x = entries[i][0], box["sent"][i]
+                    agreed = scales[start : start + n]
+                    steps = group_rounded(x, agreed, levels, codec.group)  # whole numbers, fp32
+                    parts.append(steps)
+                    if codec.error_feedback or monitored:
+                        d = group_values(steps, agreed, levels, codec.group).to(x.dtype)
+                        box["decoded"][i] = d
+                        if codec.error_feedback:  # what this rank's codes carry, so the rounding is fed back
+                            self.feedback.update(tensor_key(key, i), x, d, step=step)
+                    start += n
+                codes.copy_(torch.cat(parts))
+            if monitored:
+                self._record_quality(key, grad, box)
+            work = dist.all_reduce(codes, group=self.group, async_op=True)
+            return self.metrics.track(work.get_future(), (key,))
+
         def decode(fut: Future) -> Tensor:
             fut.value()  # re-raises a failed collective
+            if box.get("skip"):
+                return self.ledger.marked_result(step, grad)
             with self.metrics.timed("decompress_s", key):
-                return self._decode(box, entries, shapes, offsets, grad, step, world_size)
+                return self._decode(box, entries, shapes, offsets, grad, step, world_size, (scales, codes, levels))
 
-        return self.queue.submit(launch).then(decode)
+        first = self.queue.submit(launch, device=grad.device)
+        last = self.queue.submit(launch_codes, after=first, device=grad.device) if coded else first
+        return last.then(decode)
 
-    def _decode(self, box, entries, shapes, offsets, grad: Tensor, step: int, world_size: int) -> Tensor:
+    def _decode(self, box, entries, shapes, offsets, grad: Tensor, step: int, world_size: int, int8_parts) -> Tensor:
         reduced = box["reduced"]
         rows = box["recv"].view(world_size, -1)
         gathered = [wire.from_bytes(rows[r], box["gather_like"]) for r in range(world_size)]
         if nonfinite.received_marker(reduced.values()) or any(nonfinite.received_marker(g) for g in gathered):
             return self.ledger.marked_result(step, grad)
+        scales, codes, levels = int8_parts
         out = torch.empty_like(grad.reshape(-1))
         cursor = {d: 0 for d in reduced}
-        g_index = 0
+        g_index = scale_at = code_at = 0
         for (codec, summed_), payload, shape, o in zip(entries, box["payloads"], shapes, offsets):
             like = grad.reshape(-1)[o : o + shape.numel()]
-            if summed_:
+            if codec.name == INT8:
+                n = codec.n_scales(shape.numel())
+                mean = group_values(codes[code_at : code_at + shape.numel()], scales[scale_at : scale_at + n],
+                                    levels * world_size, codec.group)
+                out[o : o + shape.numel()] = nonfinite.saturate(mean, grad.dtype).to(grad.dtype)
+                scale_at, code_at = scale_at + n, code_at + shape.numel()
+            elif summed_:
                 tensors = []
                 for t in payload.tensors:
                     start = cursor[t.dtype]
@@ -336,10 +401,12 @@ class LayeredReducer(SettlingReducer):
         Returns:
             per layer, ``(||x||^2, [||x - D(C(x))||^2 per spec])`` in float64 arithmetic, with ``x``
             the layer plus the residual it carries (what its codec would be handed). PowerSGD is
-            priced by one power iteration from a ``Q`` drawn from ``(seed, step, layer)``; a rank
+            priced by one power iteration from a ``Q`` drawn from ``(seed, step, layer)``, ``int8``
+            at the group's levels on this rank's own scales (:func:`int8_error`); a rank
             at which the layer would travel dense has error 0.
         """
         shapes = [torch.Size(s) for s in shapes]
+        world_size = dist.get_world_size(self.group) if dist.is_initialized() else 1
         feedback = self.powersgd.feedback if key in self.low_rank_keys and self.powersgd is not None else self.feedback
         flat = grad.reshape(-1)
         out = []
@@ -351,6 +418,9 @@ class LayeredReducer(SettlingReducer):
             errors = []
             for spec in specs[i]:
                 codec = self.codec(spec)
+                if codec.name == INT8:
+                    errors.append(int8_error(codec, x, world_size))
+                    continue
                 if codec.multi_round:
                     errors.append(low_rank_error(codec, x, shape, step=step, key=tensor_key(key, i)))
                     continue
@@ -412,3 +482,12 @@ def low_rank_error(codec, x: Tensor, shape: torch.Size, *, step: int, key: Hasha
     p = orthogonalize(product(mat, q))
     approx = p @ product(mat.T, p).T
     return float(torch.linalg.vector_norm((mat - approx).double())) ** 2
+
+
+def int8_error(codec, x: Tensor, world_size: int) -> float:
+    """``||x - D(C(x))||^2`` of ``int8`` on flat fp32 ``x`` at the levels of ``world_size`` ranks, on
+    this rank's own scales (the agreed ones are no smaller, so this is a lower bound)."""
+    levels = levels_for(world_size)
+    scales = group_scales(x, codec.group)
+    decoded = group_values(group_rounded(x, scales, levels, codec.group), scales, levels, codec.group)
+    return float(torch.linalg.vector_norm((x - decoded).double())) ** 2

@@ -58,8 +58,9 @@ def from_codes(codes: Tensor, scale: float | Tensor, levels: int) -> Tensor:
     """``codes / levels * scale`` in fp32 (codes of any integer or floating dtype; ``scale`` as
     for :func:`to_codes`); dividing first keeps ``|result| <= scale`` wherever
     ``|codes| <= levels``, so a scale near the fp32 maximum does not overflow. Pass
-    ``levels * world_size`` to turn summed codes into a mean."""
-    return codes.float().div_(levels).mul_(scale)
+    ``levels * world_size`` to turn summed codes into a mean. ``codes`` is never modified (an
+    fp32 ``codes.float()`` would be ``codes`` itself, so the division makes the new tensor)."""
+    return torch.div(codes.float(), levels).mul_(scale)
 
 
 def _grouped(x: Tensor, group: int) -> Tensor:

@@ -28,9 +28,11 @@ Here, every step (a window of one step of the auto reducer):
    so none is measured while it holds, and a budget crossing the floor's bytes either way
    re-plans at once, whatever the hysteresis;
 4. otherwise, ``layerwise=true`` (Kimad+, the default): the knapsack over every layer of every
-   bucket, each with the floor and the codec at each of ``levels`` (a level that would send more
-   than the raw layer counts as the floor); ``layerwise=false`` (Kimad): the gentlest single
-   level whose total fits. When nothing fits, every layer takes its strongest level.
+   bucket, each with the floor, the ``light`` codec (``int8`` by default: 8-bit codes summed by
+   all_reduce, about half of ``fp16``'s bytes at a relative error of a few percent) and the codec at each
+   of ``levels`` (a choice that would send no fewer bytes than the raw layer counts as the
+   floor); ``layerwise=false`` (Kimad): the gentlest single level (floor, ``light``, then
+   ``levels``) whose total fits. When nothing fits, every layer takes its strongest level.
 
 The errors are measured every ``error_every`` steps while the floor does not fit (and at once, the
 step after the budget first falls below the floor), by a local probe of every layer at every level
@@ -43,6 +45,8 @@ Every rank decides from the same all-reduced figures, so all reach the same plan
 
 Reproduced: the per-step budget from the bandwidth estimate and a target time, the per-layer
 split minimising summed squared error by dynamic programming, and Kimad's uniform variant.
+Added: the ``light`` choice between the floor and the codec's levels, which the paper does not
+have (its candidates are one codec's ratios).
 Different: the paper's bandwidth monitor is not specified beyond the last transfers; here it is
 the latency-aware fit above. The paper takes the target time as a setting; here it defaults to
 the measured compute time per step (a fixed ``target_ms`` is still taken). The paper's lightest
@@ -51,9 +55,11 @@ paper's error feedback is EF21; here the plain residual of gradzip's reducers. E
 re-measured every ``error_every`` steps, not every step, since pricing every level costs one
 encode per level and layer.
 
-Spec: ``kimad[:codec=topk,levels=0.001/0.01/0.1,floor=fp16,target_ms=compute,layerwise=true,
-error_every=10,units=1000,hysteresis=0.1,half_life=1]``; ``codec=powersgd`` splits ranks (levels
-``1/2/4/8`` unless given; its floor is ``none``), a quantizer bits (``2/4/8``). Codecs with an
+Spec: ``kimad[:codec=topk,levels=0.001/0.01/0.1,floor=fp16,light=int8,target_ms=compute,
+layerwise=true,error_every=10,units=1000,hysteresis=0.1,half_life=1]``; ``light=none`` leaves the
+light codec out (it is left out past ``int8``'s 127 ranks, and always with ``codec=powersgd``);
+``codec=powersgd`` splits ranks (levels ``1/2/4/8`` unless given; its floor is ``none``), a
+quantizer bits (``2/4/8``). Codecs with an
 exchange of their own other than PowerSGD's (``separate``, ``radius``, ``countsketch``) are
 refused: the per-layer exchange does not run them.
 """
@@ -68,7 +74,8 @@ from typing import Any
 
 import torch
 
-from gradzip.compressors import build
+from gradzip.comm.layered import INT8
+from gradzip.compressors import REGISTRY, Compressor, build
 from gradzip.compressors.values import check_number
 from gradzip.control import knapsack
 from gradzip.control.figures import Plan, WindowFigures
@@ -111,6 +118,11 @@ class KimadConfig:
     """The lightest choice of every layer: ``fp16``, ``bf16`` or ``none``; unset: ``fp16``, or
     ``none`` for a codec with its own exchange (PowerSGD), which mixes only with dense layers."""
 
+    light: Any = None
+    """A gentle codec (a registered name, at its defaults) between the floor and the levels;
+    ``none`` for none; unset: ``int8``, or none with ``codec=powersgd`` (whose exchange mixes
+    only with dense layers)."""
+
     target_ms: Any = "compute"
     """The communication time per step the budget is sized for: milliseconds (> 0), or
     ``compute``, the step's measured compute time (step period less exchange, per window)."""
@@ -147,6 +159,7 @@ class KimadConfig:
             raise ValueError(f"floor must be one of {', '.join(FLOORS)}; got {self.floor!r}")
         if own_exchange and self.floor != DENSE:
             raise ValueError(f"floor must be none with codec={self.codec}: its exchange mixes only with dense layers")
+        self.light = _light_codec(self.light, own_exchange=own_exchange, codec=self.codec)
         if self.target_ms != "compute":
             if isinstance(self.target_ms, str):
                 raise ValueError(f"target_ms must be compute or a number of milliseconds > 0; got {self.target_ms!r}")
@@ -184,6 +197,7 @@ class KimadController(LayerSchedule):
         self.on_floor: bool | None = None  # whether the running plan is every layer at the floor
         self.since_probe = 0
         self.compute: list[float] = []  # the last steps' compute time (period less exchange), s
+        self.world_size = 1  # the group's, from the first window's figures
 
     @classmethod
     def from_params(cls, params: dict[str, Any]) -> KimadController:
@@ -197,12 +211,22 @@ class KimadController(LayerSchedule):
     def candidates(self, shape: torch.Size, dtype: torch.dtype) -> list[str]:
         """A layer's candidate specs: the floor first, then the levels gentlest first (a level
         that would not send fewer bytes than the raw layer counts as the floor; repeats dropped)."""
-        specs = [self.floor(dtype)]
-        for level in self.cfg.levels:
-            spec = self._level_spec(level, shape, dtype)
+        specs = []
+        for spec in self._by_level(shape, dtype):
             if spec not in specs:
                 specs.append(spec)
         return specs
+
+    def _by_level(self, shape: torch.Size, dtype: torch.dtype) -> list[str]:
+        """A layer's spec at each level, gentlest first: the floor, the light codec (where the
+        world size allows it), then ``levels``; a choice that would not send fewer bytes than the
+        raw layer is the floor."""
+        floor = self.floor(dtype)
+        out = [floor]
+        if self.cfg.light is not None and self.world_size <= (self.cfg.light.max_world_size or self.world_size):
+            numel = torch.Size(shape).numel()
+            out.append(self.cfg.light.spec if self.cfg.light.payload_nbytes(numel, dtype) < numel * dtype.itemsize else floor)
+        return out + [self._level_spec(level, shape, dtype) for level in self.cfg.levels]
 
     def _level_spec(self, level: Any, shape: torch.Size, dtype: torch.dtype) -> str:
         spec = self.ladder.spec(level, shape, dtype)
@@ -219,6 +243,7 @@ class KimadController(LayerSchedule):
         return [[s for s in self.candidates(torch.Size(shape), dtype) if s != DENSE] for shape in shapes]
 
     def decide(self, window: WindowFigures) -> Plan:
+        self.world_size = window.world_size
         link = self.link.add(window.link_samples())
         refreshed = False
         for b in window.buckets:
@@ -292,7 +317,7 @@ class KimadController(LayerSchedule):
                 specs = self.candidates(shape, dtype)
                 errs = [0.0 if s == DENSE else errors[i].get(s, 0.0) for s in specs]
                 sizes = [sent_bytes(s, shape, dtype, world_size) for s in specs]
-                by_level = [self.floor(dtype)] + [self._level_spec(level, shape, dtype) for level in self.cfg.levels]
+                by_level = self._by_level(shape, dtype)
                 items.append((key, i, specs, errs, sizes, by_level))
         choice = self._choose(items, budget)
         plans = {key: list(self._floor_plan(key)) for key in keys}
@@ -307,7 +332,7 @@ class KimadController(LayerSchedule):
             return strongest
         if not self.cfg.layerwise:
             # Kimad: one level for every layer, the gentlest whose bytes fit (the floor first).
-            for level in range(len(self.cfg.levels) + 1):
+            for level in range(len(items[0][5])):
                 pick = [specs.index(by_level[level]) for _, _, specs, _, _, by_level in items]
                 if sum(sizes[c] for (*_, sizes, _), c in zip(items, pick)) <= budget:
                     return pick
@@ -329,7 +354,8 @@ class KimadController(LayerSchedule):
     def state_dict(self) -> dict[str, Any]:
         return {"link": self.link.state_dict(), "errors": {k: [dict(e) for e in v] for k, v in self.errors.items()},
                 "plans": {k: list(v) for k, v in self.plans.items()}, "budget": self.budget,
-                "since_probe": self.since_probe, "compute": list(self.compute), "on_floor": self.on_floor}
+                "since_probe": self.since_probe, "compute": list(self.compute), "on_floor": self.on_floor,
+                "world_size": self.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.link.load_state_dict(state["link"])
@@ -338,6 +364,31 @@ class KimadController(LayerSchedule):
         self.budget, self.since_probe = state["budget"], state["since_probe"]
         self.compute = list(state["compute"])
         self.on_floor = state.get("on_floor")
+        self.world_size = state.get("world_size", 1)
+
+
+def _light_codec(light: Any, *, own_exchange: bool, codec: str):
+    """The built ``light`` codec of a Kimad config (unset: ``int8``), or None (``none``; unset
+    beside a ladder codec with its own exchange).
+
+    Raises:
+        ValueError: for an unknown name, a codec the per-layer exchange does not run, or a
+            light codec beside ``codec=powersgd``.
+    """
+    if light is None:
+        light = DENSE if own_exchange else INT8
+    if light == DENSE:
+        return None
+    if isinstance(light, Compressor):
+        return light
+    if own_exchange:
+        raise ValueError(f"light must be none with codec={codec}: its exchange mixes only with dense layers")
+    if not isinstance(light, str) or light not in REGISTRY:
+        raise ValueError(f"light must be a registered codec name or none; got {light!r}")
+    built = build(light)
+    if built.multi_round and built.name != INT8:
+        raise ValueError(f"light must be int8 or a single-round codec; {light} has its own exchange")
+    return built
 
 
 @functools.lru_cache(maxsize=64)

@@ -18,15 +18,13 @@ from typing import Any
 
 import torch
 
-from gradzip.comm.layered import summed
+from gradzip.comm.layered import INT8, LOW_RANK, summed
 from gradzip.comm.traffic import allgather_bytes, allreduce_bytes
 from gradzip.compressors import REGISTRY, Compressor, SpecError, build
 
 DENSE = "none"
 #: the knob of a codec, in order of preference among its parameters
 KNOBS = ("ratio", "approx_rank", "bits")
-#: the one codec with its own exchange that the per-layer exchange runs (its two rounds)
-LOW_RANK = "powersgd"
 #: a schedule's levels when none are given, by knob: ratios, ranks, bits
 DEFAULT_LEVELS = {"ratio": "0.001/0.01/0.1", "approx_rank": "1/2/4/8", "bits": "2/4/8"}
 
@@ -93,11 +91,13 @@ class Ladder:
 @functools.lru_cache(maxsize=4096)
 def sent_bytes(spec: str, shape: torch.Size, dtype: torch.dtype, world_size: int) -> int:
     """Bytes one rank sends for one layer under ``spec`` in the layered exchange
-    (:mod:`gradzip.comm.layered`): all_reduce for summable payloads and PowerSGD's factors,
-    all_gather for the rest. Cached: a schedule prices every layer at every level each time it
+    (:mod:`gradzip.comm.layered`): all_reduce for summable payloads, PowerSGD's factors and
+    ``int8``'s scales and codes, all_gather for the rest. Cached: a schedule prices every layer at every level each time it
     plans."""
     codec = build(spec)
     shape = torch.Size(shape)
+    if codec.name == INT8:  # scales by MAX, then codes by SUM
+        return allreduce_bytes(4 * codec.n_scales(shape.numel()), world_size) + allreduce_bytes(shape.numel(), world_size)
     if codec.multi_round:
         return allreduce_bytes(codec.matrix_payload_nbytes(shape, dtype), world_size)
     payload = codec.payload_nbytes(shape.numel(), dtype)

@@ -1,0 +1,112 @@
+"""``int8`` layers in the per-layer exchange (gradzip.comm.layered) on real gloo ranks: each int8
+layer decodes to the mean of the ranks' codes on scales agreed over every rank (against a
+single-process reference written from the definition), the other layers of the same plan as
+their own codecs give, residuals per layer across steps, bytes and collectives per bucket, and a
+non-finite gradient on one rank turning every rank's result into NaN without a stray collective."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradzip.comm.layered import LayeredReducer, offsets_of
+from gradzip.comm.traffic import allgather_bytes, allreduce_bytes
+from gradzip.compressors import build
+from gradzip.metrics import StepMetrics
+from gradzip.testing import run_ranks
+
+pytestmark = pytest.mark.dist
+
+SHAPES = [torch.Size(s) for s in [(16, 20), (7,), (12, 9), (30,)]]
+NUMEL = sum(s.numel() for s in SHAPES)
+PLAN = ("int8:group=64", "none", "int8", "fp16")
+STEPS = 3
+NAN_STEP = 3  # after the exact steps: rank 1's gradient holds a NaN
+
+
+def grad(rank: int, step: int) -> torch.Tensor:
+    g = torch.randn(NUMEL, generator=torch.Generator().manual_seed(50 * rank + step)) * (1 + rank)
+    if step == NAN_STEP and rank == 1:
+        g[3] = float("nan")
+    return g
+
+
+def _rank(rank: int, world_size: int) -> dict:
+    metrics = StepMetrics(monitor_every=1)
+    reducer = LayeredReducer(metrics=metrics)
+    reducer.set_plan(0, PLAN)
+    outs, records = [], []
+    for step in range(NAN_STEP + 2):
+        outs.append(reducer.reduce(0, grad(rank, step), step=step, shapes=SHAPES).wait())
+        records.append(metrics.pop())
+    return {"outs": outs, "records": records}
+
+
+def _int8_reference(layers: list[torch.Tensor], residuals: list[torch.Tensor], group: int) -> torch.Tensor:
+    """One int8 layer over the ranks: compensate, agree each group's max |x| over ranks, round at
+    floor(127 / W) levels, average the integer sum; ``residuals`` are updated in place."""
+    world_size = len(layers)
+    levels = 127 // world_size
+    xs = [g + r for g, r in zip(layers, residuals)]
+    numel = xs[0].numel()
+    scales = torch.stack([
+        torch.stack([x[i : i + group].abs().max() for i in range(0, numel, group)]) for x in xs
+    ]).amax(dim=0)
+    per_element = scales.repeat_interleave(group)[:numel]
+    codes = [torch.round(x / per_element * levels) for x in xs]
+    for r, x, c in zip(residuals, xs, codes):
+        r.copy_(x - c / levels * per_element)
+    return sum(codes) / (levels * world_size) * per_element
+
+
+def reference(world_size: int) -> list[torch.Tensor]:
+    residuals = {i: [torch.zeros(s.numel()) for _ in range(world_size)] for i, s in enumerate(SHAPES)}
+    outs = []
+    for step in range(STEPS):
+        grads = [grad(r, step) for r in range(world_size)]
+        out = torch.empty(NUMEL)
+        for i, (spec, shape, o) in enumerate(zip(PLAN, SHAPES, offsets_of(SHAPES))):
+            layer = [g[o : o + shape.numel()] for g in grads]
+            if spec.startswith("int8"):
+                out[o : o + shape.numel()] = _int8_reference(layer, residuals[i], build(spec).group)
+            elif spec == "fp16":
+                out[o : o + shape.numel()] = sum(x.half().float() / world_size for x in layer)
+            else:
+                out[o : o + shape.numel()] = sum(layer) / world_size
+        outs.append(out)
+    return outs
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_int8_layers_sum_codes_on_agreed_scales(world_size):
+    results = run_ranks(_rank, world_size, timeout_s=180)
+    expected = reference(world_size)
+    for step in range(STEPS):
+        for r in results:
+            assert torch.equal(r["outs"][step], results[0]["outs"][step]), step  # bit-identical on every rank
+        got = results[0]["outs"][step]
+        for spec, shape, o in zip(PLAN, SHAPES, offsets_of(SHAPES)):
+            part, want = got[o : o + shape.numel()], expected[step][o : o + shape.numel()]
+            if spec.startswith("int8"):
+                # the integer sum is exact; the decode's division order may differ by an ulp
+                assert torch.allclose(part, want, rtol=1e-6, atol=1e-7), (step, spec)
+            else:
+                assert torch.allclose(part, want, rtol=1e-3, atol=1e-3), (step, spec)
+    # bytes handed to the collectives: the dense layer's fp32, the fp16 layer, int8 scales and codes
+    record = results[0]["records"][0]["buckets"][0]
+    codecs = [build(s) for s in PLAN]
+    scales = 4 * (codecs[0].n_scales(SHAPES[0].numel()) + codecs[2].n_scales(SHAPES[2].numel()))
+    codes = SHAPES[0].numel() + SHAPES[2].numel()
+    want = allreduce_bytes(4 * SHAPES[1].numel(), world_size) + allreduce_bytes(2 * SHAPES[3].numel(), world_size)
+    want += allreduce_bytes(scales, world_size) + allreduce_bytes(codes, world_size) + allgather_bytes(0, world_size)
+    assert record["sent_bytes"] == want
+    assert record["collectives"] == 4  # fp32 and fp16 all_reduces, the MAX, the codes' SUM
+    assert [layer["payload_bytes"] for layer in record["layers"]] == [
+        c.payload_nbytes(s.numel()) for c, s in zip(codecs, SHAPES)]
+    assert record["layers"][0]["payload_bytes"] == SHAPES[0].numel() + 4 * 5  # 320 codes, 5 groups of 64
+    assert "quality" in record
+    # one rank's NaN: every rank returns all NaN, and the next step exchanges again
+    for r in results:
+        assert bool(torch.isnan(r["outs"][NAN_STEP]).all())
+        assert bool(torch.isfinite(r["outs"][NAN_STEP + 1]).all())
+        assert torch.equal(r["outs"][NAN_STEP + 1], results[0]["outs"][NAN_STEP + 1])
