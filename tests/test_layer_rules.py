@@ -346,7 +346,7 @@ def test_kimad_takes_int8_between_the_fp16_floor_and_top_k():
         return ctl, ctl.layer_plan(0, SHAPES, torch.float32, 1)
 
     ctl, plan = plan_at(2.5e5)
-    assert ctl.cfg.light.name == "int8"
+    assert ctl.cfg.light_codec.name == "int8"
     assert ctl.probe_specs(0, SHAPES) == [["fp16", "int8", "topk:ratio=0.1", "topk"]] * 2
     # 2,750 bytes: both at int8 (2,032 bytes, error 3e-4) beats fp16 with Top-K 0.1 (2,600, error 1)
     assert plan == ("int8", "int8")
@@ -368,7 +368,14 @@ def test_kimad_takes_int8_between_the_fp16_floor_and_top_k():
         KimadConfig(light="countsketch").validate()
     with pytest.raises(ValueError, match="light must be none with codec=powersgd"):
         KimadConfig(codec="powersgd", light="int8").validate()
-    assert KimadConfig(codec="powersgd").validate().light is None
+    assert KimadConfig(codec="powersgd").validate().light_codec is None
+    with pytest.raises(ValueError, match="light must be another codec than topk"):
+        KimadConfig(light="topk").validate()
+    # from a spec (validated by the parser and again by the controller): light=none stays none
+    spec_built = KimadController.from_params({"light": "none", "levels": "0.1/0.01"})
+    assert spec_built.cfg.light_codec is None
+    assert spec_built.candidates(SHAPES[0], torch.float32) == ["fp16", "topk:ratio=0.1", "topk"]
+    assert KimadController.from_params({}).cfg.light_codec.name == "int8"
 
 
 # -- EDGC -----------------------------------------------------------------------------------------

@@ -2,7 +2,9 @@
 layer decodes to the mean of the ranks' codes on scales agreed over every rank (against a
 single-process reference written from the definition), the other layers of the same plan as
 their own codecs give, residuals per layer across steps, bytes and collectives per bucket, and a
-non-finite gradient on one rank turning every rank's result into NaN without a stray collective."""
+non-finite gradient on one rank turning every rank's result into NaN without a stray collective;
+a bucket that changes exchange while another of the same step is still in flight with a NaN; an
+fp64 gradient beyond fp32's range, which must stay finite."""
 
 from __future__ import annotations
 
@@ -39,7 +41,38 @@ def _rank(rank: int, world_size: int) -> dict:
     for step in range(NAN_STEP + 2):
         outs.append(reducer.reduce(0, grad(rank, step), step=step, shapes=SHAPES).wait())
         records.append(metrics.pop())
-    return {"outs": outs, "records": records}
+    return {"outs": outs, "records": records, "switch": _switch_mid_step(rank), "fp64": _beyond_fp32(rank)}
+
+
+def _switch_mid_step(rank: int) -> tuple[list[bool], bool]:
+    """Bucket A (int8 and Top-K layers) launched, not waited for (as under DDP), with a NaN in its
+    Top-K layer on rank 1 at step 1, while bucket B moves to the low-rank exchange at that step:
+    A's step must be put back on every rank, and A finite again from step 2."""
+    shapes_a, shapes_b = [torch.Size((40,)), torch.Size((12,))], [torch.Size((8, 6)), torch.Size((5,))]
+    reducer = LayeredReducer()
+    reducer.set_plan("A", ("int8:group=8", "topk:ratio=0.5"))
+    reducer.set_plan("B", ("none", "none"))
+    finite = []
+    for step in range(4):
+        if step == 1:
+            reducer.set_plan("B", ("powersgd:approx_rank=1", "none"))
+        gen = torch.Generator().manual_seed(10 * rank + step)
+        grad_a, grad_b = torch.randn(52, generator=gen) * (rank + 1), torch.randn(53, generator=gen)
+        if step == 1 and rank == 1:
+            grad_a[45] = float("nan")
+        fut_a = reducer.reduce("A", grad_a, step=step, shapes=shapes_a)
+        fut_b = reducer.reduce("B", grad_b, step=step, shapes=shapes_b)
+        finite.append(bool(torch.isfinite(fut_a.wait()).all()))
+        fut_b.wait()
+    return finite, bool(torch.isfinite(reducer.residual("A", shapes_a)).all())
+
+
+def _beyond_fp32(rank: int) -> torch.Tensor:
+    """An fp64 int8 layer holding finite values beyond fp32's range, beside a dense one."""
+    grad = torch.tensor([1e300, -2e300, 1.0, 5.0, 1.0, 2.0, 3.0, 4.0], dtype=torch.float64) * (rank + 1)
+    reducer = LayeredReducer()
+    reducer.set_plan(0, ("int8", "none"))
+    return reducer.reduce(0, grad, step=0, shapes=[torch.Size((4,)), torch.Size((4,))]).wait()
 
 
 def _int8_reference(layers: list[torch.Tensor], residuals: list[torch.Tensor], group: int) -> torch.Tensor:
@@ -110,3 +143,11 @@ def test_int8_layers_sum_codes_on_agreed_scales(world_size):
         assert bool(torch.isnan(r["outs"][NAN_STEP]).all())
         assert bool(torch.isfinite(r["outs"][NAN_STEP + 1]).all())
         assert torch.equal(r["outs"][NAN_STEP + 1], results[0]["outs"][NAN_STEP + 1])
+    for r in results:
+        # a step put back on every rank, not kept with a NaN residual on the rank that had it
+        assert r["switch"] == ([True, False, True, True], True)
+        # saturated to fp32's range on every rank (the agreed scale, L codes each), not NaN
+        fmax = torch.finfo(torch.float32).max
+        mean = sum(torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64) * (q + 1) for q in range(world_size))
+        assert torch.equal(r["fp64"][:4], torch.tensor([fmax, -fmax, 0.0, 0.0], dtype=torch.float64))
+        assert torch.allclose(r["fp64"][4:], mean / world_size, rtol=1e-12, atol=0)

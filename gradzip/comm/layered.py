@@ -24,6 +24,9 @@ two-round reducer with a rank per layer (:class:`~gradzip.comm.powersgd.PowerSGD
 1 carries every layer's ``P`` and the dense layers, round 2 every ``Q``. A plan mixes low-rank
 layers with ``none`` only.
 
+Codec options that act on the step (``start_step``) do not apply in a plan: the schedule that
+sets the plan decides when a layer is compressed.
+
 Error feedback is per layer, keyed ``(bucket, layer)``, for the codecs that keep it (their
 ``error_feedback``), and stays with the layer when its codec or ratio changes (a change of plan
 moves nothing); a layer sent dense, or by a codec without it (``fp16``, ``bf16``, QSGD), sends
@@ -160,15 +163,18 @@ class LayeredReducer(SettlingReducer):
         else:
             self.low_rank_keys.discard(key)
 
-    def _follow(self, key: Hashable, shapes: list[torch.Size]) -> None:
+    def _follow(self, key: Hashable, shapes: list[torch.Size], step: int) -> None:
         """Move bucket ``key``'s residuals to the exchange its plan now takes (single-round or
-        low-rank), shaped as that exchange keeps them (flat, or PowerSGD's matrix view)."""
+        low-rank), shaped as that exchange keeps them (flat, or PowerSGD's matrix view). Only a
+        step that ``key``'s reduce closes is settled first: other buckets of this step may still
+        be in flight, and their updates stay undoable until the step is known to be finite."""
         low = key in self.low_rank_keys
         if self._family.get(key, low) == low:
             self._family[key] = low
             return
         self._family[key] = low
-        self.settle()
+        for reducer in (self, self.powersgd):
+            reducer.settle_closed(key, step)
         source, target = (self.feedback, self.powersgd.feedback) if low else (self.powersgd.feedback, self.feedback)
         for i, shape in enumerate(shapes):
             residual = source.take(tensor_key(key, i))
@@ -211,7 +217,7 @@ class LayeredReducer(SettlingReducer):
         offsets = offsets_of(shapes)
         if sum(s.numel() for s in shapes) != grad.numel():
             raise ValueError(f"shapes cover {sum(s.numel() for s in shapes)} elements but the bucket holds {grad.numel()}")
-        self._follow(key, shapes)
+        self._follow(key, shapes, step)
         if key in self.low_rank_keys:
             return self.powersgd.reduce(key, grad, step=step, shapes=shapes, flush=flush)
         self._begin(key, step)
@@ -253,6 +259,8 @@ class LayeredReducer(SettlingReducer):
                 x, ok = nonfinite.checked_input(piece, x)
                 sendable = sendable and ok
                 if codec.name == INT8:  # coded in the second round, on the agreed scales
+                    if ok and x.dtype == torch.float64:  # finite beyond fp32 must not read as inf scales
+                        x = nonfinite.saturate(x, torch.float32)
                     payloads.append(None)
                     sent_x.append(x)
                     decoded.append(None)

@@ -60,6 +60,15 @@ class SettlingReducer:
         if closed is not None:
             self._settle(self.ledger.finite(closed))
 
+    def settle_closed(self, key: Hashable, step: int) -> None:
+        """Settle the open step if a ``reduce`` of ``key`` at ``step`` would close it (as
+        :meth:`_begin` would), and leave a step still in progress open: for moving ``key``'s
+        residual out before its reduce, without keeping the updates of other buckets whose
+        exchange of this step may still turn out non-finite."""
+        open_step = self.open_step
+        if open_step.step is not None and (step != open_step.step or key in open_step.keys):
+            self._settle(self.ledger.finite(open_step.finish()))
+
     def _settle(self, keep: bool) -> None:
         if keep:
             self.feedback.commit()

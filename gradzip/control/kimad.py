@@ -75,7 +75,7 @@ from typing import Any
 import torch
 
 from gradzip.comm.layered import INT8
-from gradzip.compressors import REGISTRY, Compressor, build
+from gradzip.compressors import REGISTRY, build
 from gradzip.compressors.values import check_number
 from gradzip.control import knapsack
 from gradzip.control.figures import Plan, WindowFigures
@@ -159,7 +159,8 @@ class KimadConfig:
             raise ValueError(f"floor must be one of {', '.join(FLOORS)}; got {self.floor!r}")
         if own_exchange and self.floor != DENSE:
             raise ValueError(f"floor must be none with codec={self.codec}: its exchange mixes only with dense layers")
-        self.light = _light_codec(self.light, own_exchange=own_exchange, codec=self.codec)
+        # built apart from ``light`` itself, so that validating twice reads the user's value again
+        self.light_codec = _light_codec(self.light, own_exchange=own_exchange, codec=self.codec)
         if self.target_ms != "compute":
             if isinstance(self.target_ms, str):
                 raise ValueError(f"target_ms must be compute or a number of milliseconds > 0; got {self.target_ms!r}")
@@ -223,9 +224,10 @@ class KimadController(LayerSchedule):
         raw layer is the floor."""
         floor = self.floor(dtype)
         out = [floor]
-        if self.cfg.light is not None and self.world_size <= (self.cfg.light.max_world_size or self.world_size):
+        light = self.cfg.light_codec
+        if light is not None and self.world_size <= (light.max_world_size or self.world_size):
             numel = torch.Size(shape).numel()
-            out.append(self.cfg.light.spec if self.cfg.light.payload_nbytes(numel, dtype) < numel * dtype.itemsize else floor)
+            out.append(light.spec if light.payload_nbytes(numel, dtype) < numel * dtype.itemsize else floor)
         return out + [self._level_spec(level, shape, dtype) for level in self.cfg.levels]
 
     def _level_spec(self, level: Any, shape: torch.Size, dtype: torch.dtype) -> str:
@@ -372,19 +374,19 @@ def _light_codec(light: Any, *, own_exchange: bool, codec: str):
     beside a ladder codec with its own exchange).
 
     Raises:
-        ValueError: for an unknown name, a codec the per-layer exchange does not run, or a
-            light codec beside ``codec=powersgd``.
+        ValueError: for an unknown name, the ladder's own codec, a codec the per-layer exchange
+            does not run, or a light codec beside ``codec=powersgd``.
     """
     if light is None:
         light = DENSE if own_exchange else INT8
     if light == DENSE:
         return None
-    if isinstance(light, Compressor):
-        return light
     if own_exchange:
         raise ValueError(f"light must be none with codec={codec}: its exchange mixes only with dense layers")
     if not isinstance(light, str) or light not in REGISTRY:
         raise ValueError(f"light must be a registered codec name or none; got {light!r}")
+    if light == codec:
+        raise ValueError(f"light must be another codec than {codec}, whose strengths are the levels")
     built = build(light)
     if built.multi_round and built.name != INT8:
         raise ValueError(f"light must be int8 or a single-round codec; {light} has its own exchange")
