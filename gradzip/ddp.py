@@ -202,7 +202,7 @@ class CompressionState:
             from gradzip.control.auto_reducer import AutoReducer
 
             cfg = (opts["auto"] or AutoConfig()).validate()
-            specs = cfg.candidate_specs()
+            specs = cfg.candidate_specs(dist.get_world_size(self.process_group))
             return AutoReducer(
                 specs, make_controller(cfg, specs), group=self.process_group, queue=self.queue, metrics=self.metrics
             )

@@ -271,6 +271,10 @@ def test_schedules():
 def test_auto_config_validation():
     assert parse_candidates("none; fp16;powersgd:approx_rank=4") == ("none", "fp16", "powersgd:approx_rank=4")
     assert AutoConfig(candidates=("fp16",)).candidate_specs() == ["none", "fp16"]
+    # the default list, int8 among it while it can sum over the ranks
+    default = ["none", "fp16", "int8", "powersgd:approx_rank=4", "topk:ratio=0.01"]
+    assert AutoConfig().candidate_specs() == AutoConfig().candidate_specs(127) == default
+    assert AutoConfig().candidate_specs(128) == [s for s in default if s != "int8"]
     with pytest.raises(ValueError, match="auto-schedule"):
         AutoConfig(schedule="fast").validate()
     with pytest.raises(ValueError, match="adapt_every"):

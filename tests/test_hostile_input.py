@@ -193,3 +193,7 @@ def test_int8_sums_are_refused_past_127_workers_before_any_starts(spec):
     assert TrainConfig(compressor=spec, world_size=127).validate().world_size == 127
     with pytest.raises(ValueError, match="at most 127 workers"):
         TrainConfig(compressor=spec, world_size=128).validate()
+    # named among auto's candidates too; auto's default list leaves int8 out there instead
+    with pytest.raises(ValueError, match=f"--auto-candidates: {spec} sums int8 codes over at most 127 workers"):
+        TrainConfig(compressor="auto", auto_candidates=f"fp16;{spec}", world_size=128).validate()
+    assert TrainConfig(compressor="auto", world_size=128).validate().world_size == 128

@@ -88,7 +88,7 @@ FIRST_WINDOW_STEPS = 5
 and one probe, short so that a run on a slow link leaves dense early."""
 
 DEFAULT_CANDIDATES = {
-    "cost": ("none", "fp16", "powersgd:approx_rank=4", "topk:ratio=0.01"),
+    "cost": ("none", "fp16", "int8", "powersgd:approx_rank=4", "topk:ratio=0.01"),
     "accordion": ("none", "powersgd:approx_rank=4", "powersgd:approx_rank=1"),
 }
 
@@ -149,11 +149,24 @@ class AutoConfig:
                 check_candidate(spec)
         return self
 
-    def candidate_specs(self) -> list[str]:
-        """The candidates, ``none`` first."""
-        specs = list(self.candidates if self.candidates is not None else DEFAULT_CANDIDATES[self.schedule])
+    def candidate_specs(self, world_size: int | None = None) -> list[str]:
+        """The candidates, ``none`` first; from the default list, those that sum over at most
+        fewer ranks than ``world_size`` (``int8`` past 127) are left out."""
+        if self.candidates is not None:
+            specs = list(self.candidates)
+        else:
+            specs = [s for s in DEFAULT_CANDIDATES[self.schedule] if world_size is None or sums_over(s, world_size)]
         specs = [s.strip() for s in specs if s.strip()]
         return ["none"] + [s for s in specs if s != "none"]
+
+
+def sums_over(spec: str, world_size: int) -> bool:
+    """Whether codec ``spec`` runs at ``world_size`` ranks (``int8`` and 8-bit PowerSGD factors
+    sum over at most 127)."""
+    from gradzip.compressors import build
+
+    limit = build(spec).max_world_size
+    return limit is None or world_size <= limit
 
 
 #: the multi-round codecs whose reducers auto can probe and move residuals into and out of

@@ -197,6 +197,13 @@ class TrainConfig:
         if limit is not None and self.world_size > limit:
             raise ValueError(f"--compressor {codec.spec} sums int8 codes over at most {limit} workers; "
                              f"--world-size is {self.world_size}")
+        if choice.kind == "auto" and not choice.per_layer and self.auto_candidates is not None:
+            from gradzip.control.auto import sums_over
+
+            for spec in self.auto_config().candidate_specs():
+                if not sums_over(spec, self.world_size):
+                    raise ValueError(f"--auto-candidates: {spec} sums int8 codes over at most 127 workers; "
+                                     f"--world-size is {self.world_size}")
         check_outer(self)
 
         try:

@@ -157,7 +157,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     # schedules build theirs as they plan)
     choices = [cfg.choice]
     if cfg.choice.kind == "auto":
-        choices = [] if cfg.choice.per_layer else [parse_compressor(s) for s in cfg.auto_config().candidate_specs()]
+        choices = [] if cfg.choice.per_layer else [parse_compressor(s) for s in cfg.auto_config().candidate_specs(world_size)]
     if cfg.outer is not None:
         choices = ([] if cfg.replica_size == 1 else choices) + [parse_compressor(cfg.outer_compressor)]
     kernels_s = sum(warm_up_kernels(choice) for choice in choices) if device.type == "cpu" else 0.0
