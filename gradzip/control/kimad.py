@@ -29,10 +29,11 @@ Here, every step (a window of one step of the auto reducer):
    re-plans at once, whatever the hysteresis;
 4. otherwise, ``layerwise=true`` (Kimad+, the default): the knapsack over every layer of every
    bucket, each with the floor, the ``light`` codec (``int8`` by default: 8-bit codes summed by
-   all_reduce, about half of ``fp16``'s bytes at a relative error of a few percent) and the codec at each
-   of ``levels`` (a choice that would send no fewer bytes than the raw layer counts as the
-   floor); ``layerwise=false`` (Kimad): the gentlest single level (floor, ``light``, then
-   ``levels``) whose total fits. When nothing fits, every layer takes its strongest level.
+   all_reduce, about half of ``fp16``'s bytes at a relative error of a few percent) and the
+   codec at each of ``levels`` (a choice that would send no fewer bytes than the raw layer
+   counts as the floor); ``layerwise=false`` (Kimad): the gentlest single level (floor,
+   ``light``, then ``levels``) whose total fits. When nothing fits, every layer takes its
+   strongest level.
 
 The errors are measured every ``error_every`` steps while the floor does not fit (and at once, the
 step after the budget first falls below the floor), by a local probe of every layer at every level
