@@ -117,6 +117,16 @@ def _make(spec: str, options: dict):
     return reducer
 
 
+def _gathered_left_out(state: dict) -> dict:
+    """An auto state without the buckets its window has seen: a skipped step was still hooked, and
+    the window's list of its buckets (which a resumed decision needs) follows the hook, not the
+    gradient."""
+    if "window_figures" not in state:
+        return state
+    figures = {k: v for k, v in state["window_figures"].items() if k not in ("seen", "order")}
+    return {**state, "window_figures": figures}
+
+
 def _grad(rank: int, step: int, key: int) -> torch.Tensor:
     gen = torch.Generator().manual_seed(1000 * rank + 10 * step + key)
     return torch.randn(NUMEL, generator=gen)
@@ -162,7 +172,7 @@ def _nonfinite_worker(rank: int, world_size: int, specs: list[tuple[str, dict]])
             extremes[case] = _reduce(fresh, 0, {0: x})[0]
         report[f"{spec}/{kwargs}"] = {
             "bad_bucket_all_nan": bool(torch.isnan(out1[0]).all()) and bool(torch.isnan(out2[1]).all()),
-            "state_unchanged": same(before, after),
+            "state_unchanged": same(_gathered_left_out(before), _gathered_left_out(after)),
             "next_step_equal_to_twin": all(torch.equal(out3[k], ref3[k]) for k in out3),
             "state_equal_to_twin": same(reducer.state_dict(), twin.state_dict()),
             "out3": out3,

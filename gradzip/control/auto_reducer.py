@@ -140,6 +140,10 @@ class AutoReducer:
         self.ledger = nonfinite.StepLedger()
         self.choices: dict[Hashable, int] = {}
         self.carry: dict[Hashable, Tensor] = {}
+        # the carries this step handed to its buckets (and what of each did not fit the gradient's
+        # dtype): given back if the step turns out non-finite, when the next step starts
+        self._spent: dict[Hashable, tuple[Tensor, Tensor | None]] = {}
+        self._spent_step: int | None = None
         self.shapes: dict[Hashable, list[torch.Size]] = {}
         self._itemsize: dict[Hashable, int] = {}
         self.forced: dict[int, dict[Hashable, int]] = {}
@@ -215,7 +219,8 @@ class AutoReducer:
         if carry is None and regroup(self.carry, key) is not None:  # DDP laid its parameters out anew
             carry = self.carry.pop(key)
         if carry is not None and carry.numel() == grad.numel():
-            grad = (grad.reshape(-1) + carry.to(grad.dtype)).view(grad.shape)
+            grad, excess = with_carry(grad, carry)
+            self._spent[key], self._spent_step = (carry, excess), step
         fut = self.reducers[self.choices.get(key, 0)].reduce(key, grad, step=step, shapes=shapes, flush=flush)
         return self._sample_entropy(fut, step)
 
@@ -254,9 +259,11 @@ class AutoReducer:
             reducer.flush()
 
     def settle(self) -> None:
-        """Settle every candidate's open step (see :meth:`CompressedReducer.settle`)."""
+        """Settle every candidate's open step (see :meth:`CompressedReducer.settle`) and the
+        carries the step spent."""
         for reducer in self.reducers:
             reducer.settle()
+        self._settle_carry()
 
     def force(self, at_step: int, choices: dict[Hashable, str | int]) -> None:
         """Make buckets use given candidates from ``at_step`` on (call identically on every rank).
@@ -280,7 +287,22 @@ class AutoReducer:
 
     # -- windows ---------------------------------------------------------------------------
 
+    def _settle_carry(self) -> None:
+        """Once the step that spent carries is over: keep what of each did not fit the gradient's
+        dtype for the next step, or give the whole carry back if the step was skipped (a
+        non-finite gradient on some rank), so that a skipped step loses nothing."""
+        if self._spent_step is None:
+            return
+        kept = self.ledger.finite(self._spent_step)
+        for key, (spent, excess) in self._spent.items():
+            back = excess if kept else spent
+            if back is not None:
+                previous = self.carry.get(key)
+                self.carry[key] = back if previous is None else previous + back.to(previous.dtype)
+        self._spent, self._spent_step = {}, None
+
     def _start_step(self, step: int) -> None:
+        self._settle_carry()
         now = time.perf_counter()
         previous = self._step
         if previous is not None and step == previous + 1 and self._step_first_s is not None:
@@ -587,7 +609,9 @@ class AutoReducer:
         return total
 
     def state_dict(self) -> dict[str, Any]:
-        """Choices, carried residuals, window position, each candidate reducer's state and the controller's."""
+        """Choices, carried residuals, window position and what the window gathered, each
+        candidate reducer's state and the controller's, after settling the step in progress."""
+        self.settle()
         return {
             "specs": list(self.specs),
             "choices": dict(self.choices),
@@ -603,13 +627,25 @@ class AutoReducer:
         with self._entropy_lock:
             return {"entropy_steps": dict(self._entropy_steps),
                     "figures": [self._figures_s, self._figures_bytes, self._probe_bytes],
-                    "handed_norms": dict(self._handed_norms)}
+                    "handed_norms": dict(self._handed_norms),
+                    # the buckets, their layouts, gradient sums and probes: a deterministic
+                    # schedule (accordion) decides from them at the window's end
+                    "order": list(self._order), "seen": list(self._seen),
+                    "shapes": {k: list(v) for k, v in self.shapes.items()}, "itemsize": dict(self._itemsize),
+                    "sums": {k: v.clone() for k, v in self._sums.items()},
+                    "probes": {k: [dict(p) for p in v] for k, v in self._probes.items()}}
 
     def _load_window_state(self, state: dict[str, Any] | None) -> None:
         if state is not None:
             self._entropy_steps = dict(state["entropy_steps"])
             self._figures_s, self._figures_bytes, self._probe_bytes = state["figures"]
             self._handed_norms = dict(state.get("handed_norms", {}))
+            self._order = list(state.get("order", self._order))
+            self._seen = set(state.get("seen", self._seen))
+            self.shapes.update({k: [torch.Size(s) for s in v] for k, v in state.get("shapes", {}).items()})
+            self._itemsize.update(state.get("itemsize", {}))
+            self._sums = {k: v.clone() for k, v in state.get("sums", {}).items()}
+            self._probes = {k: [dict(p) for p in v] for k, v in state.get("probes", {}).items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned.
@@ -626,3 +662,20 @@ class AutoReducer:
         for reducer, sub in zip(self.reducers, state["reducers"]):
             reducer.load_state_dict(sub)
         self.controller.load_state_dict(state["controller"])
+
+
+def with_carry(grad: Tensor, carry: Tensor) -> tuple[Tensor, Tensor | None]:
+    """``grad`` plus the residual ``carry`` a bucket brought from the codec it left, in
+    ``grad``'s dtype, and what of the sum lies beyond that dtype's range (None if nothing): a
+    half-precision gradient plus an fp32 carry can overflow, and a finite step must not turn
+    into a skipped one; the part beyond is kept for the next step instead. A non-finite
+    ``grad`` stays non-finite."""
+    flat = grad.reshape(-1)
+    wide = torch.promote_types(torch.promote_types(grad.dtype, carry.dtype), torch.float32)
+    total = flat.to(wide) + carry.to(wide)
+    if wide == grad.dtype or not nonfinite.is_finite(flat):
+        return total.view(grad.shape), None
+    limit = torch.finfo(grad.dtype).max
+    sent = total.clamp(-limit, limit)
+    excess = total - sent
+    return sent.to(grad.dtype).view(grad.shape), excess.to(carry.dtype) if bool(excess.any()) else None
