@@ -37,6 +37,12 @@ from gradzip.comm.traffic import allreduce_bytes, dense_probe
 from gradzip.compressors.int8sum import group_rounded, group_scales, group_values, levels_for
 
 
+def sent_nbytes(n_scales: int, numel: int, world_size: int) -> int:
+    """Bytes one rank hands to the collectives for ``n_scales`` group scales and ``numel`` codes:
+    two ring all_reduces, the fp32 scales (MAX) and the int8 codes (SUM)."""
+    return allreduce_bytes(4 * n_scales, world_size) + allreduce_bytes(numel, world_size)
+
+
 class Int8SumReducer(SettlingReducer):
     """Averages buckets over ``group`` as int8 codes on shared scales (see the module docstring).
 
@@ -87,7 +93,7 @@ class Int8SumReducer(SettlingReducer):
         device = grad.device
         scales = torch.zeros(codec.n_scales(numel), dtype=torch.float32, device=device)
         codes = torch.zeros(numel, dtype=torch.int8, device=device)
-        sent = self._sent_bytes(numel, world_size)
+        sent = sent_nbytes(codec.n_scales(numel), numel, world_size)
         self.metrics.add_bucket(
             key, payload_bytes=codec.payload_nbytes(numel, grad.dtype), dense_bytes=numel * grad.element_size(),
             collective="allreduce", sent_bytes=sent, received_bytes=sent, codec=codec.spec,
@@ -153,7 +159,7 @@ class Int8SumReducer(SettlingReducer):
         end = time.perf_counter()
         return {
             "compress_s": middle - start, "decompress_s": end - middle,
-            "payload_bytes": codec.payload_nbytes(numel, grad.dtype), "sent_bytes": self._sent_bytes(numel, world_size),
+            "payload_bytes": codec.payload_nbytes(numel, grad.dtype), "sent_bytes": sent_nbytes(codec.n_scales(numel), numel, world_size),
             "collectives": 2, "decoded": decoded.to(grad.dtype).view(grad.shape),
         }
 
@@ -162,8 +168,3 @@ class Int8SumReducer(SettlingReducer):
         would not be smaller than its raw bytes."""
         codec = self.compressor
         return step < codec.start_step or codec.payload_nbytes(grad.numel(), grad.dtype) >= grad.numel() * grad.element_size()
-
-    def _sent_bytes(self, numel: int, world_size: int) -> int:
-        """What this rank sends for a compressed bucket: two ring all_reduces, the fp32 scales and
-        the int8 codes."""
-        return allreduce_bytes(4 * self.compressor.n_scales(numel), world_size) + allreduce_bytes(numel, world_size)

@@ -48,6 +48,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from gradzip.comm import nonfinite
+from gradzip.comm.int8sum import sent_nbytes as int8_sent_nbytes
 from gradzip.comm.powersgd import PowerSGDReducer, orthogonalize, product
 from gradzip.comm.queue import CollectiveQueue, completed
 from gradzip.comm.settling import SettlingReducer
@@ -304,7 +305,7 @@ class LayeredReducer(SettlingReducer):
             sent = sum(allreduce_bytes(wire.nbytes([t]), world_size) for t in box["reduced"].values())
             sent += allgather_bytes(send.numel(), world_size)
             if coded:
-                sent += allreduce_bytes(4 * scales.numel(), world_size) + allreduce_bytes(codes.numel(), world_size)
+                sent += int8_sent_nbytes(scales.numel(), codes.numel(), world_size)
             self.metrics.add_bucket(
                 key, payload_bytes=sum(layer_bytes), dense_bytes=grad.numel() * itemsize, collective="layered",
                 compressed=any(codec.name != DENSE for codec, _ in entries), sent_bytes=sent, received_bytes=sent,

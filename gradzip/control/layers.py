@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from gradzip.comm.int8sum import sent_nbytes as int8_sent_nbytes
 from gradzip.comm.layered import INT8, LOW_RANK, summed
 from gradzip.comm.traffic import allgather_bytes, allreduce_bytes
 from gradzip.compressors import REGISTRY, Compressor, SpecError, build
@@ -92,12 +93,12 @@ class Ladder:
 def sent_bytes(spec: str, shape: torch.Size, dtype: torch.dtype, world_size: int) -> int:
     """Bytes one rank sends for one layer under ``spec`` in the layered exchange
     (:mod:`gradzip.comm.layered`): all_reduce for summable payloads, PowerSGD's factors and
-    ``int8``'s scales and codes, all_gather for the rest. Cached: a schedule prices every layer at every level each time it
-    plans."""
+    ``int8``'s scales and codes, all_gather for the rest. Cached: a schedule prices every layer
+    at every level each time it plans."""
     codec = build(spec)
     shape = torch.Size(shape)
     if codec.name == INT8:  # scales by MAX, then codes by SUM
-        return allreduce_bytes(4 * codec.n_scales(shape.numel()), world_size) + allreduce_bytes(shape.numel(), world_size)
+        return int8_sent_nbytes(codec.n_scales(shape.numel()), shape.numel(), world_size)
     if codec.multi_round:
         return allreduce_bytes(codec.matrix_payload_nbytes(shape, dtype), world_size)
     payload = codec.payload_nbytes(shape.numel(), dtype)

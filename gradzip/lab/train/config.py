@@ -192,18 +192,17 @@ class TrainConfig:
 
         if self.outer is None or self.replica_size > 1:  # one rank per replica builds no hook
             check_hook(self)
+        # the codecs whose int8 sums bound the workers: the one compressor, or auto's named candidates
         codec = getattr(choice, "codec", None)
-        limit = codec.max_world_size if codec is not None else None
-        if limit is not None and self.world_size > limit:
-            raise ValueError(f"--compressor {codec.spec} sums int8 codes over at most {limit} workers; "
-                             f"--world-size is {self.world_size}")
+        named = [(f"--compressor {codec.spec}", codec)] if codec is not None else []
         if choice.kind == "auto" and not choice.per_layer and self.auto_candidates is not None:
-            from gradzip.control.auto import sums_over
+            from gradzip.compressors import build
 
-            for spec in self.auto_config().candidate_specs():
-                if not sums_over(spec, self.world_size):
-                    raise ValueError(f"--auto-candidates: {spec} sums int8 codes over at most 127 workers; "
-                                     f"--world-size is {self.world_size}")
+            named = [(f"--auto-candidates: {spec}", build(spec)) for spec in self.auto_config().candidate_specs()]
+        for what, summing in named:
+            limit = summing.max_world_size
+            if limit is not None and self.world_size > limit:
+                raise ValueError(f"{what} sums int8 codes over at most {limit} workers; --world-size is {self.world_size}")
         check_outer(self)
 
         try:
