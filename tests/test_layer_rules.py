@@ -312,7 +312,7 @@ def test_kimad_floor_edges():
     ctl.layer_plan(0, SHAPES, torch.float32, 0)
     errors = [(1e-6, 5.0, 40.0), (1e-6, 1.0, 2.0)]
     ctl.decide(_kimad_window(errors, rate=3.8e5))  # priced once; the floor fits
-    assert ctl.on_floor and ctl.layer_plan(0, SHAPES, torch.float32, 1) == ("fp16", "fp16")
+    assert ctl.tier == "floor" and ctl.layer_plan(0, SHAPES, torch.float32, 1) == ("fp16", "fp16")
     plans = []
     for _ in range(5):
         ctl.decide(_kimad_window(errors, rate=3.5e5, probed=False))
@@ -352,6 +352,22 @@ def test_kimad_takes_int8_between_the_fp16_floor_and_top_k():
     assert plan == ("int8", "int8")
     # 1,650 bytes: int8 on the layer that loses more at 0.1, Top-K 0.1 on the other (1,616 bytes)
     assert plan_at(1.5e5)[1] == ("int8", "topk:ratio=0.1")
+    # 3,300 bytes: both at int8 (2,032) fit, so both take it (light_floor, the default), though
+    # fp16 on the layer that loses more at int8 would also fit (3,016 bytes, error 1e-4 + 1e-6
+    # against 3e-4); the knapsack, which spends the budget, picks that without light_floor
+    ctl, plan = plan_at(3e5)
+    assert plan == ("int8", "int8") and ctl.tier == "light" and not ctl.decide(
+        _kimad_window(errors, rate=3e5, probed=False)).probe_next
+    assert plan_at(3e5, light_floor=False)[1] == ("int8", "fp16")
+    # a budget crossing the light tier's bytes re-plans within the hysteresis: 190 kB/s is
+    # 2,090 bytes (both at int8 fit); 180 kB/s, 5% lower, is 1,980 (they do not)
+    ctl, plan = plan_at(1.9e5)
+    assert plan == ("int8", "int8")
+    for _ in range(5):
+        ctl.decide(_kimad_window(errors, rate=1.8e5, probed=False))
+    assert ctl.tier == "split" and ctl.layer_plan(0, SHAPES, torch.float32, 2) == ("int8", "topk:ratio=0.1")
+    with pytest.raises(ValueError, match="light_floor must be true or false; got 'yes'"):
+        KimadConfig(light_floor="yes").validate()
     # Kimad's one level for all: int8 is the gentlest that fits 2,750 bytes
     assert plan_at(2.5e5, layerwise=False)[1] == ("int8", "int8")
     # without it, the same budget puts one layer on Top-K (the test above)

@@ -27,13 +27,18 @@ Here, every step (a window of one step of the auto reducer):
    already fp16 or bf16 (a cast would save nothing). No layer's error is needed for that plan,
    so none is measured while it holds, and a budget crossing the floor's bytes either way
    re-plans at once, whatever the hysteresis;
-4. otherwise, ``layerwise=true`` (Kimad+, the default): the knapsack over every layer of every
-   bucket, each with the floor, the ``light`` codec (``int8`` by default: 8-bit codes summed by
-   all_reduce, about half of ``fp16``'s bytes at a relative error of a few percent) and the
-   codec at each of ``levels`` (a choice that would send no fewer bytes than the raw layer
-   counts as the floor); ``layerwise=false`` (Kimad): the gentlest single level (floor,
-   ``light``, then ``levels``) whose total fits. When nothing fits, every layer takes its
-   strongest level.
+4. otherwise, while every layer sent at the ``light`` codec (``int8`` by default: 8-bit codes
+   summed by all_reduce, about half of ``fp16``'s bytes at a relative error of a few percent)
+   fits the budget, every layer takes it (``light_floor=true``, the default: a second floor).
+   A plan that mixed floor and light layers to fill the budget would lower an error that is
+   already small, and pay for it in bytes that cost time whenever the exchange is not hidden
+   behind computation (a job whose gradients are one DDP bucket overlaps none of it). No error
+   is measured on this tier either, and a budget crossing its bytes re-plans at once too;
+5. otherwise, ``layerwise=true`` (Kimad+, the default): the knapsack over every layer of every
+   bucket, each with the floor, the ``light`` codec and the codec at each of ``levels`` (a
+   choice that would send no fewer bytes than the raw layer counts as the floor);
+   ``layerwise=false`` (Kimad): the gentlest single level (floor, ``light``, then ``levels``)
+   whose total fits. When nothing fits, every layer takes its strongest level.
 
 The errors are measured every ``error_every`` steps while the floor does not fit (and at once, the
 step after the budget first falls below the floor), by a local probe of every layer at every level
@@ -47,7 +52,8 @@ Every rank decides from the same all-reduced figures, so all reach the same plan
 Reproduced: the per-step budget from the bandwidth estimate and a target time, the per-layer
 split minimising summed squared error by dynamic programming, and Kimad's uniform variant.
 Added: the ``light`` choice between the floor and the codec's levels, which the paper does not
-have (its candidates are one codec's ratios).
+have (its candidates are one codec's ratios), and the tier that sends every layer at it before
+the budget is split (``light_floor``): Kimad+ as the paper states it spends the whole budget.
 Different: the paper's bandwidth monitor is not specified beyond the last transfers; here it is
 the latency-aware fit above. The paper takes the target time as a setting; here it defaults to
 the measured compute time per step (a fixed ``target_ms`` is still taken). The paper's lightest
@@ -56,7 +62,7 @@ paper's error feedback is EF21; here the plain residual of gradzip's reducers. E
 re-measured every ``error_every`` steps, not every step, since pricing every level costs one
 encode per level and layer.
 
-Spec: ``kimad[:codec=topk,levels=0.001/0.01/0.1,floor=fp16,light=int8,target_ms=compute,
+Spec: ``kimad[:codec=topk,levels=0.001/0.01/0.1,floor=fp16,light=int8,light_floor=true,target_ms=compute,
 layerwise=true,error_every=10,units=1000,hysteresis=0.1,half_life=1]``; ``light=none`` leaves the
 light codec out (it is left out past ``int8``'s 127 ranks, and always with ``codec=powersgd``);
 ``codec=powersgd`` splits ranks (levels ``1/2/4/8`` unless given; its floor is ``none``), a
@@ -94,6 +100,9 @@ from gradzip.control.link import Link, LinkEstimator
 
 NAME = "kimad"
 
+#: the tiers of a plan: every layer at the floor, every layer at the light codec, the budget split
+FLOOR, LIGHT, SPLIT = "floor", "light", "split"
+
 #: steps over which the compute time per step is the median (``target_ms=compute``)
 COMPUTE_STEPS = 9
 
@@ -123,6 +132,10 @@ class KimadConfig:
     """A gentle codec (a registered name, at its defaults) between the floor and the levels;
     ``none`` for none; unset: ``int8``, or none with ``codec=powersgd`` (whose exchange mixes
     only with dense layers)."""
+
+    light_floor: bool = True
+    """Whether every layer takes the ``light`` codec while that fits the budget, before the
+    knapsack splits it (a second floor); false: the knapsack as soon as the floor does not fit."""
 
     target_ms: Any = "compute"
     """The communication time per step the budget is sized for: milliseconds (> 0), or
@@ -168,8 +181,9 @@ class KimadConfig:
             check_number(self.target_ms, name="target_ms", low=0, low_open=True)
         check_number(self.hysteresis, name="hysteresis", low=0)
         check_number(self.half_life, name="half_life", low=0, low_open=True)
-        if not isinstance(self.layerwise, bool):
-            raise ValueError(f"layerwise must be true or false; got {self.layerwise!r}")
+        for name in ("layerwise", "light_floor"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false; got {getattr(self, name)!r}")
         for name, low, high in (("error_every", 1, None), ("units", 10, MAX_UNITS)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
@@ -196,7 +210,7 @@ class KimadController(LayerSchedule):
         self.errors: dict[Hashable, list[dict[str, float]]] = {}  # per layer: spec -> squared error
         self.plans: dict[Hashable, tuple[str, ...]] = {}
         self.budget: float | None = None  # bytes the running plan was solved for
-        self.on_floor: bool | None = None  # whether the running plan is every layer at the floor
+        self.tier: str | None = None  # the running plan's tier: FLOOR, LIGHT or SPLIT
         self.since_probe = 0
         self.compute: list[float] = []  # the last steps' compute time (period less exchange), s
         self.world_size = 1  # the group's, from the first window's figures
@@ -265,17 +279,19 @@ class KimadController(LayerSchedule):
         budget = link.bytes_within(target_s, collectives)
         head = (f"link {link.mbit:,.1f} Mbit/s, {link.latency_s * 1e3:.2f} ms per collective, "
                 f"target {target_s * 1e3:,.0f} ms, budget {budget / 1e6:,.3f} MB")
-        floor_fits = budget >= self._floor_bytes(keys, window.world_size)
-        probe_next = not floor_fits and self.since_probe + 1 >= self.cfg.error_every
-        crossed = self.on_floor is not None and floor_fits != self.on_floor  # hysteresis holds no plan across it
+        tier = self._tier(keys, budget, window.world_size)
+        probe_next = tier == SPLIT and self.since_probe + 1 >= self.cfg.error_every
+        crossed = self.tier is not None and tier != self.tier  # hysteresis holds no plan across tiers
         if not refreshed and not crossed and self.budget is not None and _within(budget, self.budget, self.cfg.hysteresis):
             return Plan({}, 1, {}, f"{head}: within {self.cfg.hysteresis:.0%} of the plan's; kept", probe_next, quiet=True)
-        if not floor_fits and any(k not in self.errors for k in keys):
+        if tier == SPLIT and any(k not in self.errors for k in keys):
             return Plan({}, 1, {}, f"{head}: the floor does not fit; pricing the layers", True, quiet=True)
         before = {k: self.plans.get(k) for k in keys}
-        self.on_floor = floor_fits
-        if floor_fits:
+        self.tier = tier
+        if tier == FLOOR:
             self.plans.update({k: self._floor_plan(k) for k in keys})
+        elif tier == LIGHT:
+            self.plans.update({k: self._light_plan(k) for k in keys})
         else:
             self._solve(keys, budget, window.world_size)
         self.budget = budget
@@ -289,13 +305,29 @@ class KimadController(LayerSchedule):
         shapes, dtype = self.layout[key]
         return (self.floor(dtype),) * len(shapes)
 
-    def _floor_bytes(self, keys: list[Hashable], world_size: int) -> int:
-        """Bytes one rank sends per step with every layer of ``keys`` at the floor."""
+    def _light_plan(self, key: Hashable) -> tuple[str, ...]:
+        """Every layer of bucket ``key`` at the light codec (the floor where it would not send
+        fewer bytes than the raw layer)."""
+        shapes, dtype = self.layout[key]
+        return tuple(self._by_level(s, dtype)[1] for s in shapes)
+
+    def _tier(self, keys: list[Hashable], budget: float, world_size: int) -> str:
+        """FLOOR while every layer at the floor fits ``budget``, else LIGHT while every layer
+        at the light codec does (``light_floor``, where the light codec is a candidate), else SPLIT."""
+        if budget >= self._plan_bytes(keys, self._floor_plan, world_size):
+            return FLOOR
+        light = self.cfg.light_codec
+        usable = light is not None and world_size <= (light.max_world_size or world_size)
+        if self.cfg.light_floor and usable and budget >= self._plan_bytes(keys, self._light_plan, world_size):
+            return LIGHT
+        return SPLIT
+
+    def _plan_bytes(self, keys: list[Hashable], plan_of, world_size: int) -> int:
+        """Bytes one rank sends per step with the layers of ``keys`` planned by ``plan_of(key)``."""
         total = 0
         for k in keys:
             shapes, dtype = self.layout[k]
-            floor = self.floor(dtype)
-            total += sum(sent_bytes(floor, s, dtype, world_size) for s in shapes)
+            total += sum(sent_bytes(spec, s, dtype, world_size) for spec, s in zip(plan_of(k), shapes))
         return total
 
     def target_s(self, window: WindowFigures) -> float | None:
@@ -357,7 +389,7 @@ class KimadController(LayerSchedule):
     def state_dict(self) -> dict[str, Any]:
         return {"link": self.link.state_dict(), "errors": {k: [dict(e) for e in v] for k, v in self.errors.items()},
                 "plans": {k: list(v) for k, v in self.plans.items()}, "budget": self.budget,
-                "since_probe": self.since_probe, "compute": list(self.compute), "on_floor": self.on_floor,
+                "since_probe": self.since_probe, "compute": list(self.compute), "tier": self.tier,
                 "world_size": self.world_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -366,7 +398,7 @@ class KimadController(LayerSchedule):
         self.plans = {k: tuple(v) for k, v in state["plans"].items()}
         self.budget, self.since_probe = state["budget"], state["since_probe"]
         self.compute = list(state["compute"])
-        self.on_floor = state.get("on_floor")
+        self.tier = state.get("tier")
         self.world_size = state.get("world_size", 1)
 
 
