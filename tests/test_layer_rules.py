@@ -318,6 +318,12 @@ def test_kimad_floor_edges():
         ctl.decide(_kimad_window(errors, rate=3.5e5, probed=False))
         plans.append(ctl.layer_plan(0, SHAPES, torch.float32, 2))
     assert plans[-1] == ("fp16", "topk:ratio=0.1"), plans
+    # back on the floor only with the hysteresis to spare: 4,180 bytes again is under the floor's
+    # 4,000 x 1.1 and keeps the split; 4,950 holds it
+    for rate, tier in ((3.8e5, "split"), (4.5e5, "floor")):
+        for _ in range(5):
+            ctl.decide(_kimad_window(errors, rate=rate, probed=False))
+        assert ctl.tier == tier, rate
     # an fp16 or bf16 gradient has floor none: a cast would send as many bytes
     for dtype in (torch.float16, torch.bfloat16):
         assert ctl.floor(dtype) == "none" and ctl.candidates(SHAPES[0], dtype)[0] == "none"
@@ -366,6 +372,13 @@ def test_kimad_takes_int8_between_the_fp16_floor_and_top_k():
     for _ in range(5):
         ctl.decide(_kimad_window(errors, rate=1.8e5, probed=False))
     assert ctl.tier == "split" and ctl.layer_plan(0, SHAPES, torch.float32, 2) == ("int8", "topk:ratio=0.1")
+    # back to the gentler tier only with the hysteresis to spare (2,032 bytes x 1.1 = 2,235), so a
+    # budget hovering at a tier's bytes does not flap: 2,090 bytes again keeps the split; 2,310 moves
+    for rate, tier in ((1.9e5, "split"), (2.1e5, "light")):
+        for _ in range(5):
+            ctl.decide(_kimad_window(errors, rate=rate, probed=False))
+        assert ctl.tier == tier, rate
+    assert ctl.layer_plan(0, SHAPES, torch.float32, 3) == ("int8", "int8")
     with pytest.raises(ValueError, match="light_floor must be true or false; got 'yes'"):
         KimadConfig(light_floor="yes").validate()
     # Kimad's one level for all: int8 is the gentlest that fits 2,750 bytes

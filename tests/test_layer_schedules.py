@@ -140,9 +140,12 @@ def _check_layered(results: list[dict], world_size: int) -> None:
     assert [layer["payload_bytes"] for layer in record["layers"]] == payload
     assert [layer["codec"] for layer in record["layers"]] == list(layered.PLANS[0])
     assert "quality" in record
-    dense = results[0]["records"][2]["buckets"][0]
-    assert dense["collectives"] == 1 and dense["sent_bytes"] == allreduce_bytes(layered.NUMEL * 4, world_size)
-    # the all-dense step sent every residual: nothing is owed
+    # one all_reduce for a bucket all at fp16 or all dense, its layers listed one by one
+    for step, itemsize in ((2, 2), (3, 4), (4, 2)):
+        whole = results[0]["records"][step]["buckets"][0]
+        assert whole["collectives"] == 1 and whole["sent_bytes"] == allreduce_bytes(layered.NUMEL * itemsize, world_size)
+        assert [layer["codec"] for layer in whole["layers"]] == list(layered.PLANS[step])
+    # the all-fp16 step sent every residual: nothing is owed
     assert all(r["residual"] is None for r in results)
     _check_low_rank(results, world_size)
 
@@ -160,7 +163,7 @@ def _check_low_rank(results, world_size):
             assert torch.allclose(layer, mean, rtol=1e-6, atol=1e-6)
         else:
             assert int(torch.linalg.matrix_rank(layer.view(shape[0], -1))) == int(spec.split("=")[1])
-    layers = results[0]["records"][3]["buckets"][7]["layers"]
+    layers = results[0]["records"][len(layered.PLANS)]["buckets"][7]["layers"]
     assert [entry["codec"] for entry in layers] == list(layered.LOW_RANK)
     # sum_t out_t = sum_t mean_r g_{r,t} once the last, dense step sent what PowerSGD owed
     total = sum(results[0]["low_outs"])

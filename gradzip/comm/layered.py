@@ -66,6 +66,8 @@ DENSE = "none"
 INT8 = "int8"
 #: the codec whose plans go to PowerSGD's reducer
 LOW_RANK = "powersgd"
+#: codecs that act element by element: a run of layers under one of them is one layer
+ELEMENTWISE = (DENSE, "fp16", "bf16")
 
 
 def offsets_of(shapes: Sequence[torch.Size]) -> list[int]:
@@ -238,6 +240,11 @@ class LayeredReducer(SettlingReducer):
         self.metrics.add_layers(key, [
             {"codec": spec, "numel": s.numel(), "payload_bytes": b} for spec, s, b in zip(plan, shapes, layer_bytes)
         ])
+        if self._one_piece(key, plan, entries):
+            # Every layer takes the same cast (or none) and carries no residual: the bucket is
+            # exchanged as one layer. The payloads lie end to end in the all_reduce either way, so
+            # the result is the same to the bit, without a compress, a check and a decompress per layer.
+            shapes, offsets, entries = [torch.Size([grad.numel()])], [0], entries[:1]
         box: dict[str, Any] = {}
         monitored = self.metrics.wants_quality(step)
         n_scales = [entries[i][0].n_scales(shapes[i].numel()) for i in coded]
@@ -386,6 +393,13 @@ class LayeredReducer(SettlingReducer):
                 g_index += n
                 out[o : o + shape.numel()] = mean_of_payloads(codec, ranks, like)
         return out.view(grad.shape)
+
+    def _one_piece(self, key: Hashable, plan: Sequence[str], entries: list[tuple[Compressor, bool]]) -> bool:
+        """Whether bucket ``key`` can go as one layer: several layers, one plan entry that acts
+        element by element without error feedback, no layer holding a residual."""
+        codec = entries[0][0]
+        return (len(plan) > 1 and len(set(plan)) == 1 and codec.name in ELEMENTWISE and not codec.error_feedback
+                and not any(tensor_key(key, i) in self.feedback.residuals for i in range(len(plan))))
 
     def _record_quality(self, key: Hashable, grad: Tensor, box: dict[str, Any]) -> None:
         acc = QualityAccumulator()

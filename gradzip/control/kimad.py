@@ -25,28 +25,31 @@ Here, every step (a window of one step of the auto reducer):
    link calls for), ``none`` with ``floor=none`` and always with ``codec=powersgd`` (whose
    low-rank exchange mixes only with dense layers), and ``none`` for a layer whose gradient is
    already fp16 or bf16 (a cast would save nothing). No layer's error is needed for that plan,
-   so none is measured while it holds, and a budget crossing the floor's bytes either way
-   re-plans at once, whatever the hysteresis;
+   so none is measured while it holds;
 4. otherwise, while every layer sent at the ``light`` codec (``int8`` by default: 8-bit codes
    summed by all_reduce, about half of ``fp16``'s bytes at a relative error of a few percent)
    fits the budget, every layer takes it (``light_floor=true``, the default: a second floor).
    A plan that mixed floor and light layers to fill the budget would lower an error that is
    already small, and pay for it in bytes that cost time whenever the exchange is not hidden
    behind computation (a job whose gradients are one DDP bucket overlaps none of it). No error
-   is measured on this tier either, and a budget crossing its bytes re-plans at once too;
+   is measured on this tier either;
 5. otherwise, ``layerwise=true`` (Kimad+, the default): the knapsack over every layer of every
    bucket, each with the floor, the ``light`` codec and the codec at each of ``levels`` (a
    choice that would send no fewer bytes than the raw layer counts as the floor);
    ``layerwise=false`` (Kimad): the gentlest single level (floor, ``light``, then ``levels``)
    whose total fits. When nothing fits, every layer takes its strongest level.
 
-The errors are measured every ``error_every`` steps while the floor does not fit (and at once, the
-step after the budget first falls below the floor), by a local probe of every layer at every level
+The errors are measured every ``error_every`` steps while the budget is split (and at once, the
+step after it first must be), by a local probe of every layer at every level
 (on the layer plus its error-feedback residual, the tensor its codec is handed), max over ranks;
 between probes the last ones stand, and only the budget moves. Hysteresis: a new budget within
 ``hysteresis`` (relative) of the one the running plan was solved for keeps the plan, so noise in
 the timing does not flap it; any larger move, either way, re-solves at once, so the plan goes
 back to gentler levels when the link recovers exactly as it goes to stronger ones when it drops.
+Between tiers (floor, light, split): a budget under the running tier's bytes leaves it at once,
+whatever the hysteresis; a gentler tier is taken once the budget holds its bytes with
+``hysteresis`` to spare, so a budget hovering at a tier's bytes (the compute time it is sized
+from varies from step to step) does not flap between tiers.
 Every rank decides from the same all-reduced figures, so all reach the same plan at the same step.
 
 Reproduced: the per-step budget from the bandwidth estimate and a target time, the per-layer
@@ -102,6 +105,7 @@ NAME = "kimad"
 
 #: the tiers of a plan: every layer at the floor, every layer at the light codec, the budget split
 FLOOR, LIGHT, SPLIT = "floor", "light", "split"
+ORDER = (FLOOR, LIGHT, SPLIT)  # gentlest first
 
 #: steps over which the compute time per step is the median (``target_ms=compute``)
 COMPUTE_STEPS = 9
@@ -313,12 +317,21 @@ class KimadController(LayerSchedule):
 
     def _tier(self, keys: list[Hashable], budget: float, world_size: int) -> str:
         """FLOOR while every layer at the floor fits ``budget``, else LIGHT while every layer
-        at the light codec does (``light_floor``, where the light codec is a candidate), else SPLIT."""
-        if budget >= self._plan_bytes(keys, self._floor_plan, world_size):
+        at the light codec does (``light_floor``, where the light codec is a candidate), else SPLIT.
+
+        A tier gentler than the running one needs its bytes with ``hysteresis`` to spare; the
+        running tier and stronger ones need only to fit. So the plan leaves a tier at once when
+        the budget falls under it, and a budget hovering at a tier's bytes does not flap."""
+
+        def fits(tier: str, plan_of) -> bool:
+            spare = 1.0 if self.tier is None or ORDER.index(tier) >= ORDER.index(self.tier) else 1.0 + self.cfg.hysteresis
+            return budget >= spare * self._plan_bytes(keys, plan_of, world_size)
+
+        if fits(FLOOR, self._floor_plan):
             return FLOOR
         light = self.cfg.light_codec
         usable = light is not None and world_size <= (light.max_world_size or world_size)
-        if self.cfg.light_floor and usable and budget >= self._plan_bytes(keys, self._light_plan, world_size):
+        if self.cfg.light_floor and usable and fits(LIGHT, self._light_plan):
             return LIGHT
         return SPLIT
 

@@ -16,7 +16,9 @@ NUMEL = sum(s.numel() for s in SHAPES)
 PLANS = [
     ("topk:ratio=0.25", "none", "fp16", "randomk:ratio=0.5", "qsgd:bits=4"),
     ("topk:ratio=0.1", "none", "topk:ratio=0.5", "none", "none"),  # ratios change, residuals stay
-    ("none", "none", "none", "none", "none"),  # everything owed is sent
+    ("fp16", "fp16", "fp16", "fp16", "fp16"),  # everything owed is sent, at fp16
+    ("none", "none", "none", "none", "none"),  # nothing owed: the bucket goes as one layer
+    ("fp16", "fp16", "fp16", "fp16", "fp16"),  # likewise, cast
 ]
 LOW_RANK = ("powersgd:approx_rank=2", "none", "powersgd:approx_rank=1", "none", "powersgd:approx_rank=3")
 
@@ -26,7 +28,7 @@ def grad(rank: int, step: int) -> torch.Tensor:
 
 
 def layered_rank(rank: int, world_size: int) -> dict:
-    """Three plans on one bucket, then a low-rank plan ending dense, on this rank."""
+    """The plans above on one bucket, then a low-rank plan ending dense, on this rank."""
     metrics = StepMetrics(monitor_every=1)
     reducer = LayeredReducer(metrics=metrics)
     outs, records = [], []
