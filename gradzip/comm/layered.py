@@ -304,7 +304,8 @@ class LayeredReducer(SettlingReducer):
                             reduce_parts.setdefault(t.dtype, []).append(t.reshape(-1).div(world_size))
                     else:
                         gather_parts.extend(payload.tensors)
-                box["reduced"] = {d: torch.cat(parts) for d, parts in reduce_parts.items()}
+                # each part is a new tensor (the division): one part needs no copy
+                box["reduced"] = {d: parts[0] if len(parts) == 1 else torch.cat(parts) for d, parts in reduce_parts.items()}
                 box["gather_like"] = gather_parts
                 send = wire.to_bytes(gather_parts).to(grad.device)
                 box["recv"] = torch.empty(world_size * send.numel(), dtype=torch.uint8, device=grad.device)
