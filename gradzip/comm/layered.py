@@ -70,6 +70,17 @@ LOW_RANK = "powersgd"
 ELEMENTWISE = (DENSE, "fp16", "bf16")
 
 
+def _summed_part(payload: Payload, reduced: dict[torch.dtype, Tensor], cursor: dict[torch.dtype, int]) -> Payload:
+    """``payload``'s tensors as summed: the next pieces of the all_reduced buffer of each dtype
+    (``cursor`` says where each dtype's next piece starts, and moves past it)."""
+    tensors = []
+    for t in payload.tensors:
+        start = cursor[t.dtype]
+        tensors.append(reduced[t.dtype][start : start + t.numel()].view(t.shape))
+        cursor[t.dtype] = start + t.numel()
+    return Payload(tuple(tensors), payload.ctx)
+
+
 def offsets_of(shapes: Sequence[torch.Size]) -> list[int]:
     """Where each of ``shapes`` starts in the flat bucket."""
     out, total = [], 0
@@ -370,8 +381,12 @@ class LayeredReducer(SettlingReducer):
         if nonfinite.received_marker(reduced.values()) or any(nonfinite.received_marker(g) for g in gathered):
             return self.ledger.marked_result(step, grad)
         scales, codes, levels = int8_parts
-        out = torch.empty_like(grad.reshape(-1))
         cursor = {d: 0 for d in reduced}
+        if len(entries) == 1 and entries[0][1] and entries[0][0].name != INT8:
+            # one summed layer (a bucket sent in one piece): its decode is the result, not copied
+            (codec, _), payload = entries[0], box["payloads"][0]
+            return codec.decompress(_summed_part(payload, reduced, cursor), like=grad).view(grad.shape)
+        out = torch.empty_like(grad.reshape(-1))
         g_index = scale_at = code_at = 0
         for (codec, summed_), payload, shape, o in zip(entries, box["payloads"], shapes, offsets):
             like = grad.reshape(-1)[o : o + shape.numel()]
@@ -382,12 +397,7 @@ class LayeredReducer(SettlingReducer):
                 out[o : o + shape.numel()] = nonfinite.saturate(mean, grad.dtype).to(grad.dtype)
                 scale_at, code_at = scale_at + n, code_at + shape.numel()
             elif summed_:
-                tensors = []
-                for t in payload.tensors:
-                    start = cursor[t.dtype]
-                    tensors.append(reduced[t.dtype][start : start + t.numel()].view(t.shape))
-                    cursor[t.dtype] = start + t.numel()
-                out[o : o + shape.numel()] = codec.decompress(Payload(tuple(tensors), payload.ctx), like=like)
+                out[o : o + shape.numel()] = codec.decompress(_summed_part(payload, reduced, cursor), like=like)
             else:
                 n = len(payload.tensors)
                 ranks = [Payload(tuple(g[g_index : g_index + n]), payload.ctx) for g in gathered]
