@@ -19,6 +19,7 @@ from gradzip.control import knapsack
 from gradzip.control.edgc import EDGCConfig, EDGCController, entropy, map_entropy_change_to_rank, predict_rank
 from gradzip.control.figures import BucketFigures, LayerFigures, WindowFigures
 from gradzip.control.kimad import COMPUTE_STEPS, KimadConfig, KimadController
+from gradzip.control.layers import sent_bytes
 from gradzip.control.legacy import LegacyController
 from gradzip.control.link import Link, LinkEstimator, fit
 from gradzip.control.schedules import layer_controller
@@ -320,10 +321,25 @@ def test_kimad_floor_edges():
     assert plans[-1] == ("fp16", "topk:ratio=0.1"), plans
     # back on the floor only with the hysteresis to spare: 4,180 bytes again is under the floor's
     # 4,000 x 1.1 and keeps the split; 4,950 holds it
-    for rate, tier in ((3.8e5, "split"), (4.5e5, "floor")):
+    # 4,180 bytes again is under the floor's 4,000 x 1.1: the split and its plan stay; 4,950
+    # holds the floor
+    for rate, tier, plan in ((3.8e5, "split", ("fp16", "topk:ratio=0.1")), (4.5e5, "floor", ("fp16", "fp16"))):
         for _ in range(5):
             ctl.decide(_kimad_window(errors, rate=rate, probed=False))
-        assert ctl.tier == tier, rate
+        assert (ctl.tier, ctl.layer_plan(0, SHAPES, torch.float32, 3)) == (tier, plan), rate
+    # a state saved before the tiers (on_floor, no tier) resumes in the tier it names: a budget
+    # under the floor's bytes then leaves it at once, however close to the saved budget
+    old = {k: v for k, v in ctl.state_dict().items() if k != "tier"}
+    old["on_floor"] = True
+    again = KimadController(KimadConfig(levels="0.1/0.01", light="none", target_ms=11, hysteresis=0.1))
+    again.load_state_dict(old)
+    again.layer_plan(0, SHAPES, torch.float32, 0)
+    for _ in range(5):
+        again.decide(_kimad_window(errors, rate=4.3e5, probed=False))  # 4,730 bytes: the floor, kept
+    assert again.tier == "floor"
+    for _ in range(5):
+        again.decide(_kimad_window(errors, rate=3.5e5, probed=False))  # 3,850: under the floor's 4,000
+    assert again.tier == "split" and again.layer_plan(0, SHAPES, torch.float32, 1) == ("fp16", "topk:ratio=0.1")
     # an fp16 or bf16 gradient has floor none: a cast would send as many bytes
     for dtype in (torch.float16, torch.bfloat16):
         assert ctl.floor(dtype) == "none" and ctl.candidates(SHAPES[0], dtype)[0] == "none"
@@ -379,6 +395,15 @@ def test_kimad_takes_int8_between_the_fp16_floor_and_top_k():
             ctl.decide(_kimad_window(errors, rate=rate, probed=False))
         assert ctl.tier == tier, rate
     assert ctl.layer_plan(0, SHAPES, torch.float32, 3) == ("int8", "int8")
+    # in the light tier's band (2,032 to 2,438 bytes at a hysteresis of 0.2) a split plan re-solved
+    # there sends less than both layers at int8, though that would fit the budget
+    ctl, plan = plan_at(1.5e5, hysteresis=0.2)
+    replanned = []
+    for _ in range(6):
+        replanned.append("re-planned" in ctl.decide(_kimad_window(errors, rate=2.1e5, probed=False)).note)
+    held = ctl.layer_plan(0, SHAPES, torch.float32, 4)
+    assert ctl.tier == "split" and 2032 <= ctl.budget < 2438 and any(replanned), (ctl.budget, replanned)
+    assert sum(sent_bytes(p, s, torch.float32, 2) for p, s in zip(held, SHAPES)) < 2032, held
     with pytest.raises(ValueError, match="light_floor must be true or false; got 'yes'"):
         KimadConfig(light_floor="yes").validate()
     # Kimad's one level for all: int8 is the gentlest that fits 2,750 bytes

@@ -14,6 +14,10 @@ travel together, one set of collectives per bucket whatever the number of layers
   end to end, go into one ``all_reduce`` MAX launched with the collectives above; once it is
   back, their int8 codes on the agreed scales go into one ``all_reduce`` SUM.
 
+A bucket whose layers all take one elementwise codec (``none``, ``fp16``, ``bf16``) and hold no
+residual is encoded and decoded as one layer: the same all_reduce of the same bytes, without a
+pass per layer.
+
 Bytes: the aggregatable part ``A_d`` of dtype ``d`` sends ``2 (W-1) A_d // W``; the gathered part
 ``G`` sends ``(W-1) G``; ``A_d`` and ``G`` are sums of the layers' ``payload_nbytes(numel)``. The
 ``int8`` layers send ``2 (W-1) S // W`` for their ``S = 4 sum ceil(numel / group)`` bytes of scales

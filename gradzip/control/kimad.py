@@ -39,17 +39,20 @@ Here, every step (a window of one step of the auto reducer):
    ``layerwise=false`` (Kimad): the gentlest single level (floor, ``light``, then ``levels``)
    whose total fits. When nothing fits, every layer takes its strongest level.
 
-The errors are measured every ``error_every`` steps while the budget is split (and at once, the
-step after it first must be), by a local probe of every layer at every level
+The errors are measured every ``error_every`` steps while the budget is split (at once the
+first time it must be; on a later return to the split the last errors serve its first plan and a
+probe follows), by a local probe of every layer at every level
 (on the layer plus its error-feedback residual, the tensor its codec is handed), max over ranks;
 between probes the last ones stand, and only the budget moves. Hysteresis: a new budget within
 ``hysteresis`` (relative) of the one the running plan was solved for keeps the plan, so noise in
-the timing does not flap it; any larger move, either way, re-solves at once, so the plan goes
-back to gentler levels when the link recovers exactly as it goes to stronger ones when it drops.
+the timing does not flap it; within the split, any larger move, either way, re-solves at once.
 Between tiers (floor, light, split): a budget under the running tier's bytes leaves it at once,
 whatever the hysteresis; a gentler tier is taken once the budget holds its bytes with
-``hysteresis`` to spare, so a budget hovering at a tier's bytes (the compute time it is sized
-from varies from step to step) does not flap between tiers.
+``hysteresis`` to spare, and until then a split plan sends less than that tier's plan would
+(the knapsack's budget is capped a byte under it). So a budget hovering at a tier's bytes (the
+compute time it is sized from varies from step to step) flaps neither the tier nor the plan,
+and the plan goes back to gentler tiers when the link recovers as it goes to stronger ones when
+it drops, once the recovery is larger than the hysteresis.
 Every rank decides from the same all-reduced figures, so all reach the same plan at the same step.
 
 Reproduced: the per-step budget from the bandwidth estimate and a target time, the per-layer
@@ -155,7 +158,8 @@ class KimadConfig:
     """Resolution of the budget in the dynamic programme."""
 
     hysteresis: float = 0.1
-    """A budget within this fraction of the running plan's keeps the plan."""
+    """A budget within this fraction of the running plan's keeps the plan; a gentler tier (floor,
+    light) is taken once the budget holds its bytes with this fraction to spare."""
 
     half_life: float = 1.0
     """Steps after which a link sample counts half."""
@@ -289,7 +293,7 @@ class KimadController(LayerSchedule):
         if not refreshed and not crossed and self.budget is not None and _within(budget, self.budget, self.cfg.hysteresis):
             return Plan({}, 1, {}, f"{head}: within {self.cfg.hysteresis:.0%} of the plan's; kept", probe_next, quiet=True)
         if tier == SPLIT and any(k not in self.errors for k in keys):
-            return Plan({}, 1, {}, f"{head}: the floor does not fit; pricing the layers", True, quiet=True)
+            return Plan({}, 1, {}, f"{head}: the budget must be split; pricing the layers", True, quiet=True)
         before = {k: self.plans.get(k) for k in keys}
         self.tier = tier
         if tier == FLOOR:
@@ -297,7 +301,9 @@ class KimadController(LayerSchedule):
         elif tier == LIGHT:
             self.plans.update({k: self._light_plan(k) for k in keys})
         else:
-            self._solve(keys, budget, window.world_size)
+            # under the next gentler tier's bytes while the split holds: a budget in that tier's
+            # hysteresis band must not buy the gentler plan (or a mix sending more) without it
+            self._solve(keys, min(budget, self._split_cap(keys, window.world_size)), window.world_size)
         self.budget = budget
         if all(self.plans[k] == before[k] for k in keys):
             return Plan({}, 1, {}, f"{head}: re-planned, unchanged", probe_next, quiet=True)
@@ -334,6 +340,14 @@ class KimadController(LayerSchedule):
         if self.cfg.light_floor and usable and fits(LIGHT, self._light_plan):
             return LIGHT
         return SPLIT
+
+    def _split_cap(self, keys: list[Hashable], world_size: int) -> float:
+        """The most a split plan may send: a byte less than every layer at the light codec
+        (where that tier is taken), else than every layer at the floor."""
+        light = self.cfg.light_codec
+        usable = self.cfg.light_floor and light is not None and world_size <= (light.max_world_size or world_size)
+        gentler = self._plan_bytes(keys, self._light_plan if usable else self._floor_plan, world_size)
+        return max(gentler - 1, 0)
 
     def _plan_bytes(self, keys: list[Hashable], plan_of, world_size: int) -> int:
         """Bytes one rank sends per step with the layers of ``keys`` planned by ``plan_of(key)``."""
@@ -411,7 +425,8 @@ class KimadController(LayerSchedule):
         self.plans = {k: tuple(v) for k, v in state["plans"].items()}
         self.budget, self.since_probe = state["budget"], state["since_probe"]
         self.compute = list(state["compute"])
-        self.tier = state.get("tier")
+        # a state saved before the tiers: on_floor true was the floor, false the split
+        self.tier = state.get("tier", {True: FLOOR, False: SPLIT}.get(state.get("on_floor")))
         self.world_size = state.get("world_size", 1)
 
 
