@@ -335,18 +335,20 @@ class KimadController(LayerSchedule):
 
         if fits(FLOOR, self._floor_plan):
             return FLOOR
-        light = self.cfg.light_codec
-        usable = light is not None and world_size <= (light.max_world_size or world_size)
-        if self.cfg.light_floor and usable and fits(LIGHT, self._light_plan):
+        if self._light_tier(world_size) and fits(LIGHT, self._light_plan):
             return LIGHT
         return SPLIT
+
+    def _light_tier(self, world_size: int) -> bool:
+        """Whether the light tier is taken: ``light_floor`` and a light codec that sums over
+        ``world_size`` ranks."""
+        light = self.cfg.light_codec
+        return self.cfg.light_floor and light is not None and world_size <= (light.max_world_size or world_size)
 
     def _split_cap(self, keys: list[Hashable], world_size: int) -> float:
         """The most a split plan may send: a byte less than every layer at the light codec
         (where that tier is taken), else than every layer at the floor."""
-        light = self.cfg.light_codec
-        usable = self.cfg.light_floor and light is not None and world_size <= (light.max_world_size or world_size)
-        gentler = self._plan_bytes(keys, self._light_plan if usable else self._floor_plan, world_size)
+        gentler = self._plan_bytes(keys, self._light_plan if self._light_tier(world_size) else self._floor_plan, world_size)
         return max(gentler - 1, 0)
 
     def _plan_bytes(self, keys: list[Hashable], plan_of, world_size: int) -> int:
