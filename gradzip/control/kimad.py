@@ -248,7 +248,7 @@ class KimadController(LayerSchedule):
         floor = self.floor(dtype)
         out = [floor]
         light = self.cfg.light_codec
-        if light is not None and self.world_size <= (light.max_world_size or self.world_size):
+        if self._light_usable():
             numel = torch.Size(shape).numel()
             out.append(light.spec if light.payload_nbytes(numel, dtype) < numel * dtype.itemsize else floor)
         return out + [self._level_spec(level, shape, dtype) for level in self.cfg.levels]
@@ -335,20 +335,23 @@ class KimadController(LayerSchedule):
 
         if fits(FLOOR, self._floor_plan):
             return FLOOR
-        if self._light_tier(world_size) and fits(LIGHT, self._light_plan):
+        if self._light_tier() and fits(LIGHT, self._light_plan):
             return LIGHT
         return SPLIT
 
-    def _light_tier(self, world_size: int) -> bool:
-        """Whether the light tier is taken: ``light_floor`` and a light codec that sums over
-        ``world_size`` ranks."""
+    def _light_usable(self) -> bool:
+        """Whether the light codec is a candidate: set, and summing over the group's ranks."""
         light = self.cfg.light_codec
-        return self.cfg.light_floor and light is not None and world_size <= (light.max_world_size or world_size)
+        return light is not None and self.world_size <= (light.max_world_size or self.world_size)
+
+    def _light_tier(self) -> bool:
+        """Whether the light tier is taken: ``light_floor`` and a usable light codec."""
+        return self.cfg.light_floor and self._light_usable()
 
     def _split_cap(self, keys: list[Hashable], world_size: int) -> float:
         """The most a split plan may send: a byte less than every layer at the light codec
         (where that tier is taken), else than every layer at the floor."""
-        gentler = self._plan_bytes(keys, self._light_plan if self._light_tier(world_size) else self._floor_plan, world_size)
+        gentler = self._plan_bytes(keys, self._light_plan if self._light_tier() else self._floor_plan, world_size)
         return max(gentler - 1, 0)
 
     def _plan_bytes(self, keys: list[Hashable], plan_of, world_size: int) -> int:
