@@ -355,6 +355,23 @@ def test_kimad_floor_edges():
             KimadConfig(codec=codec).validate()
 
 
+def test_kimad_starts_in_the_light_tier_until_its_first_decision():
+    """2 ranks, two 1,000-element layers: int8 on both until the first window is decided, then
+    the tier the budget buys; the floor where the light tier is not taken."""
+    ctl = KimadController(KimadConfig(levels="0.1/0.01", target_ms=11))
+    ctl.begin(2)
+    assert ctl.tier == "light" and ctl.layer_plan(0, SHAPES, torch.float32, 0) == ("int8", "int8")
+    # 500 kB/s for 11 ms: 5,500 bytes hold the floor's 4,000 with the 10% to spare a gentler tier needs
+    ctl.decide(_kimad_window([(), ()], rate=5e5, probed=False))
+    assert ctl.tier == "floor" and ctl.layer_plan(0, SHAPES, torch.float32, 1) == ("fp16", "fp16")
+    ctl.begin(2)  # told again (a resumed run): the running tier stays
+    assert ctl.tier == "floor"
+    for cfg, world_size in (({"light_floor": False}, 2), ({"light": "none"}, 2), ({}, 128)):
+        other = KimadController(KimadConfig(levels="0.1/0.01", target_ms=11, **cfg))
+        other.begin(world_size)  # int8 sums over at most 127 ranks
+        assert other.tier == "floor" and other.layer_plan(0, SHAPES, torch.float32, 0) == ("fp16", "fp16"), cfg
+
+
 def test_kimad_takes_int8_between_the_fp16_floor_and_top_k():
     """The default ``light=int8``: 2 ranks, a 1,000-element layer sends 2,000 bytes at fp16, 1,016
     at int8 (16 bytes of scales and 1,000 of codes, both all_reduced), 600 at Top-K 0.1 and 60

@@ -4,13 +4,16 @@ single-process reference written from the definition), the other layers of the s
 their own codecs give, residuals per layer across steps, bytes and collectives per bucket, and a
 non-finite gradient on one rank turning every rank's result into NaN without a stray collective;
 a bucket that changes exchange while another of the same step is still in flight with a NaN; an
-fp64 gradient beyond fp32's range, which must stay finite."""
+fp64 gradient beyond fp32's range, which must stay finite; a bucket all at one int8 spec, coded
+whole as the int8 codec's own reducer codes it, and its residual laid out per layer again when the
+plan changes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from gradzip.comm.int8sum import Int8SumReducer
 from gradzip.comm.layered import LayeredReducer, offsets_of
 from gradzip.comm.traffic import allgather_bytes, allreduce_bytes
 from gradzip.compressors import build
@@ -41,7 +44,34 @@ def _rank(rank: int, world_size: int) -> dict:
     for step in range(NAN_STEP + 2):
         outs.append(reducer.reduce(0, grad(rank, step), step=step, shapes=SHAPES).wait())
         records.append(metrics.pop())
-    return {"outs": outs, "records": records, "switch": _switch_mid_step(rank), "fp64": _beyond_fp32(rank)}
+    return {"outs": outs, "records": records, "switch": _switch_mid_step(rank), "fp64": _beyond_fp32(rank),
+            "whole": _whole(rank)}
+
+
+WHOLE = ("int8:group=64",) * len(SHAPES)
+#: after the whole steps: int8 per layer beside none and fp16, whole again, then every layer dense
+AFTER_WHOLE = [("int8:group=64", "none", "int8:group=64", "fp16"), WHOLE, ("none",) * len(SHAPES)]
+
+
+def _whole(rank: int) -> dict:
+    """Three steps all at ``int8:group=64`` beside the int8 codec's own reducer on the same
+    gradients, then the plans of AFTER_WHOLE; the residual before each of those steps."""
+    metrics = StepMetrics()
+    layered, own = LayeredReducer(metrics=metrics), Int8SumReducer(build("int8:group=64"))
+    layered.set_plan(0, WHOLE)
+    outs, own_outs, records = [], [], []
+    for step in range(3):
+        outs.append(layered.reduce(0, grad(rank, 10 + step), step=step, shapes=SHAPES).wait())
+        records.append(metrics.pop())
+        own_outs.append(own.reduce(0, grad(rank, 10 + step), step=step).wait())
+    own.settle()
+    residuals, after = [], []
+    for step, plan in enumerate(AFTER_WHOLE, start=3):
+        layered.set_plan(0, plan)
+        residuals.append(layered.residual(0, SHAPES))
+        after.append(layered.reduce(0, grad(rank, 10 + step), step=step, shapes=SHAPES).wait())
+    return {"outs": outs, "own_outs": own_outs, "records": records, "after": after, "residuals": residuals,
+            "own_residual": own.feedback.residuals[0], "end": layered.residual(0, SHAPES)}
 
 
 def _switch_mid_step(rank: int) -> tuple[list[bool], bool]:
@@ -151,3 +181,60 @@ def test_int8_layers_sum_codes_on_agreed_scales(world_size):
         mean = sum(torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64) * (q + 1) for q in range(world_size))
         assert torch.equal(r["fp64"][:4], torch.tensor([fmax, -fmax, 0.0, 0.0], dtype=torch.float64))
         assert torch.allclose(r["fp64"][4:], mean / world_size, rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_bucket_all_at_int8_is_coded_whole(world_size):
+    results = run_ranks(_rank, world_size, timeout_s=180)
+    whole = [r["whole"] for r in results]
+    for w in whole:
+        for step in range(3):
+            # the int8 codec's own reducer, to the bit: groups over the flat bucket, one residual
+            assert torch.equal(w["outs"][step], w["own_outs"][step]), step
+            assert torch.equal(w["outs"][step], whole[0]["outs"][step]), step
+        assert torch.equal(w["residuals"][0], w["own_residual"])
+    record = whole[0]["records"][0]["buckets"][0]
+    codec = build("int8:group=64")
+    assert record["collectives"] == 2 and record["sent_bytes"] == (
+        allreduce_bytes(4 * codec.n_scales(NUMEL), world_size) + allreduce_bytes(NUMEL, world_size))
+    # 465 elements: groups start at 0, 64, ..., 448; a layer's bytes are its codes and the scales
+    # of the groups starting in it (5 in [0, 320), one each in [320, 327), [327, 435), [435, 465))
+    assert [layer["payload_bytes"] for layer in record["layers"]] == [320 + 20, 7 + 4, 108 + 4, 30 + 4]
+    assert sum(layer["payload_bytes"] for layer in record["layers"]) == codec.payload_nbytes(NUMEL)
+    # step 3: the whole residual, cut per layer, is what each layer owes under the per-layer plan
+    grads = [grad(r, 13) for r in range(world_size)]
+    owed = [w["residuals"][0] for w in whole]
+    layer_residuals = []
+    want = torch.empty(NUMEL)
+    for spec, shape, o in zip(AFTER_WHOLE[0], SHAPES, offsets_of(SHAPES)):
+        part = slice(o, o + shape.numel())
+        layer = [g[part] for g in grads]
+        residuals = [r[part].clone() for r in owed]
+        if spec.startswith("int8"):
+            want[part] = _int8_reference(layer, residuals, 64)
+        elif spec == "fp16":
+            want[part] = sum((x + r).half().float() / world_size for x, r in zip(layer, residuals))
+            residuals = [torch.zeros_like(r) for r in residuals]
+        else:
+            want[part] = sum(x + r for x, r in zip(layer, residuals)) / world_size
+            residuals = [torch.zeros_like(r) for r in residuals]
+        layer_residuals.append(residuals)
+    for q, w in enumerate(whole):
+        for spec, shape, o in zip(AFTER_WHOLE[0], SHAPES, offsets_of(SHAPES)):
+            part = slice(o, o + shape.numel())
+            # fp16's quotients and their sum round in fp16 (a step of 2^-9 at 2 to 4)
+            tol = {"int8:group=64": 1e-6, "none": 1e-5, "fp16": 2e-3}[spec]
+            assert torch.allclose(w["after"][0][part], want[part], rtol=tol, atol=tol), spec
+        # kept per layer: the int8 layers' new rounding, nothing for the layers sent whole
+        kept = torch.cat([layer_residuals[i][q] for i in range(len(SHAPES))])
+        assert torch.allclose(w["residuals"][1], kept, rtol=1e-5, atol=1e-6)
+    # step 4, whole again: the per-layer residuals laid end to end (zeros where a layer owed none)
+    owed = [w["residuals"][1].clone() for w in whole]
+    want = _int8_reference([grad(r, 14) for r in range(world_size)], owed, 64)
+    for q, w in enumerate(whole):
+        assert torch.allclose(w["after"][1], want, rtol=1e-6, atol=1e-7)
+        assert torch.allclose(w["residuals"][2], owed[q], rtol=1e-5, atol=1e-6)
+        # step 5, every layer dense: the mean of what each rank still owed with its gradient
+        mean = sum(grad(r, 15) + whole[r]["residuals"][2] for r in range(world_size)) / world_size
+        assert torch.allclose(w["after"][2], mean, rtol=1e-5, atol=1e-6)
+        assert w["end"] is None

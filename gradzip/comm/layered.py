@@ -16,12 +16,18 @@ travel together, one set of collectives per bucket whatever the number of layers
 
 A bucket whose layers all take one elementwise codec (``none``, ``fp16``, ``bf16``) and hold no
 residual is encoded and decoded as one layer: the same all_reduce of the same bytes, without a
-pass per layer.
+pass per layer. A bucket whose layers all take one ``int8`` spec is coded as one layer too: its
+groups run over the flat bucket (a group may straddle two layers) and its residual is kept flat
+under the bucket's key, exactly as the ``int8`` codec's own reducer
+(:class:`~gradzip.comm.int8sum.Int8SumReducer`) does, so the result is that reducer's to the bit;
+the residuals are laid out per layer again when the plan changes. Each layer's bytes in the
+metrics are then its codes and the scales of the groups that start in it.
 
 Bytes: the aggregatable part ``A_d`` of dtype ``d`` sends ``2 (W-1) A_d // W``; the gathered part
 ``G`` sends ``(W-1) G``; ``A_d`` and ``G`` are sums of the layers' ``payload_nbytes(numel)``. The
 ``int8`` layers send ``2 (W-1) S // W`` for their ``S = 4 sum ceil(numel / group)`` bytes of scales
-and ``2 (W-1) C // W`` for their ``C = sum numel`` bytes of codes.
+(``4 ceil(N / group)`` for a bucket of ``N`` elements coded whole) and ``2 (W-1) C // W`` for their
+``C = sum numel`` bytes of codes.
 
 Low-rank plans (``powersgd:approx_rank=r`` per layer, ``none`` for a dense layer) go to PowerSGD's
 two-round reducer with a rank per layer (:class:`~gradzip.comm.powersgd.PowerSGDReducer`): round
@@ -235,8 +241,14 @@ class LayeredReducer(SettlingReducer):
         offsets = offsets_of(shapes)
         if sum(s.numel() for s in shapes) != grad.numel():
             raise ValueError(f"shapes cover {sum(s.numel() for s in shapes)} elements but the bucket holds {grad.numel()}")
+        low_rank = key in self.low_rank_keys
+        # residuals move to PowerSGD's memory laid out per layer, and come back that way
+        if low_rank:
+            self._lay_out(key, shapes, step, whole=False)
         self._follow(key, shapes, step)
-        if key in self.low_rank_keys:
+        if not low_rank:
+            self._lay_out(key, shapes, step, whole=self._whole_int8(self.plan(key, len(shapes))))
+        if low_rank:
             return self.powersgd.reduce(key, grad, step=step, shapes=shapes, flush=flush)
         self._begin(key, step)
         if grad.numel() == 0:
@@ -251,15 +263,22 @@ class LayeredReducer(SettlingReducer):
         levels = levels_for(world_size) if coded else 0
         flat = grad.reshape(-1)
         itemsize = grad.element_size()
-        layer_bytes = [codec.payload_nbytes(s.numel(), grad.dtype) for (codec, _), s in zip(entries, shapes)]
+        whole_int8 = self._whole_int8(plan)
+        if whole_int8:
+            layer_bytes = whole_int8_layer_bytes(entries[0][0], shapes)
+        else:
+            layer_bytes = [codec.payload_nbytes(s.numel(), grad.dtype) for (codec, _), s in zip(entries, shapes)]
         self.metrics.add_layers(key, [
             {"codec": spec, "numel": s.numel(), "payload_bytes": b} for spec, s, b in zip(plan, shapes, layer_bytes)
         ])
-        if self._one_piece(key, plan, entries):
+        keys = [tensor_key(key, i) for i in range(len(shapes))]  # where each layer's residual lives
+        if whole_int8 or self._one_piece(key, plan, entries):
             # Every layer takes the same cast (or none) and carries no residual: the bucket is
             # exchanged as one layer. The payloads lie end to end in the all_reduce either way, so
-            # the result is the same to the bit, without a compress, a check and a decompress per layer.
-            shapes, offsets, entries = [torch.Size([grad.numel()])], [0], entries[:1]
+            # the result is the same to the bit, without a compress, a check and a decompress per
+            # layer. All at int8: one layer whose groups and residual run over the flat bucket.
+            shapes, offsets, entries, keys = [torch.Size([grad.numel()])], [0], entries[:1], [key]
+            coded = [0] if whole_int8 else []
         box: dict[str, Any] = {}
         monitored = self.metrics.wants_quality(step)
         n_scales = [entries[i][0].n_scales(shapes[i].numel()) for i in coded]
@@ -269,9 +288,8 @@ class LayeredReducer(SettlingReducer):
         def encode() -> None:
             sendable = True
             payloads, sent_x, decoded = [], [], []
-            for i, ((codec, _), shape, o) in enumerate(zip(entries, shapes, offsets)):
+            for (codec, _), shape, o, lkey in zip(entries, shapes, offsets, keys):
                 piece = flat[o : o + shape.numel()]
-                lkey = tensor_key(key, i)
                 dense = codec.name == DENSE
                 keeps = not dense and codec.error_feedback
                 if keeps:
@@ -303,8 +321,9 @@ class LayeredReducer(SettlingReducer):
                 payloads = [None if p is None else nonfinite.marked(p) for p in payloads]
                 scales.fill_(float("inf"))  # the int8 marker: every rank's MAX turns +inf
             elif coded:
-                scales.copy_(torch.cat([group_scales(sent_x[i], entries[i][0].group) for i in coded]))
-            box["payloads"], box["sent"], box["decoded"] = payloads, sent_x, decoded
+                parts = [group_scales(sent_x[i], entries[i][0].group) for i in coded]
+                scales.copy_(parts[0] if len(parts) == 1 else torch.cat(parts))
+            box["payloads"], box["sent"], box["decoded"], box["keys"] = payloads, sent_x, decoded, keys
 
         def launch() -> Future:
             with self.metrics.timed("compress_s", key):
@@ -359,9 +378,9 @@ class LayeredReducer(SettlingReducer):
                         d = group_values(steps, agreed, levels, codec.group).to(x.dtype)
                         box["decoded"][i] = d
                         if codec.error_feedback:  # what this rank's codes carry, so the rounding is fed back
-                            self.feedback.update(tensor_key(key, i), x, d, step=step)
+                            self.feedback.update(keys[i], x, d, step=step)
                     start += n
-                codes.copy_(torch.cat(parts))
+                codes.copy_(parts[0] if len(parts) == 1 else torch.cat(parts))
             if monitored:
                 self._record_quality(key, grad, box)
             work = dist.all_reduce(codes, group=self.group, async_op=True)
@@ -386,7 +405,11 @@ class LayeredReducer(SettlingReducer):
             return self.ledger.marked_result(step, grad)
         scales, codes, levels = int8_parts
         cursor = {d: 0 for d in reduced}
-        if len(entries) == 1 and entries[0][1] and entries[0][0].name != INT8:
+        if len(entries) == 1 and entries[0][0].name == INT8:
+            # a bucket coded whole at int8: its decode is the result, not copied
+            mean = group_values(codes, scales, levels * world_size, entries[0][0].group)
+            return nonfinite.saturate(mean, grad.dtype).to(grad.dtype).view(grad.shape)
+        if len(entries) == 1 and entries[0][1]:
             # one summed layer (a bucket sent in one piece): its decode is the result, not copied
             (codec, _), payload = entries[0], box["payloads"][0]
             return codec.decompress(_summed_part(payload, reduced, cursor), like=grad).view(grad.shape)
@@ -409,6 +432,35 @@ class LayeredReducer(SettlingReducer):
                 out[o : o + shape.numel()] = mean_of_payloads(codec, ranks, like)
         return out.view(grad.shape)
 
+    def _whole_int8(self, plan: Sequence[str]) -> bool:
+        """Whether a bucket under ``plan`` is coded whole at ``int8``: several layers, one
+        ``int8`` spec for all."""
+        return len(plan) > 1 and len(set(plan)) == 1 and self.codec(plan[0]).name == INT8
+
+    def _lay_out(self, key: Hashable, shapes: list[torch.Size], step: int, *, whole: bool) -> None:
+        """Move bucket ``key``'s residuals to the layout its exchange keeps this step: flat under
+        ``key`` for a bucket coded whole (``whole``), else one per layer. A layer that held none
+        owes zeros. As :meth:`_follow`, only a step that ``key``'s reduce closes is settled first."""
+        residuals = self.feedback.residuals
+        keys = [tensor_key(key, i) for i in range(len(shapes))]
+        if whole == (key in residuals) or (whole and not any(k in residuals for k in keys)):
+            return
+        self.settle_closed(key, step)
+        if whole:
+            pieces = [self.feedback.take(k) for k in keys]
+            like = next(p for p in pieces if p is not None)
+            self.feedback.put(key, torch.cat([
+                p.reshape(-1) if p is not None and p.numel() == s.numel()
+                else torch.zeros(s.numel(), dtype=like.dtype, device=like.device)
+                for p, s in zip(pieces, shapes)
+            ]))
+            return
+        flat = self.feedback.take(key).reshape(-1)
+        if flat.numel() != sum(s.numel() for s in shapes):
+            return  # laid out for other layers: DDP regroups bucket keys itself (gradzip.keys)
+        for k, s, o in zip(keys, shapes, offsets_of(shapes)):
+            self.feedback.put(k, flat[o : o + s.numel()])
+
     def _one_piece(self, key: Hashable, plan: Sequence[str], entries: list[tuple[Compressor, bool]]) -> bool:
         """Whether bucket ``key`` can go as one layer: several layers, one plan entry that acts
         element by element without error feedback, no layer holding a residual."""
@@ -418,12 +470,12 @@ class LayeredReducer(SettlingReducer):
 
     def _record_quality(self, key: Hashable, grad: Tensor, box: dict[str, Any]) -> None:
         acc = QualityAccumulator()
-        for i, (x, d) in enumerate(zip(box["sent"], box["decoded"])):
+        for x, d, lkey in zip(box["sent"], box["decoded"], box["keys"]):
             if d is None:
                 acc.add_exact(x)
             else:
-                acc.add(x, d, difference=self.feedback.residuals.get(tensor_key(key, i)))
-                acc.add_residual(self.feedback.residuals.get(tensor_key(key, i)))
+                acc.add(x, d, difference=self.feedback.residuals.get(lkey))
+                acc.add_residual(self.feedback.residuals.get(lkey))
         acc.add_gradient(grad)
         self.metrics.add_quality(key, acc.figures())
 
@@ -448,11 +500,11 @@ class LayeredReducer(SettlingReducer):
         feedback = self.powersgd.feedback if key in self.low_rank_keys and self.powersgd is not None else self.feedback
         flat = grad.reshape(-1)
         out = []
-        for i, (shape, o) in enumerate(zip(shapes, offsets_of(shapes))):
+        owed = _layer_residuals(feedback.residuals, key, shapes)
+        for i, (shape, o, residual) in enumerate(zip(shapes, offsets_of(shapes), owed)):
             x = flat[o : o + shape.numel()].float()
-            residual = feedback.residuals.get(tensor_key(key, i))
-            if residual is not None and residual.numel() == shape.numel():
-                x = x + residual.reshape(-1).float()
+            if residual is not None:
+                x = x + residual.float()
             errors = []
             for spec in specs[i]:
                 codec = self.codec(spec)
@@ -481,10 +533,9 @@ class LayeredReducer(SettlingReducer):
         feedback = self.powersgd.feedback if key in self.low_rank_keys else self.feedback
         shapes = [torch.Size(s) for s in shapes]
         out, found = torch.zeros(sum(s.numel() for s in shapes)), False
-        for i, (shape, o) in enumerate(zip(shapes, offsets_of(shapes))):
-            r = feedback.residuals.get(tensor_key(key, i))
-            if r is not None and r.numel() == shape.numel():
-                out[o : o + shape.numel()] = r.reshape(-1).float()
+        for shape, o, r in zip(shapes, offsets_of(shapes), _layer_residuals(feedback.residuals, key, shapes)):
+            if r is not None:
+                out[o : o + shape.numel()] = r.float()
                 found = True
         return out if found else None
 
@@ -506,6 +557,32 @@ class LayeredReducer(SettlingReducer):
         self._family = {key: key in self.low_rank_keys for key in self.plans}
         if state["powersgd"] is not None and self.powersgd is not None:
             self.powersgd.load_state_dict(state["powersgd"])
+
+
+def _layer_residuals(residuals: dict[Hashable, Tensor], key: Hashable, shapes: list[torch.Size]) -> list[Tensor | None]:
+    """Each layer's residual of bucket ``key``, flat (None where it owes nothing): its own, or its
+    piece of the bucket's flat residual (a bucket coded whole)."""
+    whole = residuals.get(key)
+    if whole is not None and whole.numel() == sum(s.numel() for s in shapes):
+        flat = whole.reshape(-1)
+        return [flat[o : o + s.numel()] for s, o in zip(shapes, offsets_of(shapes))]
+    out = []
+    for i, shape in enumerate(shapes):
+        r = residuals.get(tensor_key(key, i))
+        out.append(r.reshape(-1) if r is not None and r.numel() == shape.numel() else None)
+    return out
+
+
+def whole_int8_layer_bytes(codec, shapes: Sequence[torch.Size]) -> list[int]:
+    """Each layer's payload bytes in a bucket coded whole at ``int8`` (``codec``): its codes, and
+    4 bytes for each group that starts in it; they add up to ``codec.payload_nbytes(N)``."""
+    out, start = [], 0
+    for shape in shapes:
+        end = start + torch.Size(shape).numel()
+        starts = -(-end // codec.group) - -(-start // codec.group)  # groups g with start <= g * group < end
+        out.append(end - start + 4 * starts)
+        start = end
+    return out
 
 
 def low_rank_error(codec, x: Tensor, shape: torch.Size, *, step: int, key: Hashable) -> float:

@@ -54,6 +54,10 @@ compute time it is sized from varies from step to step) flaps neither the tier n
 and the plan goes back to gentler tiers when the link recovers as it goes to stronger ones when
 it drops, once the recovery is larger than the hysteresis.
 Every rank decides from the same all-reduced figures, so all reach the same plan at the same step.
+Until the first decision (the first window, while the link and the compute time are measured)
+every layer takes the light codec where the light tier is taken, else the floor: on a slow link
+the floor's bytes would cost most in those steps, and on a fast one the light codec costs little
+more than the floor.
 
 Reproduced: the per-step budget from the bandwidth estimate and a target time, the per-layer
 split minimising summed squared error by dynamic programming, and Kimad's uniform variant.
@@ -257,10 +261,19 @@ class KimadController(LayerSchedule):
         spec = self.ladder.spec(level, shape, dtype)
         return self.floor(dtype) if spec == DENSE else spec
 
+    def begin(self, world_size: int) -> None:
+        """Start in the light tier where it is taken (else on the floor), unless resumed in one."""
+        if self.tier is None:
+            self.world_size = world_size
+            self.tier = LIGHT if self._light_tier() else FLOOR
+
     def layer_plan(self, key: Hashable, shapes: Sequence[torch.Size], dtype: torch.dtype, step: int) -> tuple[str, ...]:
         self.layout[key] = ([torch.Size(s) for s in shapes], dtype)
         plan = self.plans.get(key)
-        return plan if plan is not None and len(plan) == len(shapes) else self._floor_plan(key)
+        if plan is not None and len(plan) == len(shapes):
+            return plan
+        # a bucket not planned yet: the running tier's plan (the floor's while the split runs)
+        return self._light_plan(key) if self.tier == LIGHT else self._floor_plan(key)
 
     def probe_specs(self, key: Hashable, shapes: Sequence[torch.Size]) -> list[list[str]]:
         """Every candidate of every layer but ``none`` (whose error is 0)."""

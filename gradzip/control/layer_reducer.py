@@ -43,6 +43,8 @@ class LayerController(Protocol):
 
     def first_window_steps(self) -> int: ...
 
+    def begin(self, world_size: int) -> None: ...
+
     def layer_plan(self, key: Hashable, shapes: Sequence[torch.Size], dtype: torch.dtype, step: int) -> tuple[str, ...]: ...
 
     def probe_specs(self, key: Hashable, shapes: Sequence[torch.Size]) -> list[list[str]]: ...
@@ -80,6 +82,7 @@ class LayerAutoReducer(AutoReducer):
         self.reducers = [self.layered]
         self._probe_lists: dict[Hashable, list[list[str]]] = {}
         self._layer_probes: dict[Hashable, list[tuple[float, list[float]]]] = {}
+        self._begun = False  # whether the controller has been told the group's size
 
     def reduce(
         self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None,
@@ -89,6 +92,9 @@ class LayerAutoReducer(AutoReducer):
 
         Args, Returns: as :meth:`gradzip.comm.layered.LayeredReducer.reduce`.
         """
+        if not self._begun:
+            self.controller.begin(dist.get_world_size(self.group))
+            self._begun = True
         if step != self._step:
             self._start_step(step)
         shapes = [torch.Size(s) for s in shapes] if shapes is not None else [grad.shape]

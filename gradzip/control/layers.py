@@ -152,6 +152,9 @@ class LayerSchedule:
     def first_window_steps(self) -> int:
         return 5
 
+    def begin(self, world_size: int) -> None:
+        """Called once, before the first plan is asked for, with the group's size."""
+
     def probe_specs(self, key: Hashable, shapes: Sequence[torch.Size]) -> list[list[str]]:
         return [[] for _ in shapes]
 
