@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from gradzip.compressors.values import check_number
-from gradzip.keys import regroup
+from gradzip.keys import holders, regroup
 
 
 def check_decay(decay: float) -> float:
@@ -182,6 +182,21 @@ class ErrorFeedback:
         if self.deferred and key not in self.replaced:
             self.replaced[key] = self.residuals[key]
         del self.residuals[key]
+
+    @_locked
+    def holders(self, key: Hashable) -> list[Hashable]:
+        """The keys other than ``key`` whose residuals hold some of its parameters (parameter-named
+        keys of :mod:`gradzip.keys`; none for other keys)."""
+        return holders(self.residuals, key)
+
+    @_locked
+    def gather(self, key: Hashable) -> Tensor | None:
+        """Lay out the residual of ``key`` (absent) from every entry that holds its parameters,
+        zeros for a parameter none holds (:func:`gradzip.keys.regroup`), and keep it under ``key``;
+        None if no entry holds any. For a reducer that keeps a bucket's residual flat under its key
+        at some steps and per parameter at others."""
+        assert key not in self.residuals, f"{key!r} already holds a residual"
+        return regroup(self.residuals, key, follow=self.follow)
 
     @_locked
     def take(self, key: Hashable) -> Tensor | None:

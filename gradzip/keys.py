@@ -71,6 +71,16 @@ def _pieces(key: Hashable) -> list[tuple[int, int]] | None:
     return None
 
 
+def holders(store: dict[Hashable, Tensor], key: Hashable) -> list[Hashable]:
+    """The keys of ``store`` other than ``key`` that hold some of ``key``'s parameters (none for a
+    key that names no parameters)."""
+    wanted = _pieces(key)
+    if wanted is None:
+        return []
+    params = {p for p, _ in wanted}
+    return [k for k in list(store) if k != key and (pieces := _pieces(k)) and params & {p for p, _ in pieces}]
+
+
 def regroup(store: dict[Hashable, Tensor], key: Hashable, *, follow: bool = True) -> Tensor | None:
     """Lay out ``store[key]`` from entries of ``store`` that hold its parameters under other keys.
 
@@ -93,8 +103,7 @@ def regroup(store: dict[Hashable, Tensor], key: Hashable, *, follow: bool = True
     wanted = _pieces(key)
     if wanted is None:
         return None
-    params = {p for p, _ in wanted}
-    overlapping = [k for k in store if k != key and (pieces := _pieces(k)) and params & {p for p, _ in pieces}]
+    overlapping = holders(store, key)
     if not overlapping:
         return None
     if not follow:

@@ -366,6 +366,16 @@ def test_kimad_starts_in_the_light_tier_until_its_first_decision():
     assert ctl.tier == "floor" and ctl.layer_plan(0, SHAPES, torch.float32, 1) == ("fp16", "fp16")
     ctl.begin(2)  # told again (a resumed run): the running tier stays
     assert ctl.tier == "floor"
+    # resumed from a state saved in the light tier onto 200 ranks, where int8 cannot sum: the floor
+    resumed = KimadController(KimadConfig(levels="0.1/0.01", target_ms=11))
+    resumed.begin(2)
+    resumed.layer_plan(0, SHAPES, torch.float32, 0)
+    resumed.decide(_kimad_window([(), ()], rate=2.5e5, probed=False))
+    assert resumed.tier == "light" and resumed.layer_plan(0, SHAPES, torch.float32, 1) == ("int8", "int8")
+    again = KimadController(KimadConfig(levels="0.1/0.01", target_ms=11))
+    again.load_state_dict(resumed.state_dict())
+    again.begin(200)
+    assert again.tier == "floor" and again.layer_plan(0, SHAPES, torch.float32, 2) == ("fp16", "fp16")
     for cfg, world_size in (({"light_floor": False}, 2), ({"light": "none"}, 2), ({}, 128)):
         other = KimadController(KimadConfig(levels="0.1/0.01", target_ms=11, **cfg))
         other.begin(world_size)  # int8 sums over at most 127 ranks

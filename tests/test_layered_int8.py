@@ -17,6 +17,7 @@ from gradzip.comm.int8sum import Int8SumReducer
 from gradzip.comm.layered import LayeredReducer, offsets_of
 from gradzip.comm.traffic import allgather_bytes, allreduce_bytes
 from gradzip.compressors import build
+from gradzip.keys import bucket_key
 from gradzip.metrics import StepMetrics
 from gradzip.testing import run_ranks
 
@@ -45,7 +46,30 @@ def _rank(rank: int, world_size: int) -> dict:
         outs.append(reducer.reduce(0, grad(rank, step), step=step, shapes=SHAPES).wait())
         records.append(metrics.pop())
     return {"outs": outs, "records": records, "switch": _switch_mid_step(rank), "fp64": _beyond_fp32(rank),
-            "whole": _whole(rank)}
+            "whole": _whole(rank), "relayout": _relayout(rank)}
+
+
+def _relayout(rank: int) -> dict:
+    """DDP's buckets laid out anew while every layer is at int8, beside the int8 codec's own
+    reducer on the same bucket keys and gradients: buckets (0, 1), (2, 3), then (0), (1, 2), (3)
+    for two steps, then the first layout again. Bucket (1, 2) must take parameter 1's residual
+    from where the one-layer bucket (0)'s regrouping left it and parameter 2's from the flat
+    residual of the old bucket (2, 3)."""
+    numels = {0: 100, 1: 70, 2: 90, 3: 50}
+    layered, own = LayeredReducer(), Int8SumReducer(build("int8:group=64"))
+    equal = []
+    for step, layout in enumerate([[[0, 1], [2, 3]], [[0], [1, 2], [3]], [[0], [1, 2], [3]], [[0, 1], [2, 3]]]):
+        gen = torch.Generator().manual_seed(1000 * rank + 10 * step)
+        full = {p: torch.randn(numels[p], generator=gen) * (1 + rank) for p in numels}
+        for params in layout:
+            key = bucket_key(params, [numels[p] for p in params])
+            layered.set_plan(key, ("int8:group=64",) * len(params))
+            grad = torch.cat([full[p] for p in params])
+            shapes = [torch.Size([numels[p]]) for p in params]
+            mine = layered.reduce(key, grad, step=step, shapes=shapes).wait()
+            equal.append(torch.equal(mine, own.reduce(key, grad, step=step).wait()))
+    layered.settle()
+    return {"equal": equal, "keys": sorted(map(str, layered.feedback.residuals))}
 
 
 WHOLE = ("int8:group=64",) * len(SHAPES)
@@ -187,6 +211,10 @@ def test_int8_layers_sum_codes_on_agreed_scales(world_size):
 def test_a_bucket_all_at_int8_is_coded_whole(world_size):
     results = run_ranks(_rank, world_size, timeout_s=180)
     whole = [r["whole"] for r in results]
+    for r in results:
+        # every bucket as the int8 codec's own reducer gives it, and one residual per bucket in the end
+        assert r["relayout"]["equal"] == [True] * 10, r["relayout"]
+        assert r["relayout"]["keys"] == [str(bucket_key([0, 1], [100, 70])), str(bucket_key([2, 3], [90, 50]))]
     for w in whole:
         for step in range(3):
             # the int8 codec's own reducer, to the bit: groups over the flat bucket, one residual

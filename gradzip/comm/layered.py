@@ -18,9 +18,10 @@ A bucket whose layers all take one elementwise codec (``none``, ``fp16``, ``bf16
 residual is encoded and decoded as one layer: the same all_reduce of the same bytes, without a
 pass per layer. A bucket whose layers all take one ``int8`` spec is coded as one layer too: its
 groups run over the flat bucket (a group may straddle two layers) and its residual is kept flat
-under the bucket's key, exactly as the ``int8`` codec's own reducer
-(:class:`~gradzip.comm.int8sum.Int8SumReducer`) does, so the result is that reducer's to the bit;
-the residuals are laid out per layer again when the plan changes. Each layer's bytes in the
+under the bucket's key, as the ``int8`` codec's own reducer
+(:class:`~gradzip.comm.int8sum.Int8SumReducer`) does, so that for an fp32 gradient the result is
+that reducer's to the bit (the residual stays in the gradient's dtype here, in fp32 there); the
+residuals are laid out per layer again when the plan changes. Each layer's bytes in the
 metrics are then its codes and the scales of the groups that start in it.
 
 Bytes: the aggregatable part ``A_d`` of dtype ``d`` sends ``2 (W-1) A_d // W``; the gathered part
@@ -68,7 +69,7 @@ from gradzip.compressors import Compressor, Payload, build, seeded_generator
 from gradzip.compressors.int8sum import group_rounded, group_scales, group_values, levels_for
 from gradzip.compressors.kernels import wire
 from gradzip.compressors.lowrank import matrix_view_shape
-from gradzip.keys import tensor_key
+from gradzip.keys import is_bucket_key, tensor_key
 from gradzip.metrics import QualityAccumulator, StepMetrics
 
 DENSE = "none"
@@ -440,26 +441,40 @@ class LayeredReducer(SettlingReducer):
     def _lay_out(self, key: Hashable, shapes: list[torch.Size], step: int, *, whole: bool) -> None:
         """Move bucket ``key``'s residuals to the layout its exchange keeps this step: flat under
         ``key`` for a bucket coded whole (``whole``), else one per layer. A layer that held none
-        owes zeros. As :meth:`_follow`, only a step that ``key``'s reduce closes is settled first."""
-        residuals = self.feedback.residuals
+        owes zeros. A bucket key also takes what older layouts' entries hold of its parameters
+        (DDP lays its buckets out anew; :mod:`gradzip.keys`). As :meth:`_follow`, only a step
+        that ``key``'s reduce closes is settled first."""
+        feedback = self.feedback
         keys = [tensor_key(key, i) for i in range(len(shapes))]
-        if whole == (key in residuals) or (whole and not any(k in residuals for k in keys)):
+        if whole:
+            if key in feedback.residuals:
+                return
+            # a plain key's layers, or any entry holding a bucket key's parameters
+            needed = any(k in feedback.residuals for k in keys) or bool(feedback.holders(key))
+        else:
+            own = set(keys)
+            needed = key in feedback.residuals or any(k not in own for k in feedback.holders(key))
+        if not needed:
             return
         self.settle_closed(key, step)
+        if key not in feedback.residuals:
+            if is_bucket_key(key):
+                feedback.gather(key)
+            else:
+                pieces = [feedback.take(k) for k in keys]
+                like = next(p for p in pieces if p is not None)
+                feedback.put(key, torch.cat([
+                    p.reshape(-1) if p is not None and p.numel() == s.numel()
+                    else torch.zeros(s.numel(), dtype=like.dtype, device=like.device)
+                    for p, s in zip(pieces, shapes)
+                ]))
         if whole:
-            pieces = [self.feedback.take(k) for k in keys]
-            like = next(p for p in pieces if p is not None)
-            self.feedback.put(key, torch.cat([
-                p.reshape(-1) if p is not None and p.numel() == s.numel()
-                else torch.zeros(s.numel(), dtype=like.dtype, device=like.device)
-                for p, s in zip(pieces, shapes)
-            ]))
             return
-        flat = self.feedback.take(key).reshape(-1)
+        flat = feedback.take(key).reshape(-1)
         if flat.numel() != sum(s.numel() for s in shapes):
-            return  # laid out for other layers: DDP regroups bucket keys itself (gradzip.keys)
+            return  # a plain key whose layers changed: it restarts at zero, as ErrorFeedback's keys do
         for k, s, o in zip(keys, shapes, offsets_of(shapes)):
-            self.feedback.put(k, flat[o : o + s.numel()])
+            feedback.put(k, flat[o : o + s.numel()])
 
     def _one_piece(self, key: Hashable, plan: Sequence[str], entries: list[tuple[Compressor, bool]]) -> bool:
         """Whether bucket ``key`` can go as one layer: several layers, one plan entry that acts
