@@ -46,7 +46,31 @@ def _rank(rank: int, world_size: int) -> dict:
         outs.append(reducer.reduce(0, grad(rank, step), step=step, shapes=SHAPES).wait())
         records.append(metrics.pop())
     return {"outs": outs, "records": records, "switch": _switch_mid_step(rank), "fp64": _beyond_fp32(rank),
-            "whole": _whole(rank), "relayout": _relayout(rank)}
+            "whole": _whole(rank), "relayout": _relayout(rank), "to_low_rank": _relayout_to_low_rank(rank)}
+
+
+def _relayout_to_low_rank(rank: int) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Whole int8 under bucket (0, 1) at step 0; at step 1 DDP lays the bucket out as (1, 0) and
+    the plan turns low-rank. Returns the sum of the outputs per parameter, the residual left
+    after step 2 and each step's gradient: error feedback loses nothing when
+    ``sum outputs + mean residual = sum mean gradients``."""
+    shapes = {0: torch.Size([16, 20]), 1: torch.Size([12, 9])}
+    reducer = LayeredReducer()
+    total = {p: torch.zeros(shapes[p].numel(), dtype=torch.float64) for p in shapes}
+    grads = []
+    for step, params in enumerate([[0, 1], [1, 0], [1, 0]]):
+        gen = torch.Generator().manual_seed(100 * rank + step)
+        full = {p: torch.randn(shapes[p].numel(), generator=gen) for p in (0, 1)}
+        grads.append({p: full[p].double() for p in full})
+        key = bucket_key(params, [shapes[p].numel() for p in params])
+        reducer.set_plan(key, ("int8:group=64",) * 2 if step == 0 else ("powersgd:approx_rank=2",) * 2)
+        out = reducer.reduce(key, torch.cat([full[p] for p in params]), step=step,
+                             shapes=[shapes[p] for p in params]).wait()
+        for p, part in zip(params, out.split([shapes[p].numel() for p in params])):
+            total[p] += part.double()
+    reducer.settle()
+    owed = reducer.residual(key, [shapes[1], shapes[0]]).double()
+    return torch.cat([total[0], total[1]]), torch.cat([owed[shapes[1].numel():], owed[: shapes[1].numel()]]), grads
 
 
 def _relayout(rank: int) -> dict:
@@ -215,6 +239,10 @@ def test_a_bucket_all_at_int8_is_coded_whole(world_size):
         # every bucket as the int8 codec's own reducer gives it, and one residual per bucket in the end
         assert r["relayout"]["equal"] == [True] * 10, r["relayout"]
         assert r["relayout"]["keys"] == [str(bucket_key([0, 1], [100, 70])), str(bucket_key([2, 3], [90, 50]))]
+    # a re-layout at the step the plan turns low-rank: what int8 left moves to PowerSGD's memory
+    out_sum, owed_mean = results[0]["to_low_rank"][0], sum(r["to_low_rank"][1] for r in results) / world_size
+    grad_mean = sum(torch.cat([g[0], g[1]]) for r in results for g in r["to_low_rank"][2]) / world_size
+    assert torch.allclose(out_sum + owed_mean, grad_mean, rtol=0, atol=1e-5)
     for w in whole:
         for step in range(3):
             # the int8 codec's own reducer, to the bit: groups over the flat bucket, one residual

@@ -194,7 +194,14 @@ class LayeredReducer(SettlingReducer):
         step that ``key``'s reduce closes is settled first: other buckets of this step may still
         be in flight, and their updates stay undoable until the step is known to be finite."""
         low = key in self.low_rank_keys
-        if self._family.get(key, low) == low:
+        before = self._family.get(key)
+        if before is None and self.powersgd is not None:
+            # a key not seen before (DDP laid its buckets out anew): its layers' residuals are
+            # wherever the exchange of their last bucket kept them
+            other = self.feedback if low else self.powersgd.feedback
+            held = any(tensor_key(key, i) in other.residuals for i in range(len(shapes)))
+            before = (not low) if held else low
+        if (low if before is None else before) == low:
             self._family[key] = low
             return
         self._family[key] = low
