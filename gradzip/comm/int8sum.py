@@ -43,6 +43,13 @@ def sent_nbytes(n_scales: int, numel: int, world_size: int) -> int:
     return allreduce_bytes(4 * n_scales, world_size) + allreduce_bytes(numel, world_size)
 
 
+def mean_of_codes(codes: Tensor, scales: Tensor, levels: int, world_size: int, group: int, dtype: torch.dtype) -> Tensor:
+    """The mean over ``world_size`` ranks of flat int8 ``codes`` summed at ``levels`` levels on
+    the agreed group ``scales``: flat, in ``dtype``, saturated to its range (a mean that fits fp32
+    may not fit fp16)."""
+    return nonfinite.saturate(group_values(codes, scales, levels * world_size, group), dtype).to(dtype)
+
+
 class Int8SumReducer(SettlingReducer):
     """Averages buckets over ``group`` as int8 codes on shared scales (see the module docstring).
 
@@ -130,8 +137,7 @@ class Int8SumReducer(SettlingReducer):
             if box.get("skip"):
                 return self.ledger.marked_result(step, grad)
             with self.metrics.timed("decompress_s", key):
-                mean = group_values(codes, scales, levels * world_size, codec.group)
-                return nonfinite.saturate(mean, grad.dtype).to(grad.dtype).view(grad.shape)
+                return mean_of_codes(codes, scales, levels, world_size, codec.group, grad.dtype).view(grad.shape)
 
         first = self.queue.submit(launch_scales, device=device)
         return self.queue.submit(launch_codes, after=first, device=device).then(finish)

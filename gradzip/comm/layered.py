@@ -59,6 +59,7 @@ from torch import Tensor
 from torch.futures import Future
 
 from gradzip.comm import nonfinite
+from gradzip.comm.int8sum import mean_of_codes
 from gradzip.comm.int8sum import sent_nbytes as int8_sent_nbytes
 from gradzip.comm.powersgd import PowerSGDReducer, orthogonalize, product
 from gradzip.comm.queue import CollectiveQueue, completed
@@ -415,8 +416,7 @@ class LayeredReducer(SettlingReducer):
         cursor = {d: 0 for d in reduced}
         if len(entries) == 1 and entries[0][0].name == INT8:
             # a bucket coded whole at int8: its decode is the result, not copied
-            mean = group_values(codes, scales, levels * world_size, entries[0][0].group)
-            return nonfinite.saturate(mean, grad.dtype).to(grad.dtype).view(grad.shape)
+            return mean_of_codes(codes, scales, levels, world_size, entries[0][0].group, grad.dtype).view(grad.shape)
         if len(entries) == 1 and entries[0][1]:
             # one summed layer (a bucket sent in one piece): its decode is the result, not copied
             (codec, _), payload = entries[0], box["payloads"][0]
@@ -427,9 +427,9 @@ class LayeredReducer(SettlingReducer):
             like = grad.reshape(-1)[o : o + shape.numel()]
             if codec.name == INT8:
                 n = codec.n_scales(shape.numel())
-                mean = group_values(codes[code_at : code_at + shape.numel()], scales[scale_at : scale_at + n],
-                                    levels * world_size, codec.group)
-                out[o : o + shape.numel()] = nonfinite.saturate(mean, grad.dtype).to(grad.dtype)
+                out[o : o + shape.numel()] = mean_of_codes(
+                    codes[code_at : code_at + shape.numel()], scales[scale_at : scale_at + n], levels, world_size,
+                    codec.group, grad.dtype)
                 scale_at, code_at = scale_at + n, code_at + shape.numel()
             elif summed_:
                 out[o : o + shape.numel()] = codec.decompress(_summed_part(payload, reduced, cursor), like=like)

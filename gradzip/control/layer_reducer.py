@@ -82,7 +82,6 @@ class LayerAutoReducer(AutoReducer):
         self.reducers = [self.layered]
         self._probe_lists: dict[Hashable, list[list[str]]] = {}
         self._layer_probes: dict[Hashable, list[tuple[float, list[float]]]] = {}
-        self._begun = False  # whether the controller has been told the group's size
 
     def reduce(
         self, key: Hashable, grad: Tensor, *, step: int, shapes: Sequence[torch.Size] | None = None,
@@ -92,9 +91,8 @@ class LayerAutoReducer(AutoReducer):
 
         Args, Returns: as :meth:`gradzip.comm.layered.LayeredReducer.reduce`.
         """
-        if not self._begun:
+        if self._step is None:  # the first step of this run, fresh or resumed
             self.controller.begin(dist.get_world_size(self.group))
-            self._begun = True
         if step != self._step:
             self._start_step(step)
         shapes = [torch.Size(s) for s in shapes] if shapes is not None else [grad.shape]
