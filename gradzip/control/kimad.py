@@ -54,13 +54,6 @@ compute time it is sized from varies from step to step) flaps neither the tier n
 and the plan goes back to gentler tiers when the link recovers as it goes to stronger ones when
 it drops, once the recovery is larger than the hysteresis.
 Every rank decides from the same all-reduced figures, so all reach the same plan at the same step.
-A decision is made one step after its figures: the all_reduce of a window's figures is launched
-when the next step's first bucket is hooked, ahead of that step's exchange, and read back when the
-step after starts, by which time it has long completed. Waiting for it at once would put a barrier
-before every step's exchange: every rank would wait there for the slowest and only then encode,
-where each could otherwise encode as soon as its own backward pass ends (measured on 4 emulated
-hosts at 100 Mbit/s: 0.06 s a step). So a plan applies two steps after the step its figures end
-with.
 Until the first decision (the first window, while the link and the compute time are measured)
 every layer takes the light codec where the light tier is taken, else the floor: on a slow link
 the floor's bytes would cost most in those steps; on a fast one the light codec's encode and
@@ -217,8 +210,6 @@ class KimadController(LayerSchedule):
 
     name = NAME
     min_window_steps = 1
-    #: each decision applies one step after its figures are all-reduced (see the module docstring)
-    decides_late = True
     #: the first window prices no layer: while the floor fits no error is needed
     probe_first_window = False
 
