@@ -21,7 +21,7 @@ from gradzip.control.auto import (
     parse_candidates,
 )
 from gradzip.control.auto_reducer import AutoReducer
-from gradzip.control.figures import BucketFigures, CandidateFigures, WindowFigures
+from gradzip.control.figures import BucketFigures, CandidateFigures, Plan, WindowFigures
 from gradzip.metrics import StepMetrics
 from gradzip.testing import run_ranks
 
@@ -619,3 +619,92 @@ def test_the_running_error_auto_reads_is_the_figure_the_monitor_logs():
         expected = max(r["monitored"][key] for r in results)
         assert 0.05 < expected < 1.0
         assert seen[1][key] == pytest.approx(expected, rel=1e-5)
+
+
+class _Scripted:
+    """Every bucket takes candidate ``window.end % 3``: a plan from the window alone, so that the
+    step at which it applies is known by hand. It asks for a small link probe at every decision
+    and records, per window, whether it was met and whether a probe came with it."""
+
+    needs_gradient_sum = False
+    checks_running_error = False
+    entropy_every = 0
+    min_window_steps = 1
+
+    def __init__(self, late: bool, meet_every: int = 1) -> None:
+        self.decides_late = late
+        self.meet_every = meet_every
+        self.windows: list[tuple[int, int, bool, bool]] = []
+
+    def first_window_steps(self) -> int:
+        return 2
+
+    def probe_bytes(self) -> int:
+        return 4096
+
+    def decide(self, window: WindowFigures) -> Plan:
+        self.windows.append((window.start, window.end, window.met, window.probe_s > 0))
+        return Plan({b.key: window.end % 3 for b in window.buckets}, 1, {}, "scripted", False)
+
+    def state_dict(self) -> dict:
+        return {"windows": list(self.windows)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.windows = [tuple(w) for w in state["windows"]]
+
+
+def _late_decisions(rank: int, world_size: int) -> dict:
+    candidates = ("none", "fp16", "topk:ratio=0.1")
+
+    def run(reducer, steps):
+        out = []
+        for step in steps:
+            time.sleep(0.003 * rank * (step % 3))  # uneven compute per rank
+            futs = {k: reducer.reduce(k, _grad(rank, step, k), step=step, shapes=SHAPES[k]) for k in SHAPES}
+            out.append((dict(reducer.choices), {k: f.wait() for k, f in futs.items()}))
+        return out
+
+    out = {}
+    for name, late, every in (("at_once", False, 1), ("late", True, 1000), ("meets", True, 3)):
+        straight = AutoReducer(candidates, _Scripted(late, every))
+        out[name] = (run(straight, range(12)), straight.controller.windows)
+    # resumed from a state taken while a late decision's figures are in flight (those of step 7)
+    first = AutoReducer(candidates, _Scripted(True, 3))
+    run(first, range(8))
+    state = first.state_dict()
+    resumed = AutoReducer(candidates, _Scripted(True, 3))
+    resumed.load_state_dict(state)
+    out["resumed"] = (run(resumed, range(8, 12)), resumed.controller.windows)
+    dist.barrier()
+    return out
+
+
+@pytest.mark.dist
+def test_a_controller_that_decides_late_applies_each_plan_a_step_after_its_figures():
+    results = run_ranks(_late_decisions, 2, timeout_s=120)
+    for r in results:
+        at_once, windows = r["at_once"]
+        # the first window is steps 1-2; each decision applies at the end of its window, and
+        # each after the first sends the probe the one before asked for
+        assert windows == [(1, 3, True, False)] + [(s - 1, s, True, True) for s in range(4, 12)]
+        assert [h[0].get(0, 0) for h in at_once] == [0, 0, 0] + [s % 3 for s in range(3, 12)]
+        # only the first decision waits (meet_every 1000): the figures of the window ending at
+        # step s are read back, and its plan applied, at s + 1; no later window is met, and no
+        # probe is sent (only right after a wait, where the ranks leave it together)
+        late, windows = r["late"]
+        assert windows == [(1, 3, True, False), (3, 4, True, False)] + [(s - 2, s - 1, False, False) for s in range(6, 12)]
+        assert [h[0].get(0, 0) for h in late] == [0] * 4 + [(s - 1) % 3 for s in range(4, 12)]
+        # meet_every 3: steps 3, 6 and 9 wait (their plan applies at once, after the late one
+        # read back there) and open a met window; the probe goes with the next met decision
+        meets, windows = r["meets"]
+        assert windows == [(1, 3, True, False), (3, 4, True, False), (4, 5, False, False), (5, 6, False, True),
+                           (6, 7, True, False), (7, 8, False, False), (8, 9, False, True), (9, 10, True, False)]
+        assert [h[0].get(0, 0) for h in meets] == [0, 0, 0] + [(s if s % 3 == 0 else s - 1) % 3 for s in range(3, 12)]
+        resumed, resumed_windows = r["resumed"]
+        assert resumed_windows == windows
+        for (choices_a, values_a), (choices_b, values_b) in zip(meets[8:], resumed):
+            assert choices_a == choices_b
+            assert all(torch.equal(values_a[k], values_b[k]) for k in SHAPES)
+    for name in ("late", "meets"):
+        for (a, va), (b, vb) in zip(results[0][name][0], results[1][name][0]):
+            assert a == b and all(torch.equal(va[k], vb[k]) for k in SHAPES)  # every rank alike

@@ -223,14 +223,24 @@ def test_legacy_table_lookup_by_hand():
 SHAPES = [torch.Size((1000,)), torch.Size((1000,))]
 
 
-def _kimad_window(errors, *, rate, latency=0.0, probed=True):
-    """One step: dense 8 kB exchange of the two layers at ``rate``, the figure all_reduce of 800
-    bytes, and per layer the squared error of each level (levels 0.1 then 0.01)."""
+_KIMAD_STEPS = itertools.count(1)
+
+
+def _kimad_window(errors, *, rate, latency=0.0, probed=True, met=True, probe=True):
+    """One step (each call the next): dense 8 kB exchange of the two layers at ``rate``, the
+    figure all_reduce of 800 bytes, with ``probe`` a link probe of 800 and 8,000 bytes at the same
+    rate (what Kimad reads the link from once it has an estimate), and per layer the squared
+    error of each level (levels 0.1 then 0.01)."""
     layers = [LayerFigures(s, list(e) if probed else [], 1.0) for s, e in zip(SHAPES, errors)]
     bucket = BucketFigures(key=0, numel=2000, itemsize=4, current=0, payload_bytes=8000, sent_bytes=8000,
                            communicate_s=0.0, collectives=1, gradient_sum_norm=0.0, layers=layers)
-    return WindowFigures(1, 2, 2, 0.0, [bucket], in_flight_s=latency + 8000 / rate,
-                         figures_s=latency + 800 / rate, figures_bytes=800.0)
+    step = next(_KIMAD_STEPS)
+    window = WindowFigures(step, step + 1, 2, 0.0, [bucket], in_flight_s=latency + 8000 / rate,
+                           figures_s=latency + 800 / rate, figures_bytes=800.0, met=met)
+    if probe:
+        window.probe_latency_s, window.probe_latency_bytes = latency + 800 / rate, 800.0
+        window.probe_s, window.probe_bytes = latency + 8000 / rate, 8000.0
+    return window
 
 
 def test_kimad_splits_the_budget_to_the_layer_that_loses_least():
@@ -268,8 +278,8 @@ def test_kimad_splits_the_budget_to_the_layer_that_loses_least():
     again.load_state_dict(state)
     again.layer_plan(0, SHAPES, torch.float32, 0)
     for rate in (5e4, 5e4, 5e4):
-        assert again.decide(_kimad_window(errors, rate=rate, probed=False)).note == ctl.decide(
-            _kimad_window(errors, rate=rate, probed=False)).note
+        window = _kimad_window(errors, rate=rate, probed=False)
+        assert again.decide(window).note == ctl.decide(window).note
     assert again.plans == ctl.plans
 
 
@@ -304,6 +314,39 @@ def test_kimad_keeps_every_layer_on_the_fp16_floor_while_it_fits():
     for bad in ({"floor": "int8"}, {"codec": "powersgd", "levels": "1/2", "floor": "fp16"}):
         with pytest.raises(ValueError, match="floor"):
             KimadConfig(**bad).validate()
+
+
+def test_kimad_times_the_link_by_the_probe_sent_where_the_ranks_meet():
+    errors = [(5.0, 40.0), (1.0, 2.0)]
+    ctl = KimadController(KimadConfig(levels="0.1/0.01", light="none", floor="none", target_ms=11))
+    ctl.layer_plan(0, SHAPES, torch.float32, 0)
+    assert ctl.meet_every == 4  # the auto reducer waits for every 4th decision's figures
+    # the first window (met: the ranks issued its exchange together) gives the first estimate
+    ctl.decide(_kimad_window(errors, rate=5e5, probe=False))
+    assert ctl.link.link.bytes_per_s == pytest.approx(5e5)
+    # and asks for a calibration probe: 20 ms at the estimate (10 kB), 64 KiB at least
+    assert ctl.probe_bytes() == 64 << 10
+    # windows decided a step late (their exchange holds the ranks' skew), and a met one once
+    # there is an estimate, leave it as it is and ask for no probe
+    for met in (False, False, False, True):
+        ctl.decide(_kimad_window(errors, rate=5e4, met=met, probe=False))
+        assert ctl.link.link.bytes_per_s == pytest.approx(5e5) and ctl.probe_bytes() == 0
+    # a window that carries the probe (sent right after a wait): its two all_reduces are the
+    # batch, 5 steps after the first, which now weighs 2 ** (-5 / half_life)
+    window = _kimad_window(errors, rate=1e3, met=False, probe=False)
+    window.probe_latency_s, window.probe_latency_bytes, window.probe_s, window.probe_bytes = 800 / 5e4, 800.0, 0.16, 8000.0
+    ctl.decide(window)
+    old = 0.5 ** 5
+    assert ctl.link.link.bytes_per_s == pytest.approx(math.exp((math.log(5e4) + old * math.log(5e5)) / (1 + old)))
+    assert ctl.probe_bytes() == 64 << 10
+    # a probe asked for at a fast estimate, sent after an exchange four times slower than that
+    # estimate predicts (the link fell), is sized at the rate the exchange moved its bytes
+    fell = _kimad_window(errors, rate=ctl.link.link.bytes_per_s / 5, probe=False)
+    assert ctl.size_probe(fell, 4 << 20) == 64 << 10 and ctl.size_probe(fell, 0) == 0
+    slower = _kimad_window(errors, rate=ctl.link.link.bytes_per_s / 2, probe=False)
+    assert ctl.size_probe(slower, 4 << 20) == 4 << 20
+    with pytest.raises(ValueError, match="link_every"):
+        KimadConfig(link_every=0).validate()
 
 
 def test_kimad_floor_edges():

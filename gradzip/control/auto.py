@@ -65,7 +65,7 @@ from typing import Any
 
 from gradzip.compressors.values import check_number
 from gradzip.control.figures import BucketFigures, CandidateFigures, Plan, WindowFigures
-from gradzip.control.link import PROBE_BYTES, Link, LinkEstimator
+from gradzip.control.link import Link, LinkEstimator, probe_after
 from gradzip.keys import label
 
 SCHEDULES = ("cost", "accordion")
@@ -74,8 +74,6 @@ SCHEDULES = ("cost", "accordion")
 LINK_MOVED = 0.25
 #: a trial whose link estimate changed by this factor (up or down) since its proposal ran on another link
 TRIAL_RELINKED = 2.0
-#: an exchange this many times slower than the estimate predicts: the link fell (see ``size_probe``)
-FELL = 4.0
 #: steps after which the codec that replaced one over the error budget has its own error checked
 #: (soon: the codec it replaced already ran a trial's steps over the budget)
 CHECK_STEPS = 4
@@ -425,19 +423,9 @@ class CostController(_Base):
         return self.estimator.probe_bytes(dense, share=self.exchange_share, calibrate=True)
 
     def size_probe(self, window: WindowFigures, asked: int) -> int:
-        """The probe to send now, ``asked`` at the last decision, unless this window's exchange
-        took more than :data:`FELL` times what the estimate predicts for it: the link fell since,
-        and the probe is sized at the rate the exchange moved its bytes (eight latencies' worth,
-        at least 64 KiB), where sized from the old estimate it would take what a dense exchange
-        takes on the slow link. A function of the window's figures and the controller's state,
-        the same on every rank."""
-        link, exchange = self.estimator.link, window.exchange_sample()
-        if asked <= 0 or link is None or exchange is None:
-            return asked
-        collectives, sent, seconds = exchange
-        if sent <= 0 or seconds <= FELL * link.seconds(sent, collectives):
-            return asked
-        return int(min(asked, max(PROBE_BYTES[0], 8 * link.latency_s * sent / seconds)))
+        """The probe to send now (:func:`~gradzip.control.link.probe_after`: sized down when
+        this window's exchange shows that the link fell since ``asked`` was sized)."""
+        return probe_after(self.estimator.link, window.exchange_sample(), asked)
 
     def state_dict(self) -> dict[str, Any]:
         return {"running": self.running, "running_period_s": self.running_period_s, "trial": self.trial,

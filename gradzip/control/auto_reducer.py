@@ -11,7 +11,14 @@ collective). At the first call of step ``end`` it all-reduces these figures with
 the order on every rank, and waits for it: one small all_reduce per window, issued where every
 rank has finished the previous step. The controller turns the reduced figures (identical on
 every rank) into a :class:`Plan`, which applies from step ``end`` on: every rank makes the same
-decisions, at the same step, with no step of delay.
+decisions, at the same step, with no step of delay. A controller that decides every step
+(``decides_late``: Kimad) has the all_reduce launched there and not waited for: it goes ahead of
+the step's exchange in the queue, and is read back when step ``end + 1`` starts, from which its plan
+applies. Waiting for it every step would hold every rank's exchange until the slowest rank's
+backward pass had ended, instead of letting each rank encode as soon as its own had. Such a
+controller still waits at its first decision and every ``meet_every`` steps after it: there the
+ranks issue their exchange together, and only such a window's exchange (``met``) and the link
+probe sent right after such a wait time the link free of the ranks' skew.
 
 When a bucket changes codec its error-feedback residual is taken from the old reducer and added
 to the bucket's next gradient before the new codec sees it, so nothing compression dropped is
@@ -151,6 +158,14 @@ class AutoReducer:
         self.window_start = 1
         self.window_end = 1 + max(self._min_window_steps(), controller.first_window_steps())
         self.probe_this_window = getattr(controller, "probe_first_window", True)
+        self._first_decision = self.window_end
+        # whether the window's first exchange followed a figure all_reduce every rank waited for
+        # (the first window's follows DDP's construction, where the ranks met)
+        self._window_met = True
+        # a decision a step late: the figures launched at the last window's end, and the next
+        # window's length and probe as the last decision asked
+        self._pending: dict[str, Any] | None = None
+        self._next_window: tuple[int, bool] = (0, False)
         self._order: list[Hashable] = []
         self._seen: set[Hashable] = set()  # buckets hooked in this window (DDP's layout may change)
         self._periods: list[float] = []
@@ -324,6 +339,9 @@ class AutoReducer:
                 self._exchange.append(mark - self._exchange_mark)
                 self._in_flight.append(flight - self._in_flight_mark)
         self._exchange_mark, self._in_flight_mark = mark, flight
+        if self._pending is not None and self._pending["step"] < step:
+            pending, self._pending = self._pending, None
+            self._resolve(pending, step, together=False)
         if step >= self.window_end:
             self._decide(step)
         if step in self.forced:
@@ -337,7 +355,28 @@ class AutoReducer:
 
     def _decide(self, step: int) -> None:
         """Reduce the window's figures over the group, let the controller decide, and apply
-        its plan from ``step`` on."""
+        its plan from ``step`` on; with a controller that decides a step late
+        (``decides_late``), launch the reduction and decide when the next step starts."""
+        gathered = self._gather(step)
+        if self._late() and not self._meets(step):
+            self._pending = gathered
+            self._open_window(step, *self._next_window, met=False)
+            return
+        plan = self._resolve(gathered, step, together=True)
+        self._open_window(step, plan.window_steps, plan.probe_next, met=True)
+
+    def _late(self) -> bool:
+        return getattr(self.controller, "decides_late", False)
+
+    def _meets(self, step: int) -> bool:
+        """Whether the decision at ``step`` waits for its figures (every rank meets there): the
+        first decision, then every ``meet_every`` steps of a controller that decides late."""
+        every = getattr(self.controller, "meet_every", 1)
+        return (step - self._first_decision) % every == 0
+
+    def _gather(self, step: int) -> dict[str, Any]:
+        """The window's figures, their all_reduce launched (MAX over ranks): what
+        :meth:`_resolve` reads back, waiting for it."""
         order = self._order = [k for k in self._order if k in self._seen]
         probed = self.probe_this_window and all(k in self._probes for k in order)
         steps = max(1, self.window_end - self.window_start)
@@ -372,17 +411,41 @@ class AutoReducer:
         # reduced figures on the host anyway, once per window.
         stats = torch.tensor(values, dtype=torch.float64).to(collective_device(self.group))
         # Under DDP every collective of the previous step has completed before this step's
-        # first bucket is hooked, so this one launches at once and the wait is one small
-        # all_reduce, issued where all ranks meet anyway.
+        # first bucket is hooked, so this one launches at once: waited for, it is one small
+        # all_reduce issued where all ranks meet anyway (a barrier); not waited for, it goes
+        # ahead of this step's exchange in the group's queue and is back before the next step.
         began = time.perf_counter()
-        self._all_reduce(stats, dist.ReduceOp.MAX)
-        window = self._unpack(stats.tolist(), order, probed, len(sampled))
-        self._figures_s = time.perf_counter() - began
-        self._figures_bytes = float(allreduce_bytes(stats.numel() * stats.element_size(), window.world_size))
-        self._send_probe(window, stats.device)
+        done_at: list[float] = []
+
+        def launch() -> Future:
+            fut = dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group, async_op=True).get_future()
+            fut.add_done_callback(lambda _fut: done_at.append(time.perf_counter()))
+            return fut
+
+        return {"stats": stats, "future": self.queue.submit(launch, device=stats.device), "began": began,
+                "done_at": done_at, "order": order, "probed": probed, "n_sampled": len(sampled),
+                "window": (self.window_start, self.window_end), "step": step, "extra": self._gather_extra(),
+                "met": self._window_met}
+
+    def _resolve(self, gathered: dict[str, Any], step: int, *, together: bool) -> Plan:
+        """Read back what :meth:`_gather` launched (waiting for it), let the controller decide
+        and apply its plan from ``step`` on. ``together``: every rank has just left the
+        figures' all_reduce, so the link probe asked for is sent now (else it waits for such
+        a decision)."""
+        if "values" not in gathered:
+            _settle_gathered(gathered)
+        order, device = gathered["order"], collective_device(self.group)
+        window = self._unpack(gathered["values"], order, gathered["probed"], gathered["n_sampled"], *gathered["window"],
+                              gathered["extra"])
+        self._figures_s = gathered["figures_s"]
+        self._figures_bytes = float(allreduce_bytes(8 * len(gathered["values"]), window.world_size))
+        window.met = bool(gathered.get("met", True))
+        if together:
+            self._send_probe(window, device)
+            self._probe_bytes = 0
         plan = self.controller.decide(window)
         self.last_plan = plan
-        self._probe_bytes = getattr(self.controller, "probe_bytes", lambda: 0)()
+        self._probe_bytes = max(self._probe_bytes, getattr(self.controller, "probe_bytes", lambda: 0)())
         self._apply(plan, order, step)
         link = getattr(self.controller, "link_estimate", lambda: None)()
         if link is not None:  # in every step's record from here on (StepMetrics.pop)
@@ -396,9 +459,21 @@ class AutoReducer:
                 "note": plan.note, "choices": self._event_choices(order),
                 "reasons": {label(k): r for k, r in plan.reasons.items()},
             })
+        self._next_window = (plan.window_steps, plan.probe_next)
+        return plan
+
+    def _gather_extra(self) -> dict[str, Any]:
+        """What a subclass's :meth:`_probe_figures` reads besides the reduced values, as the
+        window ended (kept with them)."""
+        return {}
+
+    def _open_window(self, step: int, window_steps: int, probe: bool, *, met: bool) -> None:
+        """Start the window ``[step, step + window_steps)`` (at least the controller's minimum);
+        ``met``: its first exchange follows a figure all_reduce that every rank waited for."""
+        self._window_met = met
         self.window_start = step
-        self.window_end = step + max(self._min_window_steps(), plan.window_steps)
-        self.probe_this_window = plan.probe_next
+        self.window_end = step + max(self._min_window_steps(), window_steps)
+        self.probe_this_window = probe
         self._periods = []
         self._seen = set()
         self._sums = {}
@@ -492,7 +567,9 @@ class AutoReducer:
                            p["collectives"], p["relative_error"]]
         return values
 
-    def _probe_figures(self, values: list[float], i: int, key: Hashable, probed: bool) -> tuple[int, dict[str, Any]]:
+    def _probe_figures(
+        self, values: list[float], i: int, key: Hashable, probed: bool, extra: dict[str, Any],
+    ) -> tuple[int, dict[str, Any]]:
         """Read back what :meth:`_probe_values` packed; returns the next index and the
         :class:`BucketFigures` fields it gives."""
         cands = []
@@ -502,23 +579,26 @@ class AutoReducer:
             cands.append(CandidateFigures(self.names[c], cs, ds, pb, sb, nc, err))
         return i, {"candidates": cands if probed else None}
 
-    def _unpack(self, values: list[float], order: list[Hashable], probed: bool, n_sampled: int) -> WindowFigures:
+    def _unpack(
+        self, values: list[float], order: list[Hashable], probed: bool, n_sampled: int, start: int, end: int,
+        extra: dict[str, Any],
+    ) -> WindowFigures:
         world_size = dist.get_world_size(self.group)
         buckets, i = [], 0
         for key in order:
             numel, itemsize, payload, sent, neg_comm, colls, sum_norm, running_error = values[i : i + _BUCKET_FIELDS]
             i += _BUCKET_FIELDS
-            i, extra = self._probe_figures(values, i, key, probed)
+            i, fields = self._probe_figures(values, i, key, probed, extra)
             current = self.choices.get(key, 0)
             buckets.append(BucketFigures(
                 key=key, numel=int(numel), itemsize=int(itemsize), current=current, payload_bytes=payload,
                 sent_bytes=sent, communicate_s=-neg_comm, collectives=colls, gradient_sum_norm=sum_norm,
-                running_error=running_error, **extra,
+                running_error=running_error, **fields,
             ))
         entropy_samples = values[i : i + n_sampled]
         i += n_sampled
         period, neg_in_flight, exchange, neg_figures = values[i : i + 4]
-        return WindowFigures(self.window_start, self.window_end, world_size, period, buckets,
+        return WindowFigures(start, end, world_size, period, buckets,
                              in_flight_s=-neg_in_flight, exchange_s=exchange, figures_s=-neg_figures,
                              figures_bytes=self._figures_bytes, entropy=entropy_samples)
 
@@ -616,8 +696,10 @@ class AutoReducer:
             "specs": list(self.specs),
             "choices": dict(self.choices),
             "carry": {k: v.clone() for k, v in self.carry.items()},
-            "window": [self.window_start, self.window_end, self.probe_this_window],
+            "window": [self.window_start, self.window_end, self.probe_this_window, self._window_met],
             "window_figures": self._window_state(),
+            "pending": _kept(self._pending),
+            "next_window": list(self._next_window),
             "reducers": [r.state_dict() for r in self.reducers],
             "controller": self.controller.state_dict(),
         }
@@ -657,11 +739,35 @@ class AutoReducer:
             raise ValueError(f"checkpoint holds auto candidates {state['specs']}, not {self.specs}")
         self.choices = dict(state["choices"])
         self.carry = {k: v.clone() for k, v in state["carry"].items()}
-        self.window_start, self.window_end, self.probe_this_window = state["window"]
+        self.window_start, self.window_end, self.probe_this_window, *met = state["window"]
+        self._window_met = bool(met[0]) if met else True
+        self._pending = state.get("pending")
+        steps, probe = state.get("next_window", (0, False))
+        self._next_window = (int(steps), bool(probe))
         self._load_window_state(state.get("window_figures"))
         for reducer, sub in zip(self.reducers, state["reducers"]):
             reducer.load_state_dict(sub)
         self.controller.load_state_dict(state["controller"])
+
+
+def _settle_gathered(gathered: dict[str, Any]) -> None:
+    """Wait for the figures :meth:`AutoReducer._gather` launched; keep them as plain values
+    (the same on every rank) and the all_reduce's seconds on this rank."""
+    gathered["future"].wait()
+    done = gathered["done_at"][0] if gathered["done_at"] else time.perf_counter()
+    gathered["values"] = gathered["stats"].tolist()
+    gathered["figures_s"] = done - gathered["began"]
+    for name in ("stats", "future", "done_at", "began"):
+        del gathered[name]
+
+
+def _kept(gathered: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A pending decision's figures as a checkpoint keeps them (waited for; plain values)."""
+    if gathered is None:
+        return None
+    if "values" not in gathered:
+        _settle_gathered(gathered)
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in gathered.items()}
 
 
 def with_carry(grad: Tensor, carry: Tensor) -> tuple[Tensor, Tensor | None]:

@@ -117,6 +117,10 @@ class WindowFigures:
             the probe together, so it times the link free of the ranks' skew.
         entropy: per sampled step of the window (the controller's ``entropy_every``), the
             entropy of the averaged gradient summed over buckets (identical on every rank).
+        met: the window's first exchange followed a figure all_reduce that every rank waited
+            for, so the ranks issued it together and its seconds time the link; False after a
+            decision taken a step late (``decides_late``), where each rank issued its exchange
+            as its own backward pass ended and the seconds hold the ranks' skew.
     """
 
     start: int
@@ -133,6 +137,7 @@ class WindowFigures:
     probe_s: float = 0.0
     probe_bytes: float = 0.0
     entropy: list[float] = field(default_factory=list)
+    met: bool = True
 
     def exchange_sample(self) -> tuple[float, float, float] | None:
         """``(collectives, sent_bytes, seconds in flight)`` of the whole exchange per step, or

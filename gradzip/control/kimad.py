@@ -12,9 +12,10 @@ ranks (Markov et al., arXiv 2210.17357; :mod:`gradzip.control.knapsack`).
 
 Here, every step (a window of one step of the auto reducer):
 
-1. the link is re-estimated from the last exchanges (:class:`~gradzip.control.link.LinkEstimator`:
-   latency and bandwidth kept apart by the figure all_reduce's tiny sample, following the link
-   both ways with a half-life of ``half_life`` steps);
+1. the link is re-estimated from the last link probes (one every ``link_every`` steps, see
+   below; :class:`~gradzip.control.link.LinkEstimator`: latency and bandwidth kept apart by the
+   probe's all_reduce of one element beside its sized one, following the link both ways with a
+   half-life of ``half_life`` steps);
 2. the budget is ``(target - latency * collectives) * bandwidth`` bytes per rank, where the
    target is the step's compute time (``target_ms=compute``, the default: the median over the
    last :data:`COMPUTE_STEPS` steps of the step period less its exchange, a lower bound of the
@@ -54,6 +55,24 @@ compute time it is sized from varies from step to step) flaps neither the tier n
 and the plan goes back to gentler tiers when the link recovers as it goes to stronger ones when
 it drops, once the recovery is larger than the hysteresis.
 Every rank decides from the same all-reduced figures, so all reach the same plan at the same step.
+A decision is made one step after its figures: the all_reduce of a window's figures is launched
+when the next step's first bucket is hooked, ahead of that step's exchange, and read back when the
+step after starts, by which time it has long completed. Waiting for it at once would put a barrier
+before every step's exchange: every rank would wait there for the slowest and only then encode,
+where each could otherwise encode as soon as its own backward pass ends (measured on 4 emulated
+hosts at 100 Mbit/s: 0.06 s a step). So a plan applies two steps after the step its figures end
+with. The first decision and every ``link_every``-th step after it still wait (the plan then
+applies at once): every rank meets there, and right after it they send a link probe together
+(:meth:`gradzip.control.auto_reducer.AutoReducer._send_probe`: two rounds of an all_reduce of one
+element and of 20 ms of the link at the estimate, 64 KiB at least, at least the dense exchange
+when the last probe was mostly latency; sized down when the exchange since shows the link fell,
+:func:`~gradzip.control.link.probe_after`). The probe alone times the link (the first window's
+exchange, issued together after DDP's construction, gives the first estimate): an exchange's
+seconds hold the ranks' skew (a rank that issues its collective late finds part of its peers'
+bytes already sent; one that issues early waits for the late one). Read from every step's
+exchange with no meeting, the estimate of a 20 Mbit/s link on two emulated hosts spread from
+14.8 to 27.5 Mbit/s; from the exchange after a meeting every step, 18.8 to 21.4; from a probe
+every 4 steps, 19.2 to 19.6 (``tests/test_link_follow.py``, six runs).
 Until the first decision (the first window, while the link and the compute time are measured)
 every layer takes the light codec where the light tier is taken, else the floor: on a slow link
 the floor's bytes would cost most in those steps; on a fast one the light codec's encode and
@@ -74,7 +93,7 @@ re-measured every ``error_every`` steps, not every step, since pricing every lev
 encode per level and layer.
 
 Spec: ``kimad[:codec=topk,levels=0.001/0.01/0.1,floor=fp16,light=int8,light_floor=true,target_ms=compute,
-layerwise=true,error_every=10,units=1000,hysteresis=0.1,half_life=1]``; ``light=none`` leaves the
+layerwise=true,error_every=10,units=1000,hysteresis=0.1,half_life=1,link_every=4]``; ``light=none`` leaves the
 light codec out (it is left out past ``int8``'s 127 ranks, and always with ``codec=powersgd``);
 ``codec=powersgd`` splits ranks (levels ``1/2/4/8`` unless given; its floor is ``none``), a
 quantizer bits (``2/4/8``). Codecs with an
@@ -107,7 +126,7 @@ from gradzip.control.layers import (
     sent_bytes,
     settings_from,
 )
-from gradzip.control.link import Link, LinkEstimator
+from gradzip.control.link import Link, LinkEstimator, probe_after
 
 NAME = "kimad"
 
@@ -169,6 +188,10 @@ class KimadConfig:
     half_life: float = 1.0
     """Steps after which a link sample counts half."""
 
+    link_every: int = 4
+    """Steps between the decisions that every rank waits for, after which they probe the link
+    together (the others are taken a step late, with no wait); 1 waits at every step."""
+
     def validate(self) -> KimadConfig:
         knob = knob_of(self.codec)
         ladder = Ladder(self.codec)
@@ -197,7 +220,7 @@ class KimadConfig:
         for name in ("layerwise", "light_floor"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false; got {getattr(self, name)!r}")
-        for name, low, high in (("error_every", 1, None), ("units", 10, MAX_UNITS)):
+        for name, low, high in (("error_every", 1, None), ("units", 10, MAX_UNITS), ("link_every", 1, 1000)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low or (high and value > high):
                 limit = f"between {low} and {high:,}" if high else f">= {low}"
@@ -210,15 +233,17 @@ class KimadController(LayerSchedule):
 
     name = NAME
     min_window_steps = 1
+    #: each decision applies one step after its figures are all-reduced (see the module docstring)
+    decides_late = True
     #: the first window prices no layer: while the floor fits no error is needed
     probe_first_window = False
 
     def __init__(self, cfg: KimadConfig) -> None:
         self.cfg = cfg.validate()
         self.ladder = Ladder(cfg.codec)
-        # a step is a batch; a link probe at most every 8 steps (only while the exchange is
-        # mostly latency)
-        self.link = LinkEstimator(half_life=cfg.half_life, keep=max(4, int(8 * cfg.half_life)), probe_every=8)
+        # a batch per probe (every link_every steps), weighed by its step
+        self.link = LinkEstimator(half_life=cfg.half_life, keep=max(4, int(8 * cfg.half_life)), probe_every=1)
+        self._timed = False  # whether the last decision's window timed the link
         self.layout: dict[Hashable, tuple[list[torch.Size], torch.dtype]] = {}
         self.errors: dict[Hashable, list[dict[str, float]]] = {}  # per layer: spec -> squared error
         self.plans: dict[Hashable, tuple[str, ...]] = {}
@@ -288,9 +313,17 @@ class KimadController(LayerSchedule):
         dtype = self.layout.get(key, (None, torch.float32))[1]
         return [[s for s in self.candidates(torch.Size(shape), dtype) if s != DENSE] for shape in shapes]
 
+    @property
+    def meet_every(self) -> int:
+        """Steps between the decisions every rank waits for (the auto reducer reads it)."""
+        return self.cfg.link_every
+
     def decide(self, window: WindowFigures) -> Plan:
         self.world_size = window.world_size
-        link = self.link.add(window.link_samples())
+        # the link is timed by the probe the ranks send together where they meet, and by the
+        # first window's exchange (issued together after DDP's construction) until there is one
+        self._timed = window.probe_s > 0 or (window.met and self.link.link is None)
+        link = self.link.add(window.link_samples(), at=window.start) if self._timed else self.link.link
         refreshed = False
         for b in window.buckets:
             if b.layers and any(layer.errors for layer in b.layers):
@@ -430,10 +463,18 @@ class KimadController(LayerSchedule):
         return strongest if choice is None else choice
 
     def probe_bytes(self) -> int:
-        """A link probe for the next figure all_reduce, at least the buckets' dense bytes (see
+        """The link probe for the next meeting, asked for by the decision that read the last
+        (a calibration; at least the buckets' dense bytes when that one was mostly latency; see
         :meth:`LinkEstimator.probe_bytes`)."""
+        if not self._timed:
+            return 0
         dense = sum(sum(s.numel() for s in shapes) * dtype.itemsize for shapes, dtype in self.layout.values())
-        return self.link.probe_bytes(dense)
+        return self.link.probe_bytes(dense, calibrate=True)
+
+    def size_probe(self, window: WindowFigures, asked: int) -> int:
+        """The probe to send now (:func:`~gradzip.control.link.probe_after`: sized down when
+        this window's exchange shows that the link fell since ``asked`` was sized)."""
+        return probe_after(self.link.link, window.exchange_sample(), asked)
 
     def link_estimate(self) -> Link | None:
         """The current estimate of the link (what the reducer records each window)."""

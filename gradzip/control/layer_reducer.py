@@ -116,6 +116,9 @@ class LayerAutoReducer(AutoReducer):
         self._layer_probes = {}
         self._probe_lists = {}
 
+    def _gather_extra(self) -> dict[str, Any]:
+        return {"probe_lists": {k: [list(specs) for specs in v] for k, v in self._probe_lists.items()}}
+
     def _probe_values(self, key: Hashable, probed: bool) -> list[float]:
         if not probed:
             return []
@@ -124,12 +127,14 @@ class LayerAutoReducer(AutoReducer):
             values += [norm_sq, *errors]
         return values
 
-    def _probe_figures(self, values: list[float], i: int, key: Hashable, probed: bool) -> tuple[int, dict[str, Any]]:
+    def _probe_figures(
+        self, values: list[float], i: int, key: Hashable, probed: bool, extra: dict[str, Any],
+    ) -> tuple[int, dict[str, Any]]:
         shapes = self.shapes[key]
         if not probed:
             return i, {"layers": [LayerFigures(s, [], 0.0) for s in shapes]}
         layers = []
-        for shape, specs in zip(shapes, self._probe_lists[key]):
+        for shape, specs in zip(shapes, extra["probe_lists"][key]):
             layers.append(LayerFigures(shape, values[i + 1 : i + 1 + len(specs)], values[i]))
             i += 1 + len(specs)
         return i, {"layers": layers}

@@ -62,6 +62,8 @@ MIN_WIRE_SHARE = 0.25
 PROBE_BYTES = (64 << 10, 8 << 20)
 #: the least time a calibration probe takes on the link at the estimate
 CALIBRATION_S = 0.02
+#: an exchange this many times slower than the estimate predicts: the link fell (:func:`probe_after`)
+FELL = 4.0
 
 
 @dataclass
@@ -94,7 +96,8 @@ class LinkEstimator:
     """Latency and bandwidth from recent ``(collectives, sent_bytes, seconds)`` samples.
 
     Args:
-        half_life: batches after which a sample counts half (a number > 0).
+        half_life: batches after which a sample counts half (a number > 0); with ``at`` given to
+            :meth:`add`, in the units of ``at`` (steps, say), so batches may come unevenly.
         keep: batches kept (older ones would weigh under ``2 ** (-keep / half_life)``).
         probe_every: the fewest batches from one probe to the next (:meth:`probe_bytes`).
 
@@ -112,27 +115,37 @@ class LinkEstimator:
         self.half_life = float(half_life)
         self.keep = keep
         self.batches: list[list[Sample]] = []
+        self.ats: list[float] = []  # when each batch was taken (its index when not given)
         self.latency_s: float | None = None
         self.link: Link | None = None
         self.last_share = 1.0  # the last batch's wire seconds over its seconds
         self.probe_every = probe_every
         self.since_probe = probe_every
 
-    def add(self, samples: Iterable[Sample]) -> Link | None:
+    def add(self, samples: Iterable[Sample], at: float | None = None) -> Link | None:
         """Add one batch of measured exchanges (rows with no time are skipped) and refit.
+
+        Args:
+            samples: ``(collectives, sent_bytes, seconds)`` rows.
+            at: when the batch was taken, in the units of ``half_life`` (the step, say), no
+                earlier than the last batch's; None: one after the last batch.
 
         Returns:
             the current estimate (None until some sample moved bytes).
         """
         batch = [(float(n), float(sent), float(seconds)) for n, sent, seconds in samples
                  if seconds > 0 and n > 0 and math.isfinite(seconds) and math.isfinite(n) and 0 <= sent < math.inf]
+        if at is None:
+            at = self.ats[-1] + 1 if self.ats else 0.0
+        assert not self.ats or at >= self.ats[-1], "batches are added in order"
         self.batches = (self.batches + [batch])[-self.keep :]
+        self.ats = (self.ats + [float(at)])[-self.keep :]
         self._refit()
         return self.link
 
     def _refit(self) -> None:
-        last = len(self.batches) - 1
-        weights = [0.5 ** ((last - age) / self.half_life) for age in range(len(self.batches))]
+        last = self.ats[-1] if self.ats else 0.0
+        weights = [0.5 ** ((last - at) / self.half_life) for at in self.ats]
         # Latency: each batch whose sizes spread enough is fitted on its own (a batch saw one
         # state of the link), and the fits are averaged with the recency weights.
         fitted = [(fit(batch), w) for batch, w in zip(self.batches, weights)]
@@ -189,12 +202,15 @@ class LinkEstimator:
         return int(min(high, max(low, eight, CALIBRATION_S * self.link.bytes_per_s)))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"batches": [[list(s) for s in b] for b in self.batches], "latency_s": self.latency_s,
+        return {"batches": [[list(s) for s in b] for b in self.batches], "ats": list(self.ats), "latency_s": self.latency_s,
                 "last_share": self.last_share, "since_probe": self.since_probe,
                 "link": None if self.link is None else [self.link.latency_s, self.link.bytes_per_s]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.batches = [[tuple(s) for s in b] for b in state["batches"]][-self.keep :]
+        # a state saved before ``ats``: its batches were one apart
+        ats = state.get("ats", list(range(len(state["batches"]))))
+        self.ats = [float(a) for a in ats][-self.keep :]
         self.latency_s, self.last_share = state["latency_s"], state["last_share"]
         self.since_probe = state["since_probe"]
         self.link = None if state["link"] is None else Link(*state["link"])
@@ -230,3 +246,19 @@ def fit(rows: Sequence[Sample], weights: Sequence[float] | None = None) -> Link 
     if latency < 0 or inv_bw <= 0:
         return None
     return Link(latency, 1.0 / inv_bw)
+
+
+def probe_after(link: Link | None, exchange: Sample | None, asked: int) -> int:
+    """The probe to send now, ``asked`` bytes sized from ``link`` at the last decision, unless
+    ``exchange`` (``(collectives, sent_bytes, seconds)`` of the exchange since) took more than
+    :data:`FELL` times what ``link`` predicts for it: the link fell since, and the probe is sized
+    at the rate the exchange moved its bytes (eight latencies' worth, at least 64 KiB), where
+    sized from the old estimate it would take what a dense exchange takes on the slow link. A
+    function of figures that are the same on every rank."""
+    if asked <= 0 or link is None or exchange is None:
+        return asked
+    collectives, sent, seconds = exchange
+    if sent <= 0 or seconds <= FELL * link.seconds(sent, collectives):
+        return asked
+    return int(min(asked, max(PROBE_BYTES[0], 8 * link.latency_s * sent / seconds)))
+
