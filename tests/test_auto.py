@@ -623,17 +623,18 @@ def test_the_running_error_auto_reads_is_the_figure_the_monitor_logs():
 
 class _Scripted:
     """Every bucket takes candidate ``window.end % 3``: a plan from the window alone, so that the
-    step at which it applies is known by hand. It asks for a small link probe at every decision
-    and records, per window, whether it was met and whether a probe came with it."""
+    step at which it applies is known by hand. The plans of the windows ending at a step in
+    ``ask`` ask the next decision to meet; it asks for a small link probe at every decision, and
+    records, per window, whether it was met and whether a probe came with it."""
 
     needs_gradient_sum = False
     checks_running_error = False
     entropy_every = 0
     min_window_steps = 1
 
-    def __init__(self, late: bool, meet_every: int = 1) -> None:
+    def __init__(self, late: bool, ask: tuple[int, ...] = ()) -> None:
         self.decides_late = late
-        self.meet_every = meet_every
+        self.ask = ask
         self.windows: list[tuple[int, int, bool, bool]] = []
 
     def first_window_steps(self) -> int:
@@ -644,7 +645,8 @@ class _Scripted:
 
     def decide(self, window: WindowFigures) -> Plan:
         self.windows.append((window.start, window.end, window.met, window.probe_s > 0))
-        return Plan({b.key: window.end % 3 for b in window.buckets}, 1, {}, "scripted", False)
+        return Plan({b.key: window.end % 3 for b in window.buckets}, 1, {}, "scripted", False,
+                    meet_next=window.end in self.ask)
 
     def state_dict(self) -> dict:
         return {"windows": list(self.windows)}
@@ -665,14 +667,14 @@ def _late_decisions(rank: int, world_size: int) -> dict:
         return out
 
     out = {}
-    for name, late, every in (("at_once", False, 1), ("late", True, 1000), ("meets", True, 3)):
-        straight = AutoReducer(candidates, _Scripted(late, every))
+    for name, late, ask in (("at_once", False, ()), ("late", True, ()), ("meets", True, (5, 8))):
+        straight = AutoReducer(candidates, _Scripted(late, ask))
         out[name] = (run(straight, range(12)), straight.controller.windows)
     # resumed from a state taken while a late decision's figures are in flight (those of step 7)
-    first = AutoReducer(candidates, _Scripted(True, 3))
+    first = AutoReducer(candidates, _Scripted(True, (5, 8)))
     run(first, range(8))
     state = first.state_dict()
-    resumed = AutoReducer(candidates, _Scripted(True, 3))
+    resumed = AutoReducer(candidates, _Scripted(True, (5, 8)))
     resumed.load_state_dict(state)
     out["resumed"] = (run(resumed, range(8, 12)), resumed.controller.windows)
     dist.barrier()
@@ -688,14 +690,15 @@ def test_a_controller_that_decides_late_applies_each_plan_a_step_after_its_figur
         # each after the first sends the probe the one before asked for
         assert windows == [(1, 3, True, False)] + [(s - 1, s, True, True) for s in range(4, 12)]
         assert [h[0].get(0, 0) for h in at_once] == [0, 0, 0] + [s % 3 for s in range(3, 12)]
-        # only the first decision waits (meet_every 1000): the figures of the window ending at
-        # step s are read back, and its plan applied, at s + 1; no later window is met, and no
-        # probe is sent (only right after a wait, where the ranks leave it together)
+        # only the first decision waits (no plan asks for a meeting): the figures of the window
+        # ending at step s are read back, and its plan applied, at s + 1; no later window is
+        # met, and no probe is sent (only right after a wait, where the ranks leave it together)
         late, windows = r["late"]
         assert windows == [(1, 3, True, False), (3, 4, True, False)] + [(s - 2, s - 1, False, False) for s in range(6, 12)]
         assert [h[0].get(0, 0) for h in late] == [0] * 4 + [(s - 1) % 3 for s in range(4, 12)]
-        # meet_every 3: steps 3, 6 and 9 wait (their plan applies at once, after the late one
-        # read back there) and open a met window; the probe goes with the next met decision
+        # the plans of the windows ending at 5 and 8, read back at 6 and 9, ask those steps to
+        # wait: their own plan applies at once, after the late one read back there, with the
+        # probe sent right after the wait, and they open a met window
         meets, windows = r["meets"]
         assert windows == [(1, 3, True, False), (3, 4, True, False), (4, 5, False, False), (5, 6, False, True),
                            (6, 7, True, False), (7, 8, False, False), (8, 9, False, True), (9, 10, True, False)]

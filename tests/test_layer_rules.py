@@ -316,35 +316,60 @@ def test_kimad_keeps_every_layer_on_the_fp16_floor_while_it_fits():
             KimadConfig(**bad).validate()
 
 
-def test_kimad_times_the_link_by_the_probe_sent_where_the_ranks_meet():
+def test_kimad_times_the_link_by_probes_it_asks_for_when_the_exchange_strays():
     errors = [(5.0, 40.0), (1.0, 2.0)]
-    ctl = KimadController(KimadConfig(levels="0.1/0.01", light="none", floor="none", target_ms=11))
+    ctl = KimadController(KimadConfig(levels="0.1/0.01", light="none", floor="none", target_ms=500, link_every=20))
     ctl.layer_plan(0, SHAPES, torch.float32, 0)
-    assert ctl.meet_every == 4  # the auto reducer waits for every 4th decision's figures
-    # the first window (met: the ranks issued its exchange together) gives the first estimate
-    ctl.decide(_kimad_window(errors, rate=5e5, probe=False))
-    assert ctl.link.link.bytes_per_s == pytest.approx(5e5)
-    # and asks for a calibration probe: 20 ms at the estimate (10 kB), 64 KiB at least
-    assert ctl.probe_bytes() == 64 << 10
-    # windows decided a step late (their exchange holds the ranks' skew), and a met one once
-    # there is an estimate, leave it as it is and ask for no probe
-    for met in (False, False, False, True):
-        ctl.decide(_kimad_window(errors, rate=5e4, met=met, probe=False))
-        assert ctl.link.link.bytes_per_s == pytest.approx(5e5) and ctl.probe_bytes() == 0
-    # a window that carries the probe (sent right after a wait): its two all_reduces are the
-    # batch, 5 steps after the first, which now weighs 2 ** (-5 / half_life)
-    window = _kimad_window(errors, rate=1e3, met=False, probe=False)
-    window.probe_latency_s, window.probe_latency_bytes, window.probe_s, window.probe_bytes = 800 / 5e4, 800.0, 0.16, 8000.0
-    ctl.decide(window)
-    old = 0.5 ** 5
-    assert ctl.link.link.bytes_per_s == pytest.approx(math.exp((math.log(5e4) + old * math.log(5e5)) / (1 + old)))
-    assert ctl.probe_bytes() == 64 << 10
+    # the first window (met: the ranks issued its exchange together) gives the first estimate;
+    # a probe is asked for at the next decision: 20 ms at the estimate (1 kB), 64 KiB at least
+    plan = ctl.decide(_kimad_window(errors, rate=5e4, probe=False))
+    assert ctl.link.link.bytes_per_s == pytest.approx(5e4)
+    assert plan.meet_next and ctl.probe_bytes() == 64 << 10
+    # the probe (sent right after the meeting): its two all_reduces are the batch; it read the
+    # link within SETTLED (1.1x) of the estimate it leaves, so no other is asked for
+    plan = ctl.decide(_kimad_window(errors, rate=4e4))
+    weighed = [(1.0, 4e4), (0.5, 5e4)]
+    assert ctl.link.link.bytes_per_s == pytest.approx(
+        math.exp(sum(w * math.log(r) for w, r in weighed) / sum(w for w, _ in weighed)))
+    assert not plan.meet_next and ctl.probe_bytes() == 0
+    estimate = ctl.link.link.bytes_per_s
+    # exchanges decided a step late (met or not) are not read into the estimate; one within
+    # STRAY (2x) of what the estimate predicts asks for nothing
+    for rate, met in ((estimate / 1.9, False), (estimate * 1.9, False), (estimate / 1.5, True)):
+        plan = ctl.decide(_kimad_window(errors, rate=rate, met=met, probe=False))
+        assert ctl.link.link.bytes_per_s == estimate and not plan.meet_next and ctl.probe_bytes() == 0
+    # one beyond it either way (by more than STRAY_S, 10 ms: 8 kB take about 170 ms) asks for a probe
+    for rate in (estimate / 2.1, estimate * 2.1):
+        assert ctl.decide(_kimad_window(errors, rate=rate, met=False, probe=False)).meet_next
+        assert ctl.link.link.bytes_per_s == estimate and ctl.probe_bytes() == 64 << 10
+    # a probe 6 steps after the last, at a tenfold slower link: each batch weighs
+    # 2 ** (-age / half_life), its age in steps; the estimate it leaves is within 1.1x of it
+    plan = ctl.decide(_kimad_window(errors, rate=4e3, met=False))
+    weighed = [(1.0, 4e3), (0.5 ** 6, 4e4), (0.5 ** 7, 5e4)]
+    assert ctl.link.link.bytes_per_s == pytest.approx(
+        math.exp(sum(w * math.log(r) for w, r in weighed) / sum(w for w, _ in weighed)))
+    assert not plan.meet_next
+    # with no stray exchange, the next probe comes link_every (20) steps after the last
+    asks = [ctl.decide(_kimad_window(errors, rate=ctl.link.link.bytes_per_s, met=False, probe=False)).meet_next
+            for _ in range(20)]
+    assert asks == [False] * 19 + [True]
+    # a probe that reads the link far from the estimate it leaves (older probes still weigh in
+    # it) asks for another: 2 steps after one at 4e3, a probe at 4e5
+    ctl.decide(_kimad_window(errors, rate=4e3, met=False))
+    ctl.decide(_kimad_window(errors, rate=4e3, met=False, probe=False))
+    assert ctl.decide(_kimad_window(errors, rate=4e5, met=False)).meet_next
     # a probe asked for at a fast estimate, sent after an exchange four times slower than that
     # estimate predicts (the link fell), is sized at the rate the exchange moved its bytes
     fell = _kimad_window(errors, rate=ctl.link.link.bytes_per_s / 5, probe=False)
     assert ctl.size_probe(fell, 4 << 20) == 64 << 10 and ctl.size_probe(fell, 0) == 0
     slower = _kimad_window(errors, rate=ctl.link.link.bytes_per_s / 2, probe=False)
     assert ctl.size_probe(slower, 4 << 20) == 4 << 20
+    # on a fast link, an exchange three times slower than predicted but by under STRAY_S asks nothing
+    fast = KimadController(KimadConfig(levels="0.1/0.01", light="none", floor="none", target_ms=500))
+    fast.layer_plan(0, SHAPES, torch.float32, 0)
+    fast.decide(_kimad_window(errors, rate=1e7, probe=False))
+    fast.decide(_kimad_window(errors, rate=1e7))
+    assert not fast.decide(_kimad_window(errors, rate=1e7 / 3, met=False, probe=False)).meet_next
     with pytest.raises(ValueError, match="link_every"):
         KimadConfig(link_every=0).validate()
 

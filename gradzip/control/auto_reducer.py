@@ -16,9 +16,9 @@ decisions, at the same step, with no step of delay. A controller that decides ev
 the step's exchange in the queue, and is read back when step ``end + 1`` starts, from which its plan
 applies. Waiting for it every step would hold every rank's exchange until the slowest rank's
 backward pass had ended, instead of letting each rank encode as soon as its own had. Such a
-controller still waits at its first decision and every ``meet_every`` steps after it: there the
-ranks issue their exchange together, and only such a window's exchange (``met``) and the link
-probe sent right after such a wait time the link free of the ranks' skew.
+controller still waits at its first decision, and at the step a plan asks for it
+(``Plan.meet_next``): every rank meets there and leaves together, so the link probe sent right
+after (and the window's exchange that follows, ``met``) time the link free of the ranks' skew.
 
 When a bucket changes codec its error-feedback residual is taken from the old reducer and added
 to the bucket's next gradient before the new codec sees it, so nothing compression dropped is
@@ -159,6 +159,7 @@ class AutoReducer:
         self.window_end = 1 + max(self._min_window_steps(), controller.first_window_steps())
         self.probe_this_window = getattr(controller, "probe_first_window", True)
         self._first_decision = self.window_end
+        self._meet_next = False  # the last plan asked the next decision to wait (Plan.meet_next)
         # whether the window's first exchange followed a figure all_reduce every rank waited for
         # (the first window's follows DDP's construction, where the ranks met)
         self._window_met = True
@@ -369,10 +370,9 @@ class AutoReducer:
         return getattr(self.controller, "decides_late", False)
 
     def _meets(self, step: int) -> bool:
-        """Whether the decision at ``step`` waits for its figures (every rank meets there): the
-        first decision, then every ``meet_every`` steps of a controller that decides late."""
-        every = getattr(self.controller, "meet_every", 1)
-        return (step - self._first_decision) % every == 0
+        """Whether the decision at ``step`` of a controller that decides late waits for its
+        figures (every rank meets there): the first decision, and one the last plan asked for."""
+        return step == self._first_decision or self._meet_next
 
     def _gather(self, step: int) -> dict[str, Any]:
         """The window's figures, their all_reduce launched (MAX over ranks): what
@@ -445,6 +445,7 @@ class AutoReducer:
             self._probe_bytes = 0
         plan = self.controller.decide(window)
         self.last_plan = plan
+        self._meet_next = plan.meet_next
         self._probe_bytes = max(self._probe_bytes, getattr(self.controller, "probe_bytes", lambda: 0)())
         self._apply(plan, order, step)
         link = getattr(self.controller, "link_estimate", lambda: None)()
@@ -700,6 +701,7 @@ class AutoReducer:
             "window_figures": self._window_state(),
             "pending": _kept(self._pending),
             "next_window": list(self._next_window),
+            "meet_next": self._meet_next,
             "reducers": [r.state_dict() for r in self.reducers],
             "controller": self.controller.state_dict(),
         }
@@ -744,6 +746,7 @@ class AutoReducer:
         self._pending = state.get("pending")
         steps, probe = state.get("next_window", (0, False))
         self._next_window = (int(steps), bool(probe))
+        self._meet_next = bool(state.get("meet_next", False))
         self._load_window_state(state.get("window_figures"))
         for reducer, sub in zip(self.reducers, state["reducers"]):
             reducer.load_state_dict(sub)

@@ -178,6 +178,9 @@ class Plan:
         note: a sentence about the whole decision (a trial started, accepted or rejected).
         probe_next: whether the next window should probe candidates at its last step.
         quiet: nothing changed worth an ``auto`` event (a per-step schedule keeping its plan).
+        meet_next: a controller that decides late (``decides_late``) asks the next decision to
+            wait for its figures, so that every rank leaves it together and the link probe it
+            asks for (``probe_bytes``) is sent right after.
     """
 
     choices: dict[Hashable, int]
@@ -186,3 +189,4 @@ class Plan:
     note: str = ""
     probe_next: bool = True
     quiet: bool = False
+    meet_next: bool = False

@@ -12,9 +12,9 @@ ranks (Markov et al., arXiv 2210.17357; :mod:`gradzip.control.knapsack`).
 
 Here, every step (a window of one step of the auto reducer):
 
-1. the link is re-estimated from the last link probes (one every ``link_every`` steps, see
-   below; :class:`~gradzip.control.link.LinkEstimator`: latency and bandwidth kept apart by the
-   probe's all_reduce of one element beside its sized one, following the link both ways with a
+1. the link is re-estimated from the last link probes (see below;
+   :class:`~gradzip.control.link.LinkEstimator`: latency and bandwidth kept apart by the probe's
+   all_reduce of one element beside its sized one, following the link both ways with a
    half-life of ``half_life`` steps);
 2. the budget is ``(target - latency * collectives) * bandwidth`` bytes per rank, where the
    target is the step's compute time (``target_ms=compute``, the default: the median over the
@@ -61,18 +61,25 @@ step after starts, by which time it has long completed. Waiting for it at once w
 before every step's exchange: every rank would wait there for the slowest and only then encode,
 where each could otherwise encode as soon as its own backward pass ends (measured on 4 emulated
 hosts at 100 Mbit/s: 0.06 s a step). So a plan applies two steps after the step its figures end
-with. The first decision and every ``link_every``-th step after it still wait (the plan then
-applies at once): every rank meets there, and right after it they send a link probe together
+with. The link is timed by a probe that the ranks send together: a decision waits for its
+figures (the plan then applies at once) when the last one asked for it (``Plan.meet_next``),
+every rank meets there, and right after it they send the probe
 (:meth:`gradzip.control.auto_reducer.AutoReducer._send_probe`: two rounds of an all_reduce of one
 element and of 20 ms of the link at the estimate, 64 KiB at least, at least the dense exchange
 when the last probe was mostly latency; sized down when the exchange since shows the link fell,
-:func:`~gradzip.control.link.probe_after`). The probe alone times the link (the first window's
-exchange, issued together after DDP's construction, gives the first estimate): an exchange's
-seconds hold the ranks' skew (a rank that issues its collective late finds part of its peers'
-bytes already sent; one that issues early waits for the late one). Read from every step's
-exchange with no meeting, the estimate of a 20 Mbit/s link on two emulated hosts spread from
-14.8 to 27.5 Mbit/s; from the exchange after a meeting every step, 18.8 to 21.4; from a probe
-every 4 steps, 19.2 to 19.6 (``tests/test_link_follow.py``, six runs).
+:func:`~gradzip.control.link.probe_after`). A probe is asked for right after the first decision
+(which waits, and reads the first window's exchange, issued together after DDP's construction),
+whenever a step's exchange took more than :data:`STRAY` times, or less than its inverse, what the
+estimate predicts for it (and more than :data:`STRAY_S` away from it), after a probe that read the link more than :data:`SETTLED` times away
+from the estimate it left (older probes still weigh in it: the link moved), and at least every
+``link_every`` steps. An exchange's seconds hold the
+ranks' skew (a rank that issues its collective late finds part of its peers' bytes already sent;
+one that issues early waits for the late one): they tell that the link moved, not by how much.
+Read from every step's exchange with no meeting, the estimate of a 20 Mbit/s link on two emulated
+hosts spread from 14.8 to 27.5 Mbit/s; from the exchange after a meeting every step, 18.8 to
+21.4; from the probes, 19.2 to 19.6 (``tests/test_link_follow.py``, six runs). A meeting costs
+what waiting for the slowest rank costs, plus the probe: meeting every 4 steps to probe, the
+meeting steps took 0.09 s longer than the others on 4 emulated hosts at 100 Mbit/s.
 Until the first decision (the first window, while the link and the compute time are measured)
 every layer takes the light codec where the light tier is taken, else the floor: on a slow link
 the floor's bytes would cost most in those steps; on a fast one the light codec's encode and
@@ -93,7 +100,7 @@ re-measured every ``error_every`` steps, not every step, since pricing every lev
 encode per level and layer.
 
 Spec: ``kimad[:codec=topk,levels=0.001/0.01/0.1,floor=fp16,light=int8,light_floor=true,target_ms=compute,
-layerwise=true,error_every=10,units=1000,hysteresis=0.1,half_life=1,link_every=4]``; ``light=none`` leaves the
+layerwise=true,error_every=10,units=1000,hysteresis=0.1,half_life=1,link_every=20]``; ``light=none`` leaves the
 light codec out (it is left out past ``int8``'s 127 ranks, and always with ``codec=powersgd``);
 ``codec=powersgd`` splits ranks (levels ``1/2/4/8`` unless given; its floor is ``none``), a
 quantizer bits (``2/4/8``). Codecs with an
@@ -133,6 +140,17 @@ NAME = "kimad"
 #: the tiers of a plan: every layer at the floor, every layer at the light codec, the budget split
 FLOOR, LIGHT, SPLIT = "floor", "light", "split"
 ORDER = (FLOOR, LIGHT, SPLIT)  # gentlest first
+
+#: an exchange that took more than this many times what the estimate predicts, or less than its
+#: inverse, asks for a link probe
+STRAY = 2.0
+#: ... and by more than this many seconds (an exchange of a few ms on a fast link strays by more
+#: than STRAY from its prediction with scheduling noise alone, and moves no budget)
+STRAY_S = 0.01
+
+#: a probe that read the link more than this factor away from the estimate it left (still
+#: weighing older probes) asks for another
+SETTLED = 1.1
 
 #: steps over which the compute time per step is the median (``target_ms=compute``)
 COMPUTE_STEPS = 9
@@ -188,9 +206,9 @@ class KimadConfig:
     half_life: float = 1.0
     """Steps after which a link sample counts half."""
 
-    link_every: int = 4
-    """Steps between the decisions that every rank waits for, after which they probe the link
-    together (the others are taken a step late, with no wait); 1 waits at every step."""
+    link_every: int = 20
+    """The most steps from one link probe to the next (one also comes whenever an exchange strays
+    from the estimate; see the module docstring)."""
 
     def validate(self) -> KimadConfig:
         knob = knob_of(self.codec)
@@ -244,6 +262,8 @@ class KimadController(LayerSchedule):
         # a batch per probe (every link_every steps), weighed by its step
         self.link = LinkEstimator(half_life=cfg.half_life, keep=max(4, int(8 * cfg.half_life)), probe_every=1)
         self._timed = False  # whether the last decision's window timed the link
+        self.probed_at: int | None = None  # the window that last carried a probe
+        self._meet_next = False  # the last decision asked for a probe at the next
         self.layout: dict[Hashable, tuple[list[torch.Size], torch.dtype]] = {}
         self.errors: dict[Hashable, list[dict[str, float]]] = {}  # per layer: spec -> squared error
         self.plans: dict[Hashable, tuple[str, ...]] = {}
@@ -313,17 +333,15 @@ class KimadController(LayerSchedule):
         dtype = self.layout.get(key, (None, torch.float32))[1]
         return [[s for s in self.candidates(torch.Size(shape), dtype) if s != DENSE] for shape in shapes]
 
-    @property
-    def meet_every(self) -> int:
-        """Steps between the decisions every rank waits for (the auto reducer reads it)."""
-        return self.cfg.link_every
-
     def decide(self, window: WindowFigures) -> Plan:
         self.world_size = window.world_size
         # the link is timed by the probe the ranks send together where they meet, and by the
         # first window's exchange (issued together after DDP's construction) until there is one
         self._timed = window.probe_s > 0 or (window.met and self.link.link is None)
         link = self.link.add(window.link_samples(), at=window.start) if self._timed else self.link.link
+        if window.probe_s > 0:
+            self.probed_at = window.start
+        self._meet_next = self._wants_probe(window, link, probed=window.probe_s > 0)
         refreshed = False
         for b in window.buckets:
             if b.layers and any(layer.errors for layer in b.layers):
@@ -333,11 +351,11 @@ class KimadController(LayerSchedule):
         self.since_probe = 0 if refreshed else self.since_probe + 1
         keys = [b.key for b in window.buckets if b.key in self.layout]
         if link is None or not keys:
-            return Plan({}, 1, {}, "measuring the link", False, quiet=True)
+            return Plan({}, 1, {}, "measuring the link", False, quiet=True, meet_next=self._meet_next)
         collectives = sum(b.collectives for b in window.buckets)
         target_s = self.target_s(window)
         if target_s is None:
-            return Plan({}, 1, {}, "measuring the compute time per step", False, quiet=True)
+            return Plan({}, 1, {}, "measuring the compute time per step", False, quiet=True, meet_next=self._meet_next)
         budget = link.bytes_within(target_s, collectives)
         head = (f"link {link.mbit:,.1f} Mbit/s, {link.latency_s * 1e3:.2f} ms per collective, "
                 f"target {target_s * 1e3:,.0f} ms, budget {budget / 1e6:,.3f} MB")
@@ -345,9 +363,9 @@ class KimadController(LayerSchedule):
         probe_next = tier == SPLIT and self.since_probe + 1 >= self.cfg.error_every
         crossed = self.tier is not None and tier != self.tier  # hysteresis holds no plan across tiers
         if not refreshed and not crossed and self.budget is not None and _within(budget, self.budget, self.cfg.hysteresis):
-            return Plan({}, 1, {}, f"{head}: within {self.cfg.hysteresis:.0%} of the plan's; kept", probe_next, quiet=True)
+            return Plan({}, 1, {}, f"{head}: within {self.cfg.hysteresis:.0%} of the plan's; kept", probe_next, quiet=True, meet_next=self._meet_next)
         if tier == SPLIT and any(k not in self.errors for k in keys):
-            return Plan({}, 1, {}, f"{head}: the budget must be split; pricing the layers", True, quiet=True)
+            return Plan({}, 1, {}, f"{head}: the budget must be split; pricing the layers", True, quiet=True, meet_next=self._meet_next)
         before = {k: self.plans.get(k) for k in keys}
         self.tier = tier
         if tier == FLOOR:
@@ -360,9 +378,9 @@ class KimadController(LayerSchedule):
             self._solve(keys, min(budget, self._split_cap(keys, window.world_size)), window.world_size)
         self.budget = budget
         if all(self.plans[k] == before[k] for k in keys):
-            return Plan({}, 1, {}, f"{head}: re-planned, unchanged", probe_next, quiet=True)
+            return Plan({}, 1, {}, f"{head}: re-planned, unchanged", probe_next, quiet=True, meet_next=self._meet_next)
         reasons = {k: f"bucket {k}: {_summary(self.plans[k])}" for k in keys}
-        return Plan({}, 1, reasons, f"{head}: re-planned", probe_next)
+        return Plan({}, 1, reasons, f"{head}: re-planned", probe_next, meet_next=self._meet_next)
 
     def _floor_plan(self, key: Hashable) -> tuple[str, ...]:
         """Every layer of bucket ``key`` at its floor."""
@@ -462,11 +480,27 @@ class KimadController(LayerSchedule):
         choice = knapsack.solve([errs for _, _, _, errs, _, _ in items], weights, capacity)
         return strongest if choice is None else choice
 
+    def _wants_probe(self, window: WindowFigures, link: Link | None, *, probed: bool) -> bool:
+        """Whether the next decision should meet and probe the link (see the module docstring)."""
+        if link is None:
+            return False
+        if self.probed_at is None or window.start - self.probed_at >= self.cfg.link_every:
+            return True
+        rate = self.link.last_rate
+        if probed and rate is not None and not link.bytes_per_s / SETTLED <= rate <= link.bytes_per_s * SETTLED:
+            return True  # the estimate is still moving towards what the probe read
+        exchange = window.exchange_sample()
+        if exchange is None:
+            return False
+        collectives, sent, seconds = exchange
+        predicted = link.seconds(sent, collectives)
+        return abs(seconds - predicted) > STRAY_S and not predicted / STRAY <= seconds <= predicted * STRAY
+
     def probe_bytes(self) -> int:
-        """The link probe for the next meeting, asked for by the decision that read the last
-        (a calibration; at least the buckets' dense bytes when that one was mostly latency; see
-        :meth:`LinkEstimator.probe_bytes`)."""
-        if not self._timed:
+        """The link probe for the next decision, when the last asked to meet there (a
+        calibration; at least the buckets' dense bytes when the last probe was mostly latency;
+        see :meth:`LinkEstimator.probe_bytes`)."""
+        if not self._meet_next:
             return 0
         dense = sum(sum(s.numel() for s in shapes) * dtype.itemsize for shapes, dtype in self.layout.values())
         return self.link.probe_bytes(dense, calibrate=True)
@@ -484,7 +518,7 @@ class KimadController(LayerSchedule):
         return {"link": self.link.state_dict(), "errors": {k: [dict(e) for e in v] for k, v in self.errors.items()},
                 "plans": {k: list(v) for k, v in self.plans.items()}, "budget": self.budget,
                 "since_probe": self.since_probe, "compute": list(self.compute), "tier": self.tier,
-                "world_size": self.world_size}
+                "world_size": self.world_size, "probed_at": self.probed_at, "meet_next": self._meet_next}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.link.load_state_dict(state["link"])
@@ -495,6 +529,8 @@ class KimadController(LayerSchedule):
         # a state saved before the tiers: on_floor true was the floor, false the split
         self.tier = state.get("tier", {True: FLOOR, False: SPLIT}.get(state.get("on_floor")))
         self.world_size = state.get("world_size", 1)
+        self.probed_at = state.get("probed_at")
+        self._meet_next = bool(state.get("meet_next", False))
 
 
 def _light_codec(light: Any, *, own_exchange: bool, codec: str):

@@ -119,6 +119,7 @@ class LinkEstimator:
         self.latency_s: float | None = None
         self.link: Link | None = None
         self.last_share = 1.0  # the last batch's wire seconds over its seconds
+        self.last_rate: float | None = None  # the last batch's bytes over its wire seconds
         self.probe_every = probe_every
         self.since_probe = probe_every
 
@@ -164,11 +165,13 @@ class LinkEstimator:
         # the estimate equally fast.
         logs = []
         self.last_share = 0.0
+        self.last_rate = None
         for batch, w in zip(self.batches, weights):
             sent = sum(b for _, b, _ in batch)
             wire_s = sum(max(0.0, s - latency * n) for n, b, s in batch if b > 0)
             share = wire_s / max(sum(s for _, b, s in batch if b > 0), 1e-12)
             self.last_share = share
+            self.last_rate = sent / wire_s if sent > 0 and wire_s > 0 else None
             if sent > 0 and wire_s > 0:
                 logs.append((math.log(sent / wire_s), w * min(1.0, share / MIN_WIRE_SHARE)))
         if logs:
