@@ -423,17 +423,18 @@ def test_kimad_floor_edges():
             KimadConfig(codec=codec).validate()
 
 
-def test_kimad_starts_in_the_light_tier_until_its_first_decision():
-    """2 ranks, two 1,000-element layers: int8 on both until the first window is decided, then
-    the tier the budget buys; the floor where the light tier is not taken."""
+def test_kimad_starts_on_the_floor_and_decides_at_step_2():
+    """2 ranks, two 1,000-element layers: fp16 on both until the first window (step 1) is
+    decided, then the tier the budget buys."""
     ctl = KimadController(KimadConfig(levels="0.1/0.01", target_ms=11))
+    assert ctl.first_window_steps() == 1
     ctl.begin(2)
-    assert ctl.tier == "light" and ctl.layer_plan(0, SHAPES, torch.float32, 0) == ("int8", "int8")
-    # 500 kB/s for 11 ms: 5,500 bytes hold the floor's 4,000 with the 10% to spare a gentler tier needs
-    ctl.decide(_kimad_window([(), ()], rate=5e5, probed=False))
-    assert ctl.tier == "floor" and ctl.layer_plan(0, SHAPES, torch.float32, 1) == ("fp16", "fp16")
+    assert ctl.tier == "floor" and ctl.layer_plan(0, SHAPES, torch.float32, 0) == ("fp16", "fp16")
+    # 250 kB/s for 11 ms: 2,750 bytes, under the floor's 4,000 and over int8's 2,032
+    ctl.decide(_kimad_window([(), ()], rate=2.5e5, probed=False))
+    assert ctl.tier == "light" and ctl.layer_plan(0, SHAPES, torch.float32, 1) == ("int8", "int8")
     ctl.begin(2)  # told again (a resumed run): the running tier stays
-    assert ctl.tier == "floor"
+    assert ctl.tier == "light"
     # resumed from a state saved in the light tier onto 200 ranks, where int8 cannot sum: the floor
     resumed = KimadController(KimadConfig(levels="0.1/0.01", target_ms=11))
     resumed.begin(2)

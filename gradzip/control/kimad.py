@@ -80,11 +80,12 @@ hosts spread from 14.8 to 27.5 Mbit/s; from the exchange after a meeting every s
 21.4; from the probes, 19.2 to 19.6 (``tests/test_link_follow.py``, six runs). A meeting costs
 what waiting for the slowest rank costs, plus the probe: meeting every 4 steps to probe, the
 meeting steps took 0.09 s longer than the others on 4 emulated hosts at 100 Mbit/s.
-Until the first decision (the first window, while the link and the compute time are measured)
-every layer takes the light codec where the light tier is taken, else the floor: on a slow link
-the floor's bytes would cost most in those steps; on a fast one the light codec's encode and
-decode cost more than the floor's (measured on 4 emulated hosts at 1 Gbit/s: about 1.4 s over
-the first two steps).
+The first decision comes at step 2, from step 1's compute time and exchange (step 0 is left
+out); until then every layer takes the floor. Starting at the light codec cost more on a fast
+link than the floor's bytes cost on a slow one: on 4 emulated hosts, with a first window of 5
+steps at ``int8``, steps 0 to 5 took 2.6 s longer than ``fp16``'s at 1 Gbit/s (the ``int8``
+encode and decode of the first steps take up to 1.3 s a step on that loaded machine, against
+0.03 s later), while at 100 Mbit/s the fixed ``int8`` codec pays the same in its own first steps.
 
 Reproduced: the per-step budget from the bandwidth estimate and a target time, the per-layer
 split minimising summed squared error by dynamic programming, and Kimad's uniform variant.
@@ -307,13 +308,17 @@ class KimadController(LayerSchedule):
         spec = self.ladder.spec(level, shape, dtype)
         return self.floor(dtype) if spec == DENSE else spec
 
+    def first_window_steps(self) -> int:
+        """The first decision comes at step 2, from step 1 alone (step 0 is left out)."""
+        return 1
+
     def begin(self, world_size: int) -> None:
-        """Start in the light tier where it is taken (else on the floor), unless resumed in one;
-        a resumed run on a group the light codec cannot sum over drops the plans that use it."""
+        """Start on the floor, unless resumed in a tier; a resumed run on a group the light
+        codec cannot sum over drops the plans that use it."""
         resumed = self.tier is not None
         self.world_size = world_size
         if not resumed:
-            self.tier = LIGHT if self._light_tier() else FLOOR
+            self.tier = FLOOR
         elif not self._light_usable() and self.cfg.light_codec is not None:
             light = self.cfg.light_codec.spec
             self.plans = {k: p for k, p in self.plans.items() if light not in p}
