@@ -70,14 +70,15 @@ when the last probe was mostly latency; sized down when the exchange since shows
 :func:`~gradzip.control.link.probe_after`). A probe is asked for right after the first decision
 (which waits, and reads the first window's exchange, issued together after DDP's construction),
 whenever a step's exchange took more than :data:`STRAY` times, or less than its inverse, what the
-estimate predicts for it (and more than :data:`STRAY_S` away from it), after a probe that read the link more than :data:`SETTLED` times away
-from the estimate it left (older probes still weigh in it: the link moved), and at least every
-``link_every`` steps. An exchange's seconds hold the
-ranks' skew (a rank that issues its collective late finds part of its peers' bytes already sent;
-one that issues early waits for the late one): they tell that the link moved, not by how much.
-Read from every step's exchange with no meeting, the estimate of a 20 Mbit/s link on two emulated
-hosts spread from 14.8 to 27.5 Mbit/s; from the exchange after a meeting every step, 18.8 to
-21.4; from the probes, 19.2 to 19.6 (``tests/test_link_follow.py``, six runs). A meeting costs
+estimate predicts for it (and more than :data:`STRAY_S` away from it), after a probe that read
+the link more than :data:`SETTLED` times away from the estimate it left (older probes still
+weigh in it: the link moved), and at least every ``link_every`` steps. An exchange's seconds
+hold the ranks' skew (a rank that issues its collective late finds part of its peers' bytes
+already sent; one that issues early waits for the late one): they tell that the link moved, not
+by how much. Read from every step's exchange with no meeting, the estimate of a 20 Mbit/s link
+on two emulated hosts spread from 14.8 to 27.5 Mbit/s; from the exchange after a meeting every
+step, 18.8 to 21.4; from the probes, 20.1 to 20.8 (``tests/test_link_follow.py``, six runs). A
+meeting costs
 what waiting for the slowest rank costs, plus the probe: meeting every 4 steps to probe, the
 meeting steps took 0.09 s longer than the others on 4 emulated hosts at 100 Mbit/s.
 The first decision comes at step 2, from step 1's compute time and exchange (step 0 is left
@@ -260,9 +261,8 @@ class KimadController(LayerSchedule):
     def __init__(self, cfg: KimadConfig) -> None:
         self.cfg = cfg.validate()
         self.ladder = Ladder(cfg.codec)
-        # a batch per probe (every link_every steps), weighed by its step
+        # a batch per probe, weighed by the step it was taken at
         self.link = LinkEstimator(half_life=cfg.half_life, keep=max(4, int(8 * cfg.half_life)), probe_every=1)
-        self._timed = False  # whether the last decision's window timed the link
         self.probed_at: int | None = None  # the window that last carried a probe
         self._meet_next = False  # the last decision asked for a probe at the next
         self.layout: dict[Hashable, tuple[list[torch.Size], torch.dtype]] = {}
@@ -342,8 +342,8 @@ class KimadController(LayerSchedule):
         self.world_size = window.world_size
         # the link is timed by the probe the ranks send together where they meet, and by the
         # first window's exchange (issued together after DDP's construction) until there is one
-        self._timed = window.probe_s > 0 or (window.met and self.link.link is None)
-        link = self.link.add(window.link_samples(), at=window.start) if self._timed else self.link.link
+        timed = window.probe_s > 0 or (window.met and self.link.link is None)
+        link = self.link.add(window.link_samples(), at=window.start) if timed else self.link.link
         if window.probe_s > 0:
             self.probed_at = window.start
         self._meet_next = self._wants_probe(window, link, probed=window.probe_s > 0)
