@@ -342,11 +342,18 @@ class KimadController(LayerSchedule):
         self.world_size = window.world_size
         # the link is timed by the probe the ranks send together where they meet, and by the
         # first window's exchange (issued together after DDP's construction) until there is one
-        timed = window.probe_s > 0 or (window.met and self.link.link is None)
+        probed = window.probe_s > 0
+        timed = probed or (window.met and self.link.link is None)
         link = self.link.add(window.link_samples(), at=window.start) if timed else self.link.link
-        if window.probe_s > 0:
+        if probed:
             self.probed_at = window.start
-        self._meet_next = self._wants_probe(window, link, probed=window.probe_s > 0)
+        self._meet_next = self._wants_probe(window, link, probed=probed)
+        plan = self._plan(window, link)
+        plan.meet_next = self._meet_next
+        return plan
+
+    def _plan(self, window: WindowFigures, link: Link | None) -> Plan:
+        """The plan from this window's figures and the current link estimate."""
         refreshed = False
         for b in window.buckets:
             if b.layers and any(layer.errors for layer in b.layers):
@@ -356,11 +363,11 @@ class KimadController(LayerSchedule):
         self.since_probe = 0 if refreshed else self.since_probe + 1
         keys = [b.key for b in window.buckets if b.key in self.layout]
         if link is None or not keys:
-            return Plan({}, 1, {}, "measuring the link", False, quiet=True, meet_next=self._meet_next)
+            return Plan({}, 1, {}, "measuring the link", False, quiet=True)
         collectives = sum(b.collectives for b in window.buckets)
         target_s = self.target_s(window)
         if target_s is None:
-            return Plan({}, 1, {}, "measuring the compute time per step", False, quiet=True, meet_next=self._meet_next)
+            return Plan({}, 1, {}, "measuring the compute time per step", False, quiet=True)
         budget = link.bytes_within(target_s, collectives)
         head = (f"link {link.mbit:,.1f} Mbit/s, {link.latency_s * 1e3:.2f} ms per collective, "
                 f"target {target_s * 1e3:,.0f} ms, budget {budget / 1e6:,.3f} MB")
@@ -368,9 +375,9 @@ class KimadController(LayerSchedule):
         probe_next = tier == SPLIT and self.since_probe + 1 >= self.cfg.error_every
         crossed = self.tier is not None and tier != self.tier  # hysteresis holds no plan across tiers
         if not refreshed and not crossed and self.budget is not None and _within(budget, self.budget, self.cfg.hysteresis):
-            return Plan({}, 1, {}, f"{head}: within {self.cfg.hysteresis:.0%} of the plan's; kept", probe_next, quiet=True, meet_next=self._meet_next)
+            return Plan({}, 1, {}, f"{head}: within {self.cfg.hysteresis:.0%} of the plan's; kept", probe_next, quiet=True)
         if tier == SPLIT and any(k not in self.errors for k in keys):
-            return Plan({}, 1, {}, f"{head}: the budget must be split; pricing the layers", True, quiet=True, meet_next=self._meet_next)
+            return Plan({}, 1, {}, f"{head}: the budget must be split; pricing the layers", True, quiet=True)
         before = {k: self.plans.get(k) for k in keys}
         self.tier = tier
         if tier == FLOOR:
@@ -383,9 +390,9 @@ class KimadController(LayerSchedule):
             self._solve(keys, min(budget, self._split_cap(keys, window.world_size)), window.world_size)
         self.budget = budget
         if all(self.plans[k] == before[k] for k in keys):
-            return Plan({}, 1, {}, f"{head}: re-planned, unchanged", probe_next, quiet=True, meet_next=self._meet_next)
+            return Plan({}, 1, {}, f"{head}: re-planned, unchanged", probe_next, quiet=True)
         reasons = {k: f"bucket {k}: {_summary(self.plans[k])}" for k in keys}
-        return Plan({}, 1, reasons, f"{head}: re-planned", probe_next, meet_next=self._meet_next)
+        return Plan({}, 1, reasons, f"{head}: re-planned", probe_next)
 
     def _floor_plan(self, key: Hashable) -> tuple[str, ...]:
         """Every layer of bucket ``key`` at its floor."""
