@@ -35,9 +35,9 @@ def test_onebit_adam_in_the_main_job(tmp_path):
         assert state["steps_taken"] == 8 and state["exchange"]["feedback"]["residuals"]
 
 
-def _run(tmp_path, name: str, spec: str, steps: int) -> tuple[list[dict], dict, object]:
+def _run(tmp_path, name: str, spec: str, steps: int, compressor: str = "none") -> tuple[list[dict], dict, object]:
     out = tmp_path / name
-    args = TINY + ["--steps", str(steps), "--eval-every", str(steps // 2), "--optimizer", spec, "--compressor", "none",
+    args = TINY + ["--steps", str(steps), "--eval-every", str(steps // 2), "--optimizer", spec, "--compressor", compressor,
                    "--out", str(out), "--quiet"]
     proc = subprocess.run([sys.executable, "-m", "gradzip", "train", *args], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -74,10 +74,45 @@ def test_demo_in_the_main_job_sends_its_top_dct_components(tmp_path):
     assert not torch.equal(*momenta)  # each rank keeps its own momentum
 
 
+@pytest.mark.e2e
+def test_local_adamw_in_the_main_job_sends_its_update_through_the_codec(tmp_path):
+    records, summary, ckpt = _run(tmp_path, "local", "local-adamw", 4, compressor="topk:ratio=0.02")
+    dense = records[0]["dense_bytes"]
+    numel = dense // 4
+    kept = round(0.02 * numel)  # one bucket of every update: fp32 values, int16 indices below 65,536 elements
+    assert 256 < numel <= 65536
+    assert all(r["payload_bytes"] == kept * (4 + 2) for r in records)
+    assert all(r["sent_bytes"] == r["payload_bytes"] for r in records)  # all_gather at 2 ranks: (W - 1) P
+    assert summary["compressor"] == "topk:ratio=0.02" and summary["optimizer"] == "local-adamw"
+    assert summary["final_val_loss"] < summary["initial_val_loss"]
+    states = [torch.load(ckpt / f"rank-{rank}.pt", weights_only=False)["optimizer"] for rank in (0, 1)]
+    assert not torch.equal(states[0]["state"][0]["exp_avg"], states[1]["state"][0]["exp_avg"])  # moments per rank
+    assert all(s["gradzip"]["exchange"]["feedback"]["residuals"] for s in states)
+
+
+@pytest.mark.parametrize(
+    "compressor, extra, message",
+    [
+        ("auto", [], "--compressor auto is not a plain codec spec"),
+        ("kimad", [], "--compressor kimad is not a plain codec spec"),
+        ("topk:ratio=0.01,warmup_steps=5", [], "is not a plain codec spec"),
+        ("powersgd", ["--collective", "allgather"], "--collective must be auto for powersgd"),
+        ("topk:ratio=0.01", ["--fsdp"], "with --fsdp use adamw"),
+        ("topk:ratio=0.01", ["--outer", "diloco:sync_every=4"], "--outer wraps the inner adamw"),
+    ],
+)
+def test_local_adamw_takes_a_plain_codec_under_ddp(compressor, extra, message, capsys, tmp_path):
+    argv = ["train", "--optimizer", "local-adamw", "--compressor", compressor, *extra, "--out", str(tmp_path / "x")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [
-        ("nosuch", "--optimizer must be one of adamw, onebit-adam, zeroone-adam, tsr-adam, demo"),
+        ("nosuch", "--optimizer must be one of adamw, onebit-adam, zeroone-adam, tsr-adam, demo, local-adamw"),
         ("tsr-adam:approx_rank=300", "approx_rank must be at most 256 (--n-embd)"),
         ("tsr-adam:scale=0", "scale must be a number > 0"),
         ("tsr-adam:approx_rank_emb=0", "approx_rank_emb must be an integer >= 1; got 0"),

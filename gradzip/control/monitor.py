@@ -13,8 +13,11 @@ an error-feedback ratio:
   ``q = ||x - C(x)|| / ||x||`` stays under 1 the residual settles near at most ``q / (1 - q)``
   times the gradient (Karimireddy et al., "Error Feedback Fixes SignSGD", arXiv 1901.09847); with
   ``q >= 1`` nothing bounds it. A check is low when ``q >= 1``, or when the error-feedback ratio
-  ``||e|| / ||g||`` exceeds ``feedback_limit`` (the residual holds more than that many steps'
-  worth of gradient: the updates run far behind the gradients).
+  ``||e|| / ||g||`` exceeds both ``feedback_limit`` (the residual holds more than that many steps'
+  worth of gradient: the updates run far behind the gradients) and twice the bound ``q / (1 - q)``
+  that the codec's relative error allows: Top-K at 1% keeps ``q`` near 0.98, whose residual may
+  settle near 50x without anything going wrong (as it does when ``local-adamw`` compresses AdamW's
+  updates, every coordinate of which moves about ``lr`` a step).
 
 :class:`QualityMonitor` counts, per bucket, the consecutive low checks; once a bucket reaches
 ``patience`` of them it is named in the warning, and it leaves the warning at its first check that
@@ -47,7 +50,7 @@ class QualityMonitor:
             as low, in (0, 1].
         patience: consecutive low checks before a bucket is named in the warning, >= 1.
         feedback_limit: for codecs with error feedback, the error-feedback ratio ``||e|| / ||g||``
-            above which a check counts as low, > 0.
+            above which a check counts as low where it also exceeds ``2 q / (1 - q)``, > 0.
         tensorboard_dir: write TensorBoard event files there (needs the ``tensorboard`` package);
             None writes none.
 
@@ -85,8 +88,9 @@ class QualityMonitor:
         if plain:
             parts.append(f"norm ratio < {self.threshold:g} for {self.patience}+ checks: bucket {', '.join(plain)}")
         if fed:
-            parts.append(f"error feedback falling behind (residual over {self.feedback_limit:g}x the gradient, or "
-                         f"relative error >= 1) for {self.patience}+ checks: bucket {', '.join(fed)}")
+            parts.append(f"error feedback falling behind (residual over {self.feedback_limit:g}x the gradient and "
+                         f"twice what the relative error q bounds it at, q / (1 - q), or q >= 1) for {self.patience}+ "
+                         f"checks: bucket {', '.join(fed)}")
         return "; ".join(parts) or None
 
     def observe(self, step: int, comm: dict[str, Any], record: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -137,7 +141,8 @@ class QualityMonitor:
     def _check(self, name: str, quality: dict[str, float]) -> None:
         if "feedback_ratio" in quality:
             self.feedback.add(name)
-            low = quality["relative_error"] >= 1.0 or quality["feedback_ratio"] > self.feedback_limit
+            q = quality["relative_error"]
+            low = q >= 1.0 or quality["feedback_ratio"] > max(self.feedback_limit, 2 * q / (1 - q))
         else:  # (auto may change a bucket's codec: the latest check tells its family)
             self.feedback.discard(name)
             low = quality["norm_ratio"] < self.threshold
@@ -221,7 +226,7 @@ class QualityMonitor:
             lines.append(
                 "  with error feedback a low norm ratio is by design (what a step drops is sent in later steps); "
                 f"trouble is a residual that is never paid back: a warning above {self.feedback_limit:g}x the "
-                "gradient, or at a relative error >= 1"
+                "gradient and twice the q / (1 - q) its relative error q allows, or at q >= 1"
             )
         if any("feedback_ratio_median" not in q and "norm_ratio_median" in q for q in s["quality"].values()):
             lines.append(

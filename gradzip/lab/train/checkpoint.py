@@ -264,9 +264,10 @@ def check_compatible(folder: Path, config: dict[str, Any], world_size: int) -> N
         diffs.append(f"--world-size (checkpoint {manifest.get('world_size')}, now {world_size})")
     # Under tsr-adam and demo DDP's hook never runs; checkpoints from before --compressor became
     # none under them recorded the unused default, which does not change the run.
-    from gradzip.lab.train.optimizers import uses_hook
+    from gradzip.lab.train.optimizers import ignores_compressor
 
-    hookless = "optimizer" in saved and saved["optimizer"] == config.get("optimizer") and not uses_hook(saved["optimizer"])
+    hookless = ("optimizer" in saved and saved["optimizer"] == config.get("optimizer")
+                and ignores_compressor(saved["optimizer"]))
     for name in MUST_MATCH:
         if name == "compressor" and hookless:
             continue

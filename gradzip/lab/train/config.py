@@ -43,12 +43,14 @@ class TrainConfig:
         "adamw",
         "adamw, onebit-adam[:warmup_steps=N,bucket_cap_mb=M], zeroone-adam[:var_freeze_step=N,var_update_scaler=K,"
         "local_step_scaler=S,local_step_clipper=H,bucket_cap_mb=M], tsr-adam[:approx_rank=R,update_gap=N,"
-        "approx_rank_emb=E,update_gap_emb=M,scale=S,oversampling=P,power_iters=Q] or demo[:compression_decay=B,"
-        "compression_topk=K,compression_chunk=C]; onebit-adam and zeroone-adam send 1-bit momenta after N "
+        "approx_rank_emb=E,update_gap_emb=M,scale=S,oversampling=P,power_iters=Q], demo[:compression_decay=B,"
+        "compression_topk=K,compression_chunk=C] or local-adamw[:feedback_decay=D,bucket_cap_mb=M]; onebit-adam and zeroone-adam send 1-bit momenta after N "
         "full-precision steps (unless given: 20% of --steps, at least --warmup-steps); tsr-adam sends r x r cores "
         "of the attention/MLP matrices and embeddings (defaults R=n_embd/4, N=10% of --steps up to 100, "
         "E=n_embd/2, M=10, S=7.5); demo "
-        "sends the top K DCT components per C x C chunk of its local momentum",
+        "sends the top K DCT components per C x C chunk of its local momentum; local-adamw keeps AdamW's moments "
+        "per rank and sends its update, not the gradient, through --compressor's codec with error feedback "
+        "(the remedy for Top-K and the sign codecs under AdamW)",
         metavar="SPEC", must_match=True)
     outer: str | None = option(
         None, "DiLoCo across replicas: diloco:sync_every=H[,outer_lr=L,outer_momentum=M,fragments=F,delay=D,mix=A,"
@@ -139,9 +141,15 @@ class TrainConfig:
     def _drop_unused_hook(self) -> None:
         """Under an optimizer that sends everything itself (tsr-adam, demo) DDP's hook never runs:
         the default ``--compressor`` becomes ``none``, so that the run's label says what it sends,
-        and any other codec is refused rather than silently unused."""
-        from gradzip.lab.train.optimizers import parse_optimizer, uses_hook
+        and any other codec is refused rather than silently unused. Under local-adamw the codec
+        carries the optimizer's update: it must be a plain codec, with DDP buckets left alone."""
+        from gradzip.lab.train.optimizers import parse_optimizer, takes_codec, uses_hook
 
+        if takes_codec(self.optimizer):  # the codec itself was checked when the optimizer was built
+            if self.fsdp or self.outer is not None or self.min_compress_bytes:
+                raise ValueError("--optimizer local-adamw runs under DDP alone: no --fsdp, --outer or "
+                                 "--min-compress-bytes")
+            return
         if uses_hook(self.optimizer) or self.compressor == "none":
             return
         if self.compressor != DEFAULT_COMPRESSOR:

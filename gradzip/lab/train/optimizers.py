@@ -1,5 +1,5 @@
 """The main job's optimizer:
-``--optimizer adamw|onebit-adam|zeroone-adam|tsr-adam|demo[:key=value,...]``.
+``--optimizer adamw|onebit-adam|zeroone-adam|tsr-adam|demo|local-adamw[:key=value,...]``.
 
 ``adamw`` is ``torch.optim.AdamW`` behind the DDP hook of ``--compressor``. The others own
 their communication (:mod:`gradzip.optim`): the hook averages gradients only on the steps where
@@ -20,7 +20,9 @@ serving a third of a short run stalled it); ``scale`` 7.5, the paper's 0.75 at i
 and the dense parameters keep AdamW's. ``demo`` takes DeMo's paper defaults
 (``compression_decay`` 0.999, ``compression_topk`` 32, ``compression_chunk`` 64) with the job's
 ``--lr`` and ``--weight-decay``. Under ``tsr-adam`` and ``demo`` DDP's hook never runs, so
-``--compressor`` defaults to ``none`` there and any other codec is refused.
+``--compressor`` defaults to ``none`` there and any other codec is refused. ``local-adamw``
+(:class:`~gradzip.optim.LocalAdamW`) sends its AdamW update through ``--compressor``'s codec
+instead of DDP's hook (which never runs), on ``--collective``'s route.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 from gradzip.compressors import SpecError, check_int, parse_spec
 from gradzip.metrics import StepMetrics
-from gradzip.optim import CompressedAdamBase, DeMo, OneBitAdam, TSRAdam, ZeroOneAdam
+from gradzip.optim import CompressedAdamBase, DeMo, LocalAdamW, OneBitAdam, TSRAdam, ZeroOneAdam
 
 #: optimizer name -> the spec parameters it takes
 OPTIMIZERS: dict[str, tuple[str, ...]] = {
@@ -41,10 +43,14 @@ OPTIMIZERS: dict[str, tuple[str, ...]] = {
     "tsr-adam": ("approx_rank", "update_gap", "approx_rank_emb", "update_gap_emb", "scale", "oversampling",
                  "power_iters"),
     "demo": ("compression_decay", "compression_topk", "compression_chunk"),
+    "local-adamw": ("feedback_decay", "bucket_cap_mb"),
 }
 
 #: optimizers that send everything themselves on every step, so DDP's hook (``--compressor``) never runs
 HOOKLESS = ("tsr-adam", "demo")
+
+#: optimizers that send their update through ``--compressor``'s codec themselves, so DDP's hook never runs
+UPDATE_CODEC = ("local-adamw",)
 
 #: TSR-Adam's settings in the main job unless given (see the module docstring)
 TSR_DEFAULTS = {"update_gap_emb": 10, "scale": 7.5}
@@ -88,7 +94,17 @@ def is_adamw(spec: str) -> bool:
 
 def uses_hook(spec: str) -> bool:
     """Whether optimizer ``spec`` ever asks DDP's hook (``--compressor``) for averaged gradients."""
-    return parse_optimizer(spec)[0] not in HOOKLESS
+    return parse_optimizer(spec)[0] not in HOOKLESS + UPDATE_CODEC
+
+
+def ignores_compressor(spec: str) -> bool:
+    """Whether ``--compressor`` plays no part under optimizer ``spec`` (it sends its own payload)."""
+    return parse_optimizer(spec)[0] in HOOKLESS
+
+
+def takes_codec(spec: str) -> bool:
+    """Whether optimizer ``spec`` sends its update through ``--compressor``'s codec."""
+    return parse_optimizer(spec)[0] in UPDATE_CODEC
 
 
 def label(optimizer: str, exchange: str) -> str:
@@ -140,6 +156,9 @@ def build_optimizer(cfg, model: torch.nn.Module, *, metrics: StepMetrics | None 
         return torch.optim.AdamW(model.parameters(), **common)
     if name == "demo":
         return DeMo(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, metrics=metrics, **params)
+    if name == "local-adamw":
+        return LocalAdamW(model.parameters(), compressor=update_codec(cfg), collective=cfg.collective, metrics=metrics,
+                          **common, **params)
     if name == "tsr-adam":
         return TSRAdam(tsr_groups(cfg, model, params), seed=cfg.seed, metrics=metrics, **common,
                        **{k: v for k, v in params.items() if k in ("oversampling", "power_iters")})
@@ -149,6 +168,19 @@ def build_optimizer(cfg, model: torch.nn.Module, *, metrics: StepMetrics | None 
         return OneBitAdam(model.parameters(), **params, **shared)
     params.setdefault("var_freeze_step", default_warmup_steps(cfg))
     return ZeroOneAdam(model.parameters(), **params, **shared)
+
+
+def update_codec(cfg):
+    """The codec ``local-adamw`` sends its update through: ``--compressor``'s.
+
+    Raises:
+        ValueError: naming ``--compressor`` when it is not a plain codec spec.
+    """
+    choice = cfg.choice
+    if choice.kind != "codec" or choice.warmup:
+        raise ValueError(f"--optimizer local-adamw sends its update through a codec; --compressor {cfg.compressor} "
+                         "is not a plain codec spec (not auto, a schedule, a torch: hook or DGC's warm-up options)")
+    return choice.codec
 
 
 def tsr_settings(cfg, params: dict[str, Any]) -> dict[str, Any]:

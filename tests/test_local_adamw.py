@@ -1,0 +1,224 @@
+"""Local AdamW: AdamW bit for bit on one rank; on real gloo ranks (2 and 3) the written-out
+algorithm (each rank's own moments, Top-K of the update plus its residual, the mean of the
+gathered picks), parameters bit-identical across ranks, bytes equal to the codec's formula, exact
+resume, non-finite steps skipped on every rank without a trace, matrix codecs fed the
+parameters' shapes, and bad settings."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from gradzip.optim import LocalAdamW
+from gradzip.testing import run_ranks
+
+STEPS = 6
+RESUME_AT = 3
+# eps well above 0: the first AdamW update of every coordinate is +-lr otherwise, and Top-K of ties
+# may pick any of them
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-2, "weight_decay": 0.1}
+RATIO = 0.1
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 5))
+
+
+def backward(model: torch.nn.Module, rank: int, step: int) -> None:
+    gen = torch.Generator().manual_seed(1009 * rank + step)
+    x, y = torch.randn(5, 8, generator=gen), torch.randn(5, 5, generator=gen)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def numel() -> int:
+    return sum(p.numel() for p in tiny_model().parameters())
+
+
+def kept() -> int:
+    return max(1, min(numel(), round(RATIO * numel())))
+
+
+# ----- the single-process reference ------------------------------------------------------------
+
+
+@torch.no_grad()
+def reference_run(world_size: int, steps: int) -> list[torch.Tensor]:
+    """The algorithm written out with plain tensors: per rank, AdamW's moments of its own
+    gradient and its update; Top-K of update + residual over the whole model (one bucket); the
+    mean of every rank's picks; weight decay, then the mean update, on the shared parameters."""
+    model = tiny_model(0)
+    lr, (b1, b2), eps, wd = HYPER["lr"], HYPER["betas"], HYPER["eps"], HYPER["weight_decay"]
+    n = numel()
+    m = [torch.zeros(n) for _ in range(world_size)]
+    v = [torch.zeros(n) for _ in range(world_size)]
+    e = [torch.zeros(n) for _ in range(world_size)]
+    for step in range(1, steps + 1):
+        total = torch.zeros(n)
+        for rank in range(world_size):
+            replica = copy.deepcopy(model)
+            with torch.enable_grad():
+                backward(replica, rank, step - 1)
+            g = torch.cat([p.grad.reshape(-1) for p in replica.parameters()])
+            m[rank] = b1 * m[rank] + (1 - b1) * g
+            v[rank] = b2 * v[rank] + (1 - b2) * g * g
+            u = -lr / (1 - b1**step) * m[rank] / ((v[rank] / (1 - b2**step)).sqrt() + eps)
+            c = u + e[rank]
+            idx = c.abs().topk(kept()).indices
+            picked = torch.zeros(n)
+            picked[idx] = c[idx]
+            e[rank] = c - picked
+            total += picked
+        mean = total / world_size
+        offset = 0
+        for p in model.parameters():
+            p.mul_(1 - lr * wd).add_(mean[offset : offset + p.numel()].view_as(p))
+            offset += p.numel()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+# ----- real ranks ------------------------------------------------------------------------------
+
+
+def _optimizer(model: torch.nn.Module, **kwargs) -> LocalAdamW:
+    # the default route: all_gather for Top-K, never two phases (the reference sums every pick)
+    return LocalAdamW(model.parameters(), compressor=f"topk:ratio={RATIO}", **HYPER, **kwargs)
+
+
+def _train(rank, model, opt, steps, saves=None, bytes_log=None):
+    for step in steps:
+        if saves is not None and step == RESUME_AT:
+            saves.append((copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())))
+        opt.zero_grad()
+        backward(model, rank, step)
+        predicted = opt.payload_nbytes()
+        opt.step()
+        popped = opt.metrics.pop()
+        if bytes_log is not None:
+            bytes_log.append((predicted, popped["payload_bytes"], popped["dense_bytes"]))
+
+
+def _ranks(rank: int, world_size: int) -> dict:
+    out: dict = {}
+    model = tiny_model(0)
+    opt = _optimizer(model)
+    saves, bytes_log = [], []
+    _train(rank, model, opt, range(STEPS), saves, bytes_log)
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    out["bytes"] = bytes_log
+    out["moment"] = opt.state[model[0].weight]["exp_avg"].clone()
+
+    resumed = tiny_model(4)
+    resumed.load_state_dict(saves[0][0])
+    opt2 = _optimizer(resumed)
+    opt2.load_state_dict(saves[0][1])
+    _train(rank, resumed, opt2, range(RESUME_AT, STEPS))
+    out["resumed"] = [p.detach().clone() for p in resumed.parameters()]
+
+    # a NaN on rank 0 at step 2: every rank skips it and keeps nothing of it, then retakes the step
+    model = tiny_model(0)
+    opt = _optimizer(model)
+    skips = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        backward(model, rank, step)
+        if step == 2:
+            before = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+            if rank == 0:
+                model[2].bias.grad[1] = float("nan")
+            opt.step()
+            after = opt.state_dict()
+            same_params = all(torch.equal(a, b) for a, b in zip(before[0].values(), model.state_dict().values()))
+            same_state = all(torch.equal(before[1]["state"][k][name], after["state"][k][name])
+                             for k in after["state"] for name in ("exp_avg", "exp_avg_sq"))
+            same_residuals = repr(before[1]["gradzip"]["exchange"]) == repr(after["gradzip"]["exchange"])
+            skips.append((opt.last_step_skipped, same_params, same_state, same_residuals, opt.steps_taken))
+            opt.zero_grad()
+            backward(model, rank, step)
+        opt.step()
+    out["skips"] = skips
+    out["after_skips"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_local_adamw_on_gloo_ranks_follows_the_reference(world_size):
+    results = run_ranks(_ranks, world_size)
+    reference = reference_run(world_size, STEPS)
+    dense = 4 * numel()
+    for r in results:
+        for a, b in zip(r["params"], reference):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        assert all(torch.equal(a, b) for a, b in zip(r["resumed"], r["params"]))
+        assert r["skips"] == [(True, True, True, True, 2)]
+        assert all(torch.equal(a, b) for a, b in zip(r["after_skips"], r["params"]))
+        for predicted, payload, dense_bytes in r["bytes"]:
+            assert predicted == payload == kept() * (4 + 1)  # fp32 values, uint8 indices (83 elements)
+            assert dense_bytes == dense
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], other["params"]))
+    assert not torch.equal(results[0]["moment"], results[1]["moment"])  # the moments stay local
+
+
+def _powersgd_ranks(rank: int, world_size: int) -> dict:
+    model = tiny_model(0)
+    opt = LocalAdamW(model.parameters(), compressor="powersgd:approx_rank=1", **HYPER)
+    payloads = []
+    for step in range(3):
+        opt.zero_grad()
+        backward(model, rank, step)
+        opt.step()
+        payloads.append(opt.metrics.pop()["payload_bytes"])
+    return {"params": [p.detach().clone() for p in model.parameters()], "payloads": payloads}
+
+
+def test_a_matrix_codec_sees_the_parameters_shapes():
+    """PowerSGD at rank 1 sends P (m x 1) and Q (n x 1) per weight and the biases whole: 4 * (8 + 6
+    + 6 + 5 + 6 + 5) bytes, where a flat bucket would have gone uncompressed."""
+    results = run_ranks(_powersgd_ranks, 3)
+    for r in results:
+        assert r["payloads"] == [4 * ((6 + 8) + 6 + (5 + 6) + 5)] * 3
+    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[2]["params"]))
+
+
+# ----- one process -----------------------------------------------------------------------------
+
+
+def test_one_rank_is_torch_adamw_bit_for_bit():
+    model, plain = tiny_model(0), tiny_model(0)
+    opt = LocalAdamW(model.parameters(), compressor="topk:ratio=0.01", **HYPER)
+    ref = torch.optim.AdamW(plain.parameters(), foreach=False, **HYPER)
+    for step in range(STEPS):
+        for m, o in ((model, opt), (plain, ref)):
+            o.zero_grad()
+            backward(m, 0, step)
+            o.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters()))
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    ({"compressor": "auto"}, "compressor"),
+    ({"compressor": "kimad"}, "compressor"),
+    ({"compressor": "nosuchcodec"}, "nosuchcodec"),
+    ({"compressor": "powersgd", "collective": "allgather"}, "collective"),
+    ({"feedback_decay": 0.0}, "feedback_decay"),
+    ({"lr": -1.0}, "lr"),
+    ({"bucket_cap_mb": -1}, "bucket_cap_mb"),
+])
+def test_bad_settings_raise_naming_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        LocalAdamW(tiny_model().parameters(), **kwargs)
+
+
+def test_a_state_dict_of_another_codec_is_refused_before_loading():
+    model = tiny_model(0)
+    opt = LocalAdamW(model.parameters(), compressor="topk:ratio=0.1")
+    backward(model, 0, 0)
+    opt.step()
+    other = LocalAdamW(tiny_model(0).parameters(), compressor="efsignsgd")
+    with pytest.raises(ValueError, match="compressor"):
+        other.load_state_dict(opt.state_dict())
+    assert other.state_dict()["state"] == {} and other.steps_taken == 0
