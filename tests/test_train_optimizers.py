@@ -144,6 +144,11 @@ def test_compare_runs_an_optimizer_entry_behind_the_uncompressed_hook(tmp_path):
 
     assert argv("onebit-adam:warmup_steps=2")[1:5] == ["--optimizer", "onebit-adam:warmup_steps=2", "--compressor", "none"]
     assert argv("topk:ratio=0.01")[1:3] == ["--compressor", "topk:ratio=0.01"]
+    # local-adamw sends its update through the codec after the +
+    assert argv("local-adamw+topk:ratio=0.01")[1:5] == ["--optimizer", "local-adamw", "--compressor", "topk:ratio=0.01"]
+    assert argv("local-adamw:bucket_cap_mb=1")[1:5] == ["--optimizer", "local-adamw:bucket_cap_mb=1", "--compressor", "none"]
+    with pytest.raises(ValueError, match="--compressors entry 'local-adamw\\+auto': local-adamw sends its update through a codec"):
+        run_compare(CompareConfig(compressors=["local-adamw+auto"], out=str(tmp_path / "c")))
     with pytest.raises(ValueError, match="warmup_steps must be an integer >= 1"):
         run_compare(CompareConfig(compressors=["onebit-adam:warmup_steps=0"], out=str(tmp_path / "c")))
     # the entry is named, not an --optimizer option this command does not have

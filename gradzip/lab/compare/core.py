@@ -170,14 +170,15 @@ def split_compressors(text: str) -> list[str]:
 
 def _check_specs(cfg: CompareConfig) -> None:
     """Fail on a bad spec or training option now, not in the fifth run."""
-    from gradzip.lab.train.optimizers import check_optimizer, names_optimizer
+    from gradzip.lab.train.optimizers import check_optimizer, names_optimizer, split_optimizer_entry
     from gradzip.lab.train.outer import names_outer, split_entry
 
     for spec in cfg.compressors:
         if names_optimizer(spec):
+            optimizer, codec = split_optimizer_entry(spec)
             try:
                 given = {k: v for k, v in cfg.train_options.items() if v is not None}
-                check_optimizer(TrainConfig(optimizer=spec, steps=cfg.steps, **given))
+                check_optimizer(TrainConfig(optimizer=optimizer, compressor=codec, steps=cfg.steps, **given))
             except ValueError as exc:  # its message names --optimizer, which this command has not
                 raise type(exc)(f"--compressors entry {spec!r}: {str(exc).removeprefix('--optimizer ')}") from None
         elif names_outer(spec):

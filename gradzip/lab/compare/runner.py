@@ -290,12 +290,14 @@ def train_command(
     optimizer instead (``onebit-adam``, see :func:`gradzip.lab.train.optimizers.names_optimizer`) or
     DiLoCo (``diloco:sync_every=20+uniform:bits=8``, see :func:`gradzip.lab.train.outer.split_entry`),
     run with ``replica_size`` ranks per replica."""
-    from gradzip.lab.train.optimizers import names_optimizer
+    from gradzip.lab.train.optimizers import names_optimizer, split_optimizer_entry
     from gradzip.lab.train.outer import names_outer, split_entry
 
     if names_optimizer(compressor):
-        # an optimizer that owns its exchange (onebit-adam) runs behind the uncompressed hook
-        exchange = ["--optimizer", compressor, "--compressor", "none"]
+        # an optimizer that owns its exchange (onebit-adam) runs behind the uncompressed hook;
+        # local-adamw+CODEC sends its update through CODEC
+        optimizer, codec = split_optimizer_entry(compressor)
+        exchange = ["--optimizer", optimizer, "--compressor", codec]
     elif names_outer(compressor):  # one rank per replica: the outer exchange is the only one
         outer, codec = split_entry(compressor)
         exchange = ["--outer", outer, "--outer-compressor", codec, "--compressor", "none"]

@@ -78,12 +78,24 @@ def parse_optimizer(spec: str) -> tuple[str, dict[str, Any]]:
 
 def names_optimizer(spec: str) -> bool:
     """Whether ``spec`` names an optimizer (``onebit-adam:warmup_steps=20``) rather than a codec;
-    ``gradzip compare`` runs such an entry as ``--optimizer SPEC --compressor none``."""
+    ``gradzip compare`` runs such an entry as ``--optimizer SPEC --compressor none``, or, for an
+    optimizer that sends its update through a codec, ``local-adamw+topk:ratio=0.01`` as
+    ``--optimizer local-adamw --compressor topk:ratio=0.01`` (:func:`split_optimizer_entry`)."""
     try:
         parts = parse_spec(spec)
     except SpecError:
         return False
+    if parts and parts[0][0] in UPDATE_CODEC:
+        return True
     return len(parts) == 1 and parts[0][0] in OPTIMIZERS
+
+
+def split_optimizer_entry(spec: str) -> tuple[str, str]:
+    """``(--optimizer, --compressor)`` of a ``gradzip compare`` entry that names an optimizer: the
+    optimizer's spec, then after the first ``+`` the codec of ``local-adamw`` (``none`` when
+    absent): ``local-adamw+topk:ratio=0.01`` gives ``("local-adamw", "topk:ratio=0.01")``."""
+    optimizer, _, codec = spec.partition("+")
+    return optimizer.strip(), codec.strip() or "none"
 
 
 def is_adamw(spec: str) -> bool:
