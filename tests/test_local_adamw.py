@@ -222,3 +222,38 @@ def test_a_state_dict_of_another_codec_is_refused_before_loading():
     with pytest.raises(ValueError, match="compressor"):
         other.load_state_dict(opt.state_dict())
     assert other.state_dict()["state"] == {} and other.steps_taken == 0
+
+
+def test_the_first_moment_keeps_every_gradient_term():
+    """cases.md C9: gradient 1.0 three times, beta1 0.9, from zero: the first moment is
+    1 - 0.9**3 = 0.271 (an update out of place would lose the gradient's term)."""
+    p = torch.nn.Parameter(torch.zeros(4))
+    opt = LocalAdamW([p], compressor="topk:ratio=0.5", betas=(0.9, 0.999), weight_decay=0.0)
+    for _ in range(3):
+        p.grad = torch.ones(4)
+        opt.step()
+    torch.testing.assert_close(opt.state[p]["exp_avg"], torch.full((4,), 1 - 0.9**3))
+    assert opt.steps_taken == 3 and float(opt.state[p]["step"]) == 3.0
+
+
+def _mixed_ranks(rank: int, world_size: int) -> dict:
+    """An fp32 and a bf16 parameter: two buckets (one dtype each), each update in its own dtype."""
+    a = torch.nn.Parameter(torch.linspace(-1, 1, 12).view(3, 4))
+    b = torch.nn.Parameter(torch.linspace(-1, 1, 8, dtype=torch.bfloat16))
+    opt = LocalAdamW([a, b], compressor="topk:ratio=0.5", lr=1e-2)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(17 * rank + step)
+        a.grad = torch.randn(3, 4, generator=gen)
+        b.grad = torch.randn(8, generator=gen).to(torch.bfloat16)
+        opt.step()
+    keys = sorted(opt.state_dict()["gradzip"]["exchange"]["feedback"]["residuals"])
+    return {"a": a.detach().clone(), "b": b.detach().clone(), "keys": keys}
+
+
+def test_parameters_of_two_dtypes_travel_in_a_bucket_each_and_keep_their_dtype():
+    results = run_ranks(_mixed_ranks, 2)
+    assert results[0]["keys"] == ["update 0", "update 1"]
+    assert results[0]["b"].dtype == torch.bfloat16
+    for name in ("a", "b"):
+        assert torch.equal(results[0][name], results[1][name])
+        assert bool(torch.isfinite(results[0][name].float()).all())
