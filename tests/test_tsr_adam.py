@@ -300,3 +300,35 @@ def test_bf16_weights_refresh_their_bases_in_fp32_and_keep_their_dtype():
     eye = torch.eye(4)
     assert torch.allclose(state["left"].float().T @ state["left"].float(), eye, atol=0.05)
     assert bool(torch.isfinite(w).all()) and not torch.equal(w.detach(), before)
+
+
+def _weight_space_momenta(moment_transfer: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(U m V^T after the step, beta1 * that before it + (1 - beta1) * G) per step, full rank,
+    bases refreshed every 2 steps from the gradient."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        model = torch.nn.Linear(5, 5, bias=False)
+    opt = TSRAdam(model.parameters(), lr=1e-2, betas=(0.9, 0.999), approx_rank=5, update_gap=2,
+                  moment_transfer=moment_transfer)
+    pairs, before = [], torch.zeros(5, 5)
+    for step in range(6):
+        opt.zero_grad()
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(step))
+        model(x).sin().sum().backward()
+        grad = model.weight.grad.clone()
+        opt.step()
+        state = opt.state[model.weight]
+        after = state["left"] @ state["exp_avg"] @ state["right"].T
+        pairs.append((after, 0.9 * before + 0.1 * grad))
+        before = after
+    return pairs
+
+
+def test_moment_transfer_keeps_the_momentum_across_a_refresh():
+    """At full rank the bases are orthogonal, so carried over to the new bases the momentum in
+    weight space is AdamW's, ``beta1 M + (1 - beta1) G``, on refresh steps too; kept as numbers in
+    the old core coordinates (the reference code's way, the default) it is not."""
+    for after, expected in _weight_space_momenta(True):
+        torch.testing.assert_close(after, expected, rtol=1e-4, atol=1e-6)
+    kept = _weight_space_momenta(False)
+    assert not torch.allclose(kept[2][0], kept[2][1], rtol=1e-4, atol=1e-6)  # step 2 refreshes

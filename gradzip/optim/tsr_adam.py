@@ -48,7 +48,7 @@ class TSRAdam(CompressedAdamBase):
        ``W *= 1 - lr * weight_decay``; ``m = lerp(m, C, 1 - beta1)``;
        ``v = beta2 v + (1 - beta2) C^2``; ``W -= scale * lr / (1 - beta1^t) * U (m / d) V^T``
        with ``d = sqrt(v / (1 - beta2^t)) + eps``. Moments are kept across refreshes, as the
-       reference code keeps them.
+       reference code keeps them, unless ``moment_transfer``.
 
     Parameters that are not 2-D (biases, norms; conv kernels too), and every parameter of a group
     with ``approx_rank=None`` or ``compress=False``, take dense AdamW steps on the all_reduced
@@ -76,6 +76,11 @@ class TSRAdam(CompressedAdamBase):
         oversampling: extra sketch columns of the randomized SVD (>= 0; the reference's 5).
         power_iters: power iterations of the randomized SVD (>= 0; the reference's 1).
         seed: seeds the sketches' ``Omega`` (identical on every rank).
+        moment_transfer: on a refresh, carry the moments over to the new bases instead of keeping
+            their numbers as the reference code does (not in the paper): ``m = A m B`` and
+            ``v = (A * A) v (B * B)`` with ``A = U_new^T U_old`` and ``B = V_old^T V_new``, so
+            that ``U m V^T`` is the momentum's projection on the new bases (exact at full rank);
+            the variance's map treats the entries as independent. Default False.
         process_group: the data-parallel group; None for the default group.
         metrics: where the bytes and times of its collectives go.
 
@@ -111,9 +116,11 @@ class TSRAdam(CompressedAdamBase):
         oversampling: int = 5,
         power_iters: int = 1,
         seed: int = 0,
+        moment_transfer: bool = False,
         process_group: dist.ProcessGroup | None = None,
         metrics: StepMetrics | None = None,
     ) -> None:
+        self.moment_transfer = bool(moment_transfer)
         self.oversampling = check_int(oversampling, name="oversampling", low=0)
         self.power_iters = check_int(power_iters, name="power_iters", low=0)
         self.seed = check_int(seed, name="seed", low=0)
@@ -318,6 +325,11 @@ class TSRAdam(CompressedAdamBase):
         for (_key, p, group), core in zip(low, means[: len(low)]):
             state = self._low_rank_state(p, group)
             if id(p) in refreshed:
+                if self.moment_transfer and "left" in state:
+                    left_map = bases[p][0].T @ state["left"]  # new core coordinates of the old ones
+                    right_map = state["right"].T @ bases[p][1]
+                    state["exp_avg"] = left_map @ state["exp_avg"] @ right_map
+                    state["exp_avg_sq"] = (left_map * left_map) @ state["exp_avg_sq"] @ (right_map * right_map)
                 state["left"], state["right"] = bases[p]
                 state["refreshed_at"] = t
             self._core_step_(p, state, core, group)

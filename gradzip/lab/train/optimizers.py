@@ -41,7 +41,7 @@ OPTIMIZERS: dict[str, tuple[str, ...]] = {
     "onebit-adam": ("warmup_steps", "bucket_cap_mb"),
     "zeroone-adam": ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "bucket_cap_mb"),
     "tsr-adam": ("approx_rank", "update_gap", "approx_rank_emb", "update_gap_emb", "scale", "oversampling",
-                 "power_iters"),
+                 "power_iters", "moment_transfer"),
     "demo": ("compression_decay", "compression_topk", "compression_chunk"),
     "local-adamw": ("feedback_decay", "bucket_cap_mb"),
 }
@@ -173,7 +173,7 @@ def build_optimizer(cfg, model: torch.nn.Module, *, metrics: StepMetrics | None 
                           **common, **params)
     if name == "tsr-adam":
         return TSRAdam(tsr_groups(cfg, model, params), seed=cfg.seed, metrics=metrics, **common,
-                       **{k: v for k, v in params.items() if k in ("oversampling", "power_iters")})
+                       **{k: v for k, v in params.items() if k in ("oversampling", "power_iters", "moment_transfer")})
     shared = {"average_grads": False, "metrics": metrics, **common}
     if name == "onebit-adam":
         params.setdefault("warmup_steps", default_warmup_steps(cfg))
