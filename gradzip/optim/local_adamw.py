@@ -172,8 +172,10 @@ class LocalAdamW(CompressedAdamBase):
             with torch.enable_grad():
                 loss = closure()
         items = self.params_with_grad()
-        # The moments are updated on copies and kept only if every rank's step was finite.
-        moments, updates = {}, []
+        # The moments are updated on per-parameter copies, dropped once the update is computed,
+        # and updated again in place (the same operations, the same numbers) only if every rank's
+        # step was finite: the step holds one extra parameter-sized buffer, the updates.
+        updates = []
         for key, p, group in items:
             state = self._state(p)
             new = {"step": state["step"] + 1, "exp_avg": state["exp_avg"].clone(),
@@ -184,7 +186,6 @@ class LocalAdamW(CompressedAdamBase):
             # AdamW's addcdiv, on zeros: the same rounding as its in-place update of p
             update = torch.zeros_like(p).addcdiv_(new["exp_avg"], self.denominator(p, new, group),
                                                  value=-(group["lr"] / bias_correction1))
-            moments[p] = new
             updates.append((key, update))
         finite = self._exchange_(updates)
         self.last_step_skipped = not finite
@@ -192,7 +193,10 @@ class LocalAdamW(CompressedAdamBase):
             self.skipped_steps += 1
             return loss
         for (_key, p, group), (_, update) in zip(items, updates):
-            self.state[p].update(moments[p])
+            state = self.state[p]
+            state["step"] += 1
+            self.update_momentum_(state, p.grad, group)
+            self.update_variance_(state, p.grad, group)
             self.decay_(p, group)
             p.add_(update)
         self.steps_taken += 1
