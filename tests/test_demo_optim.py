@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from helpers.optim_runs import backward, tiny_model, train
 
 from gradzip.optim import DeMo, dct
 from gradzip.testing import run_ranks
@@ -16,18 +17,6 @@ from gradzip.testing import run_ranks
 STEPS = 6
 RESUME_AT = 3
 HYPER = {"lr": 1e-2, "compression_decay": 0.9, "compression_topk": 3, "compression_chunk": 4, "weight_decay": 0.1}
-
-
-def tiny_model(seed: int = 0) -> torch.nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 5))
-
-
-def backward(model: torch.nn.Module, rank: int, step: int) -> None:
-    gen = torch.Generator().manual_seed(1009 * rank + step)
-    x, y = torch.randn(5, 8, generator=gen), torch.randn(5, 5, generator=gen)
-    torch.nn.functional.mse_loss(model(x), y).backward()
 
 
 def expected_bytes() -> int:
@@ -100,25 +89,12 @@ def reference_run(world_size: int, steps: int) -> list[torch.Tensor]:
 # ----- real ranks ------------------------------------------------------------------------------
 
 
-def _train(rank, model, opt, steps, saves=None, bytes_log=None):
-    for step in steps:
-        if saves is not None and step == RESUME_AT:
-            saves.append((copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())))
-        opt.zero_grad()
-        backward(model, rank, step)
-        predicted = opt.payload_nbytes()
-        opt.step()
-        popped = opt.metrics.pop()
-        if bytes_log is not None:
-            bytes_log.append((predicted, popped["payload_bytes"], popped["sent_bytes"], popped["dense_bytes"]))
-
-
 def _ranks(rank: int, world_size: int) -> dict:
     out: dict = {}
     model = tiny_model(0)
     opt = DeMo(model.parameters(), **HYPER)
     saves, bytes_log = [], []
-    _train(rank, model, opt, range(STEPS), saves, bytes_log)
+    train(rank, model, opt, range(STEPS), resume_at=RESUME_AT, saves=saves, bytes_log=bytes_log)
     out["params"] = [p.detach().clone() for p in model.parameters()]
     out["bytes"] = bytes_log
     out["momentum"] = opt.state[model[0].weight]["delta"].clone()
@@ -127,7 +103,7 @@ def _ranks(rank: int, world_size: int) -> dict:
     resumed.load_state_dict(saves[0][0])
     opt2 = DeMo(resumed.parameters(), **HYPER)
     opt2.load_state_dict(saves[0][1])
-    _train(rank, resumed, opt2, range(RESUME_AT, STEPS))
+    train(rank, resumed, opt2, range(RESUME_AT, STEPS))
     out["resumed"] = [p.detach().clone() for p in resumed.parameters()]
 
     model = tiny_model(0)
@@ -161,10 +137,10 @@ def test_demo_on_two_gloo_ranks_equals_the_reference_bit_for_bit():
         assert all(torch.equal(a, b) for a, b in zip(r["resumed"], reference))
         assert all(torch.equal(a, b) for a, b in zip(r["after_skips"], reference))
         assert r["skips"] == [(True, True, True, 2)]
-        for predicted, payload, sent, dense_bytes in r["bytes"]:
-            assert predicted == payload == expected_bytes()
-            assert sent == payload  # all_gather at 2 ranks: (W - 1) P
-            assert dense_bytes == dense
+        for predicted, popped in r["bytes"]:
+            assert predicted == popped["payload_bytes"] == expected_bytes()
+            assert popped["sent_bytes"] == popped["payload_bytes"]  # all_gather at 2 ranks: (W - 1) P
+            assert popped["dense_bytes"] == dense
     assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
     assert not torch.equal(results[0]["momentum"], results[1]["momentum"])  # the momenta stay local
 
@@ -175,7 +151,7 @@ def test_demo_on_two_gloo_ranks_equals_the_reference_bit_for_bit():
 def test_single_rank_is_the_reference_at_world_size_one():
     model = tiny_model(0)
     opt = DeMo(model.parameters(), **HYPER)
-    _train(0, model, opt, range(STEPS))
+    train(0, model, opt, range(STEPS))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference_run(1, STEPS)))
 
 

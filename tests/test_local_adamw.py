@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+from helpers.optim_runs import backward, tiny_model, train
 
 from gradzip.optim import LocalAdamW
 from gradzip.testing import run_ranks
@@ -20,18 +21,6 @@ RESUME_AT = 3
 # may pick any of them
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-2, "weight_decay": 0.1}
 RATIO = 0.1
-
-
-def tiny_model(seed: int = 0) -> torch.nn.Module:
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 5))
-
-
-def backward(model: torch.nn.Module, rank: int, step: int) -> None:
-    gen = torch.Generator().manual_seed(1009 * rank + step)
-    x, y = torch.randn(5, 8, generator=gen), torch.randn(5, 5, generator=gen)
-    torch.nn.functional.mse_loss(model(x), y).backward()
 
 
 def numel() -> int:
@@ -88,25 +77,12 @@ def _optimizer(model: torch.nn.Module, **kwargs) -> LocalAdamW:
     return LocalAdamW(model.parameters(), compressor=f"topk:ratio={RATIO}", **HYPER, **kwargs)
 
 
-def _train(rank, model, opt, steps, saves=None, bytes_log=None):
-    for step in steps:
-        if saves is not None and step == RESUME_AT:
-            saves.append((copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())))
-        opt.zero_grad()
-        backward(model, rank, step)
-        predicted = opt.payload_nbytes()
-        opt.step()
-        popped = opt.metrics.pop()
-        if bytes_log is not None:
-            bytes_log.append((predicted, popped["payload_bytes"], popped["dense_bytes"]))
-
-
 def _ranks(rank: int, world_size: int) -> dict:
     out: dict = {}
     model = tiny_model(0)
     opt = _optimizer(model)
     saves, bytes_log = [], []
-    _train(rank, model, opt, range(STEPS), saves, bytes_log)
+    train(rank, model, opt, range(STEPS), resume_at=RESUME_AT, saves=saves, bytes_log=bytes_log)
     out["params"] = [p.detach().clone() for p in model.parameters()]
     out["bytes"] = bytes_log
     out["moment"] = opt.state[model[0].weight]["exp_avg"].clone()
@@ -115,7 +91,7 @@ def _ranks(rank: int, world_size: int) -> dict:
     resumed.load_state_dict(saves[0][0])
     opt2 = _optimizer(resumed)
     opt2.load_state_dict(saves[0][1])
-    _train(rank, resumed, opt2, range(RESUME_AT, STEPS))
+    train(rank, resumed, opt2, range(RESUME_AT, STEPS))
     out["resumed"] = [p.detach().clone() for p in resumed.parameters()]
 
     # a NaN on rank 0 at step 2: every rank skips it and keeps nothing of it, then retakes the step
@@ -155,9 +131,9 @@ def test_local_adamw_on_gloo_ranks_follows_the_reference(world_size):
         assert all(torch.equal(a, b) for a, b in zip(r["resumed"], r["params"]))
         assert r["skips"] == [(True, True, True, True, 2)]
         assert all(torch.equal(a, b) for a, b in zip(r["after_skips"], r["params"]))
-        for predicted, payload, dense_bytes in r["bytes"]:
-            assert predicted == payload == kept() * (4 + 1)  # fp32 values, uint8 indices (83 elements)
-            assert dense_bytes == dense
+        for predicted, popped in r["bytes"]:
+            assert predicted == popped["payload_bytes"] == kept() * (4 + 1)  # fp32 values, uint8 indices (83 elements)
+            assert popped["dense_bytes"] == dense
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], other["params"]))
     assert not torch.equal(results[0]["moment"], results[1]["moment"])  # the moments stay local

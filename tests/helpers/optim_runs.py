@@ -1,0 +1,39 @@
+"""The tiny model, data and training loop the tests of the optimizers that own their exchange
+(DeMo, LocalAdamW) share: every rank draws its own batch from (rank, step)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+
+def tiny_model(seed: int = 0) -> torch.nn.Module:
+    """Linear(8, 6), Tanh, Linear(6, 5), initialised from ``seed`` without touching the global RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Tanh(), torch.nn.Linear(6, 5))
+
+
+def backward(model: torch.nn.Module, rank: int, step: int) -> None:
+    """The gradient of an MSE loss on rank ``rank``'s batch of step ``step``."""
+    gen = torch.Generator().manual_seed(1009 * rank + step)
+    x, y = torch.randn(5, 8, generator=gen), torch.randn(5, 5, generator=gen)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def train(rank: int, model, opt, steps, *, resume_at: int | None = None, saves: list | None = None,
+          bytes_log: list | None = None) -> None:
+    """Steps ``steps`` of ``opt``; before step ``resume_at`` the model's and the optimizer's state
+    are appended to ``saves``; ``bytes_log`` gets ``(opt.payload_nbytes() before the step, the
+    step's popped metrics)`` per step."""
+    for step in steps:
+        if saves is not None and step == resume_at:
+            saves.append((copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())))
+        opt.zero_grad()
+        backward(model, rank, step)
+        predicted = opt.payload_nbytes()
+        opt.step()
+        popped = opt.metrics.pop()
+        if bytes_log is not None:
+            bytes_log.append((predicted, popped))
