@@ -233,3 +233,67 @@ def test_parameters_of_two_dtypes_travel_in_a_bucket_each_and_keep_their_dtype()
     for name in ("a", "b"):
         assert torch.equal(results[0][name], results[1][name])
         assert bool(torch.isfinite(results[0][name].float()).all())
+
+
+def _membership_ranks(rank: int, world_size: int) -> dict:
+    """Four parameters; the third has no gradient on odd steps. A group with compress=False beside
+    them is averaged exactly. Returns the residual keys, the parameters and the dense group's
+    parameter next to the uncompressed mean written out."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(6)) for _ in range(4)]
+    dense = torch.nn.Parameter(torch.zeros(3))
+    opt = LocalAdamW([{"params": params}, {"params": [dense], "compress": False}], compressor="topk:ratio=0.25",
+                     lr=1e-2, eps=1e-2, weight_decay=0.0)
+    expected = torch.zeros(3)
+    for step in range(6):
+        gen = torch.Generator().manual_seed(31 * rank + step)
+        for i, p in enumerate(params):
+            p.grad = None if (i == 2 and step % 2) else torch.randn(6, generator=gen)
+        dense.grad = torch.full((3,), float(rank + 1))
+        opt.step()
+        # every rank's own AdamW step on a constant gradient g_r > 0 is -lr (bias-corrected
+        # m / sqrt(v) = g / (g + eps)); the mean of the ranks' updates, uncompressed
+        expected -= sum(1e-2 * g / (g + 1e-2) for g in range(1, world_size + 1)) / world_size
+    keys = sorted(opt.state_dict()["gradzip"]["exchange"]["feedback"]["residuals"])
+    return {"keys": keys, "params": [p.detach().clone() for p in params], "dense": dense.detach().clone(),
+            "expected": expected}
+
+
+def test_a_parameter_that_skips_a_step_keeps_its_bucket_and_a_dense_group_is_averaged_exactly():
+    results = run_ranks(_membership_ranks, 3)
+    for r in results:
+        assert r["keys"] == ["update 0-3"]  # one residual: the membership never changed
+        torch.testing.assert_close(r["dense"], r["expected"], rtol=1e-6, atol=1e-7)
+    for other in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], other["params"]))
+        assert torch.equal(results[0]["dense"], other["dense"])
+
+
+@pytest.mark.parametrize("group, name", [
+    ({"maximize": True}, "maximize"),
+    ({"amsgrad": True}, "amsgrad"),
+    ({"compress": "no"}, "compress"),
+    ({"eps": 0.0}, "eps"),
+])
+def test_settings_it_does_not_carry_out_are_refused(group, name):
+    with pytest.raises(ValueError, match=name):
+        LocalAdamW([{"params": tiny_model().parameters(), **group}])
+    with pytest.raises(ValueError, match="real parameters"):
+        LocalAdamW([torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))])
+
+
+def test_a_state_dict_of_another_collective_or_model_is_refused_before_loading():
+    model = tiny_model(0)
+    opt = LocalAdamW(model.parameters(), compressor="topk:ratio=0.1", collective="twophase")
+    backward(model, 0, 0)
+    opt.step()
+    saved = opt.state_dict()
+    other = LocalAdamW(tiny_model(0).parameters(), compressor="topk:ratio=0.1", collective="allgather")
+    with pytest.raises(ValueError, match="collective"):
+        other.load_state_dict(saved)
+    wide = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 5))  # 48 + 8 + 40 + 5 weights
+    third = LocalAdamW(wide.parameters(), compressor="topk:ratio=0.1", collective="twophase")
+    with pytest.raises(ValueError, match="do not fit"):
+        third.load_state_dict(saved)
+    for fresh in (other, third):
+        assert fresh.state_dict()["state"] == {} and fresh.steps_taken == 0

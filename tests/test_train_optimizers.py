@@ -195,3 +195,15 @@ def test_a_run_shorter_than_the_dense_steps_of_1bit_adam_is_told():
     assert dense_steps_note(TrainConfig(optimizer="onebit-adam:warmup_steps=3", steps=4)) is None
     assert dense_steps_note(TrainConfig(optimizer="onebit-adam", steps=300)) is None  # 60 of 300
     assert dense_steps_note(TrainConfig(optimizer="demo", steps=4)) is None
+
+
+@pytest.mark.e2e
+def test_a_local_adamw_run_resumes_only_on_its_codec_and_route(tmp_path, capsys):
+    first = tmp_path / "first"
+    base = ["train", *TINY, "--optimizer", "local-adamw", "--compressor", "topk:ratio=0.01", "--quiet"]
+    assert main([*base, "--steps", "3", "--checkpoint-every", "2", "--out", str(first)]) == 0
+    capsys.readouterr()
+    for extra, flag in ((["--collective", "twophase"], "--collective"), (["--compressor", "efsignsgd"], "--compressor")):
+        assert main([*base, *extra, "--steps", "6", "--resume", str(first), "--out", str(tmp_path / "again")]) == 2
+        err = capsys.readouterr().err
+        assert f"was saved with other settings: {flag}" in err and err.count("\n") == 1

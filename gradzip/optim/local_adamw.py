@@ -32,7 +32,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 from gradzip.comm import Reducer, make_reducer, nonfinite
 from gradzip.compressors import Compressor, build
 from gradzip.metrics import StepMetrics
-from gradzip.optim.base import CompressedAdamBase
+from gradzip.optim.base import CompressedAdamBase, check_nonnegative
 
 
 class LocalAdamW(CompressedAdamBase):
@@ -49,13 +49,19 @@ class LocalAdamW(CompressedAdamBase):
     2. This rank's update, AdamW's step without the weight decay:
        ``u_i = -lr / (1 - beta1^t) * m_i / (sqrt(v_i / (1 - beta2^t)) + eps)``.
     3. ``mean_i u_i`` through ``compressor``'s reducer with the codec's error feedback (on for
-       the biased codecs: ``e_i`` carries what the codec dropped of ``u_i + e_i`` to the next step): the updates of the parameters with a
-       gradient, in parameter order, are cut into buckets of up to ``bucket_cap_mb`` of
+       the biased codecs: ``e_i`` carries what the codec dropped of ``u_i + e_i`` to the next
+       step). The updates, in parameter order, are cut into buckets of up to ``bucket_cap_mb`` of
        consecutive tensors of one dtype, each bucket flattened and handed to the reducer with its
-       tensors' shapes (as DDP hands a bucket to a comm hook, so matrix codecs see matrices).
-    4. Every rank: ``p *= 1 - lr * weight_decay``, then ``p += `` the decoded mean update.
+       tensors' shapes (as DDP hands a bucket to a comm hook, so matrix codecs see matrices). A
+       group with ``compress=False`` takes one uncompressed all_reduce instead. A parameter
+       without a gradient this step but with moments from an earlier one sends a zero update:
+       what its residual holds keeps travelling, and its bucket keeps its members.
+    4. Every rank: ``p *= 1 - lr * weight_decay`` where ``p`` has a gradient, then ``p += `` the
+       decoded mean update.
 
-    Parameters are bit-identical on every rank after every step; the moments and residuals differ
+    Every rank must hold gradients for the same parameters at every step (the exchange is
+    collective and its buckets follow them); nothing checks it, and ranks that differ pair their
+    collectives wrongly. Parameters are bit-identical on every rank after every step; the moments and residuals differ
     per rank, so save every rank's own :meth:`state_dict` to resume exactly. At world size 1, or
     without a process group, nothing is exchanged and the step is ``torch.optim.AdamW``'s
     (single-tensor path) bit for bit.
@@ -131,6 +137,17 @@ class LocalAdamW(CompressedAdamBase):
         # the reducer's ledger remembers a step that carried the marker by its number
         self.exchanges = 0
 
+    def _check_group(self, group: dict[str, Any]) -> None:
+        super()._check_group(group)
+        check_nonnegative(group["eps"], name="eps", strict=True)  # eps 0 divides 0 by 0 where a gradient is 0
+        for flag in ("maximize", "amsgrad"):
+            if group.get(flag):
+                raise ValueError(f"{flag} is not supported by LocalAdamW; got {flag}={group[flag]!r}")
+        if not isinstance(group.get("compress", True), bool):
+            raise ValueError(f"compress must be True or False; got {group['compress']!r}")
+        if any(p.is_complex() for p in group["params"]):
+            raise ValueError("LocalAdamW takes real parameters; a complex one was given (view it as real)")
+
     @property
     def needs_grad_sync(self) -> bool:
         """Always False: each rank's own gradient feeds its own moments."""
@@ -150,7 +167,7 @@ class LocalAdamW(CompressedAdamBase):
         """
         if self.codec.multi_round:
             raise ValueError(f"payload_nbytes covers single-round codecs; {self.codec.name} brings its own rounds")
-        items = [(key, p.grad) for key, p, _ in self.params_with_grad()]
+        items = [(key, p) for key, p, group in self._taking_part() if group["compress"]]
         return sum(self.codec.payload_nbytes(sum(t.numel() for _, t in bucket), bucket[0][1].dtype)
                    for bucket in self._buckets(items))
 
@@ -171,15 +188,17 @@ class LocalAdamW(CompressedAdamBase):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        items = self.params_with_grad()
+        items = self._taking_part()
         # The moments are updated on per-parameter copies, dropped once the update is computed,
         # and updated again in place (the same operations, the same numbers) only if every rank's
         # step was finite: the step holds one extra parameter-sized buffer, the updates.
         updates = []
         for key, p, group in items:
-            state = self._state(p)
-            new = {"step": state["step"] + 1, "exp_avg": state["exp_avg"].clone(),
-                   "exp_avg_sq": state["exp_avg_sq"].clone(), "variance_steps": state["variance_steps"]}
+            if p.grad is None:  # nothing new; its residual still travels
+                updates.append((key, torch.zeros_like(p)))
+                continue
+            new = self._moments(p)
+            new["step"] = new["step"] + 1
             self.update_momentum_(new, p.grad, group)
             self.update_variance_(new, p.grad, group)
             bias_correction1 = 1 - group["betas"][0] ** float(new["step"])
@@ -187,36 +206,70 @@ class LocalAdamW(CompressedAdamBase):
             update = torch.zeros_like(p).addcdiv_(new["exp_avg"], self.denominator(p, new, group),
                                                  value=-(group["lr"] / bias_correction1))
             updates.append((key, update))
-        finite = self._exchange_(updates)
+        finite = self._exchange_(updates, [group["compress"] for _, _, group in items])
         self.last_step_skipped = not finite
         if not finite:
             self.skipped_steps += 1
             return loss
         for (_key, p, group), (_, update) in zip(items, updates):
-            state = self.state[p]
-            state["step"] += 1
-            self.update_momentum_(state, p.grad, group)
-            self.update_variance_(state, p.grad, group)
-            self.decay_(p, group)
+            if p.grad is not None:
+                state = self._state(p)
+                state["step"] += 1
+                self.update_momentum_(state, p.grad, group)
+                self.update_variance_(state, p.grad, group)
+                self.decay_(p, group)
             p.add_(update)
         self.steps_taken += 1
         return loss
 
-    def _exchange_(self, updates: list[tuple[int, Tensor]]) -> bool:
-        """Replace every update by the decoded mean over the group, bucket by bucket; returns
-        whether every rank's updates were finite (at world size 1: whether this rank's were)."""
+    def _taking_part(self) -> list[tuple[int, Tensor, dict[str, Any]]]:
+        """``(key, param, group)`` of every parameter with a gradient now or with moments from an
+        earlier step: one without a gradient sends a zero update, so the residual it holds keeps
+        travelling and its bucket keeps its members (another membership would strand it)."""
+        out, index = [], 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.is_sparse:
+                    raise RuntimeError("LocalAdamW does not support sparse gradients")
+                if p.grad is not None or "exp_avg" in self.state[p]:
+                    out.append((index, p, group))
+                index += 1
+        return out
+
+    def _moments(self, p: Tensor) -> dict[str, Any]:
+        """Copies of ``p``'s AdamW state (zeros before its first step; none is created here, so a
+        skipped first step leaves no state behind)."""
+        state = self.state[p]
+        if "exp_avg" not in state:
+            zeros = torch.zeros_like(p, memory_format=torch.preserve_format)
+            return {"step": torch.tensor(0.0, dtype=torch.float32), "exp_avg": zeros, "exp_avg_sq": zeros.clone(),
+                    "variance_steps": 0}
+        return {"step": state["step"].clone(), "exp_avg": state["exp_avg"].clone(),
+                "exp_avg_sq": state["exp_avg_sq"].clone(), "variance_steps": state["variance_steps"]}
+
+    def _exchange_(self, updates: list[tuple[int, Tensor]], compress: list[bool]) -> bool:
+        """Replace every update by its mean over the group: through the codec, bucket by bucket,
+        where ``compress``, else by one uncompressed all_reduce. Returns whether every rank's
+        updates were finite (at world size 1: whether this rank's were)."""
+        finite_here = all(nonfinite.is_finite(u) for _, u in updates)
         if self.world_size == 1:
-            return all(nonfinite.is_finite(u) for _, u in updates)
+            return finite_here
+        if not finite_here:  # the marker in every collective, so that every reducer puts its step back
+            for _, u in updates:
+                u.fill_(float("nan"))
+        coded = [item for item, squeeze in zip(updates, compress) if squeeze]
         futures = []
-        for bucket in self._buckets(updates):
+        for bucket in self._buckets(coded):
             parts = [u for _, u in bucket]
             flat = parts[0].reshape(-1) if len(parts) == 1 else _flatten_dense_tensors(parts)
             futures.append((parts, self.reducer.reduce(_bucket_key([k for k, _ in bucket]), flat, step=self.exchanges,
                                                        shapes=[u.shape for u in parts])))
+        dense = [u for (_, u), squeeze in zip(updates, compress) if not squeeze]
+        self._dense_mean_(dense, step=self.exchanges)
         self.exchanges += 1
         means = [(parts, fut.wait()) for parts, fut in futures]
         self.reducer.settle()  # the step's residuals kept, or put back if some rank sent the marker
-        if nonfinite.received_marker([mean for _, mean in means]):
+        if nonfinite.received_marker([mean for _, mean in means] + dense):
             return False
         for parts, mean in means:
             for u, part in zip(parts, _unflatten_dense_tensors(mean, parts) if len(parts) > 1 else [mean.view_as(parts[0])]):
@@ -226,7 +279,8 @@ class LocalAdamW(CompressedAdamBase):
     # ----- checkpoints ------------------------------------------------------------------------
 
     def extra_state(self) -> dict[str, Any]:
-        return {"skipped_steps": self.skipped_steps, "exchanges": self.exchanges, "codec": self.codec.spec}
+        return {"skipped_steps": self.skipped_steps, "exchanges": self.exchanges, "codec": self.codec.spec,
+                "collective": self.collective}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self.skipped_steps = state["skipped_steps"]
@@ -237,12 +291,22 @@ class LocalAdamW(CompressedAdamBase):
 
         Raises:
             ValueError: for another optimizer's state_dict, or one saved with another compressor
-                (checked before anything is loaded).
+                or collective, or whose moments do not fit the parameters (checked before
+                anything is loaded).
         """
         extra = state_dict.get("gradzip") if isinstance(state_dict, dict) else None
-        saved = extra.get("codec") if isinstance(extra, dict) else None
-        if saved is not None and saved != self.codec.spec:
-            raise ValueError(f"state_dict was saved with compressor {saved!r}; this optimizer has {self.codec.spec!r}")
+        if isinstance(extra, dict) and extra.get("optimizer") == self.kind:
+            for key, name, mine in (("codec", "compressor", self.codec.spec), ("collective", "collective", self.collective)):
+                if extra.get(key) != mine:
+                    raise ValueError(f"state_dict was saved with {name} {extra.get(key)!r}; this optimizer has {mine!r}")
+            params = [p for group in self.param_groups for p in group["params"]]
+            for index, saved in (state_dict.get("state") or {}).items():
+                for name in ("exp_avg", "exp_avg_sq"):
+                    moment = saved.get(name) if isinstance(saved, dict) else None
+                    if not (isinstance(index, int) and 0 <= index < len(params) and isinstance(moment, Tensor)
+                            and moment.shape == params[index].shape):
+                        raise ValueError(f"state_dict's moments of parameter {index!r} do not fit this optimizer's "
+                                         "parameters (another model's state_dict?)")
         super().load_state_dict(state_dict)
 
 

@@ -264,11 +264,14 @@ def check_compatible(folder: Path, config: dict[str, Any], world_size: int) -> N
         diffs.append(f"--world-size (checkpoint {manifest.get('world_size')}, now {world_size})")
     # Under tsr-adam and demo DDP's hook never runs; checkpoints from before --compressor became
     # none under them recorded the unused default, which does not change the run.
-    from gradzip.lab.train.optimizers import ignores_compressor
+    from gradzip.lab.train.optimizers import ignores_compressor, takes_codec
 
-    hookless = ("optimizer" in saved and saved["optimizer"] == config.get("optimizer")
-                and ignores_compressor(saved["optimizer"]))
-    for name in MUST_MATCH:
+    same_optimizer = "optimizer" in saved and saved["optimizer"] == config.get("optimizer")
+    hookless = same_optimizer and ignores_compressor(saved["optimizer"])
+    must_match = list(MUST_MATCH)
+    if same_optimizer and takes_codec(saved["optimizer"]):
+        must_match.append("collective")  # local-adamw's residuals follow its route (two phases keep a server's)
+    for name in must_match:
         if name == "compressor" and hookless:
             continue
         if name in saved and saved[name] != config.get(name):
