@@ -50,7 +50,8 @@ class TrainConfig:
         "E=n_embd/2, M=10, S=7.5); demo "
         "sends the top K DCT components per C x C chunk of its local momentum; local-adamw keeps AdamW's moments "
         "per rank and sends its update, not the gradient, through --compressor's codec with error feedback "
-        "(the remedy for Top-K and the sign codecs under AdamW)",
+        "(the remedy for Top-K and the sign codecs under AdamW: give one, e.g. --compressor topk:ratio=0.01; "
+        "the default powersgd does better on the gradient)",
         metavar="SPEC", must_match=True)
     outer: str | None = option(
         None, "DiLoCo across replicas: diloco:sync_every=H[,outer_lr=L,outer_momentum=M,fragments=F,delay=D,mix=A,"
