@@ -181,6 +181,7 @@ def test_one_rank_is_torch_adamw_bit_for_bit():
     ({"compressor": "nosuchcodec"}, "nosuchcodec"),
     ({"compressor": "powersgd", "collective": "allgather"}, "collective"),
     ({"feedback_decay": 0.0}, "feedback_decay"),
+    ({"compressor": "powersgd", "feedback_decay": 1.5}, r"feedback_decay must be in \(0, 1\]"),
     ({"lr": -1.0}, "lr"),
     ({"bucket_cap_mb": -1}, "bucket_cap_mb"),
 ])

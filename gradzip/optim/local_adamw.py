@@ -31,6 +31,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from gradzip.comm import Reducer, make_reducer, nonfinite
 from gradzip.compressors import Compressor, build
+from gradzip.compressors.values import check_number
 from gradzip.metrics import StepMetrics
 from gradzip.optim.base import CompressedAdamBase, check_nonnegative
 
@@ -119,6 +120,8 @@ class LocalAdamW(CompressedAdamBase):
         if isinstance(compressor, str) and compressor.split(":")[0].strip().lower() in _SCHEDULES:
             raise ValueError(f"compressor must be a codec spec, not the schedule {compressor!r}: "
                              "the schedules decide per DDP bucket or layer from its gradients")
+        # its range named first: make_reducer also refuses it for a codec that keeps no residual
+        feedback_decay = check_number(feedback_decay, name="feedback_decay", low=0, high=1, low_open=True)
         self.codec = build(compressor)
         if collective == "auto" and not self.codec.multi_round and not self.codec.aggregatable:
             collective = "allgather"  # never two phases: see the class docstring
