@@ -254,7 +254,7 @@ class LocalAdamW(CompressedAdamBase):
         """Replace every update by its mean over the group: through the codec, bucket by bucket,
         where ``compress``, else by one uncompressed all_reduce. Returns whether every rank's
         updates were finite (at world size 1: whether this rank's were)."""
-        finite_here = all(nonfinite.is_finite(u) for _, u in updates)
+        finite_here = _all_finite([u for _, u in updates])
         if self.world_size == 1:
             return finite_here
         if not finite_here:  # the marker in every collective, so that every reducer puts its step back
@@ -315,6 +315,14 @@ class LocalAdamW(CompressedAdamBase):
 
 #: the compressor strings that name a schedule rather than a codec
 _SCHEDULES = ("auto", "kimad", "legacy", "edgc")
+
+
+def _all_finite(tensors: list[Tensor]) -> bool:
+    """Whether every element of every tensor is finite, read on the host once: on a GPU one
+    check per parameter would wait on the device once per parameter."""
+    # min and max propagate NaN and show an inf: one reduction pass per tensor, no boolean copy
+    checks = [torch.isfinite(torch.stack(torch.aminmax(t))).all() for t in tensors if t.numel() and t.is_floating_point()]
+    return not checks or bool(torch.stack(checks).all())
 
 
 def _bucket_key(keys: list[Hashable]) -> str:
