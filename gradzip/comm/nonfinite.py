@@ -55,6 +55,13 @@ def is_finite(t: Tensor) -> bool:
     return math.isfinite(float(low)) and math.isfinite(float(high))
 
 
+def all_finite(tensors: Iterable[Tensor]) -> bool:
+    """Whether every element of every tensor is finite, as :func:`is_finite` judges one, read on
+    the host once: on a GPU one read per tensor would wait on the device once per tensor."""
+    checks = [torch.isfinite(torch.stack(torch.aminmax(t))).all() for t in tensors if t.numel() and t.is_floating_point()]
+    return not checks or bool(torch.stack(checks).all())
+
+
 def on_host(t: Tensor) -> bool:
     """Whether checks on ``t`` are read on the host (CPU tensors: free there) rather than kept
     on its device."""

@@ -314,7 +314,8 @@ class CompressedAdamBase(torch.optim.Optimizer):
         for bucket in self._buckets(compressed):
             parts = [t for _, t in bucket]
             flat = parts[0] if len(parts) == 1 else _flatten_dense_tensors(parts)
-            futures.append((parts, self.reducer.reduce(tuple(key for key, _ in bucket), flat, step=step)))
+            futures.append((parts, self.reducer.reduce(self.bucket_name([key for key, _ in bucket]), flat, step=step,
+                                                       shapes=[t.shape for t in parts])))
         self._dense_mean_([t for t, squeeze in tensors.values() if not squeeze], step=step)
         for parts, fut in futures:
             mean = fut.wait()
@@ -323,6 +324,12 @@ class CompressedAdamBase(torch.optim.Optimizer):
                 continue
             for t, part in zip(parts, _unflatten_dense_tensors(mean, parts)):
                 t.copy_(part)
+
+    @staticmethod
+    def bucket_name(keys: list[Hashable]) -> Hashable:
+        """The name a bucket of the tensors ``keys`` keeps its residual under across steps: the
+        tuple of the keys (another membership never takes this bucket's residual)."""
+        return tuple(keys)
 
     def _buckets(self, items: list[tuple[Hashable, Tensor]]) -> list[list[tuple[Hashable, Tensor]]]:
         """Consecutive runs of ``items`` of one dtype and device, each up to ``bucket_cap_mb``

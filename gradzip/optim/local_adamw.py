@@ -27,9 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-from gradzip.comm import Reducer, make_reducer, nonfinite
+from gradzip.comm import make_reducer, nonfinite
 from gradzip.compressors import Compressor, build
 from gradzip.compressors.values import check_number
 from gradzip.metrics import StepMetrics
@@ -156,9 +155,15 @@ class LocalAdamW(CompressedAdamBase):
         """Always False: each rank's own gradient feeds its own moments."""
         return False
 
-    @property
-    def reducer(self) -> Reducer:
-        return self._reducer
+    @staticmethod
+    def bucket_name(keys: list[Hashable]) -> str:
+        """A bucket's name across steps: ``update 0-51`` for parameters 0 to 51, all of them; the
+        indices listed when some in the range take no part, so another membership never takes
+        this bucket's residual."""
+        first, last = keys[0], keys[-1]
+        if len(keys) == last - first + 1:
+            return f"update {first}-{last}" if last != first else f"update {first}"
+        return "update " + ",".join(str(k) for k in keys)
 
     def payload_nbytes(self) -> int:
         """Bytes this rank hands to the codec's collectives in a step, by the codec's formula per
@@ -251,33 +256,19 @@ class LocalAdamW(CompressedAdamBase):
                 "exp_avg_sq": state["exp_avg_sq"].clone(), "variance_steps": state["variance_steps"]}
 
     def _exchange_(self, updates: list[tuple[int, Tensor]], compress: list[bool]) -> bool:
-        """Replace every update by its mean over the group: through the codec, bucket by bucket,
-        where ``compress``, else by one uncompressed all_reduce. Returns whether every rank's
-        updates were finite (at world size 1: whether this rank's were)."""
-        finite_here = _all_finite([u for _, u in updates])
+        """Replace every update by its mean over the group (:meth:`exchange_`: through the codec,
+        bucket by bucket, where ``compress``, else one uncompressed all_reduce). Returns whether
+        every rank's updates were finite (at world size 1: whether this rank's were)."""
+        finite_here = nonfinite.all_finite([u for _, u in updates])
         if self.world_size == 1:
             return finite_here
         if not finite_here:  # the marker in every collective, so that every reducer puts its step back
             for _, u in updates:
                 u.fill_(float("nan"))
-        coded = [item for item, squeeze in zip(updates, compress) if squeeze]
-        futures = []
-        for bucket in self._buckets(coded):
-            parts = [u for _, u in bucket]
-            flat = parts[0].reshape(-1) if len(parts) == 1 else _flatten_dense_tensors(parts)
-            futures.append((parts, self.reducer.reduce(_bucket_key([k for k, _ in bucket]), flat, step=self.exchanges,
-                                                       shapes=[u.shape for u in parts])))
-        dense = [u for (_, u), squeeze in zip(updates, compress) if not squeeze]
-        self._dense_mean_(dense, step=self.exchanges)
+        self.exchange_({key: (u, squeeze) for (key, u), squeeze in zip(updates, compress)}, step=self.exchanges)
         self.exchanges += 1
-        means = [(parts, fut.wait()) for parts, fut in futures]
         self.reducer.settle()  # the step's residuals kept, or put back if some rank sent the marker
-        if nonfinite.received_marker([mean for _, mean in means] + dense):
-            return False
-        for parts, mean in means:
-            for u, part in zip(parts, _unflatten_dense_tensors(mean, parts) if len(parts) > 1 else [mean.view_as(parts[0])]):
-                u.copy_(part)
-        return True
+        return not nonfinite.received_marker([u for _, u in updates])
 
     # ----- checkpoints ------------------------------------------------------------------------
 
@@ -315,21 +306,3 @@ class LocalAdamW(CompressedAdamBase):
 
 #: the compressor strings that name a schedule rather than a codec
 _SCHEDULES = ("auto", "kimad", "legacy", "edgc")
-
-
-def _all_finite(tensors: list[Tensor]) -> bool:
-    """Whether every element of every tensor is finite, read on the host once: on a GPU one
-    check per parameter would wait on the device once per parameter."""
-    # min and max propagate NaN and show an inf: one reduction pass per tensor, no boolean copy
-    checks = [torch.isfinite(torch.stack(torch.aminmax(t))).all() for t in tensors if t.numel() and t.is_floating_point()]
-    return not checks or bool(torch.stack(checks).all())
-
-
-def _bucket_key(keys: list[Hashable]) -> str:
-    """A bucket's name across steps: ``update 0-51`` for parameters 0 to 51, all of them; the
-    indices listed when some in the range have no gradient, so another membership never takes
-    this bucket's residual."""
-    first, last = keys[0], keys[-1]
-    if len(keys) == last - first + 1:
-        return f"update {first}-{last}" if last != first else f"update {first}"
-    return "update " + ",".join(str(k) for k in keys)
