@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from helpers.optim_runs import train
 
 from gradzip.compressors.base import seeded_generator
 from gradzip.optim import TSRAdam
@@ -102,25 +103,12 @@ def reference_run(world_size: int, steps: int) -> list[torch.Tensor]:
 # ----- real ranks ------------------------------------------------------------------------------
 
 
-def _train(rank: int, model, opt, steps: range, saves: list | None = None, bytes_log: list | None = None) -> None:
-    for step in steps:
-        if saves is not None and step == RESUME_AT:
-            saves.append((copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())))
-        opt.zero_grad()
-        backward(model, rank, step)
-        predicted = opt.payload_nbytes()
-        opt.step()
-        popped = opt.metrics.pop()
-        if bytes_log is not None:
-            bytes_log.append((predicted, popped["payload_bytes"], popped["sent_bytes"], popped["dense_bytes"]))
-
-
 def _ranks(rank: int, world_size: int) -> dict:
     out: dict = {}
     model = tiny_model(0)
     opt = TSRAdam(model.parameters(), **HYPER)
     saves, bytes_log = [], []
-    _train(rank, model, opt, range(STEPS), saves, bytes_log)
+    train(rank, model, opt, range(STEPS), resume_at=RESUME_AT, saves=saves, bytes_log=bytes_log, grad=backward)
     out["params"] = [p.detach().clone() for p in model.parameters()]
     out["bytes"] = bytes_log
     out["mean_bytes"] = opt.mean_payload_nbytes()
@@ -129,7 +117,7 @@ def _ranks(rank: int, world_size: int) -> dict:
     resumed.load_state_dict(saves[0][0])
     opt2 = TSRAdam(resumed.parameters(), **{**HYPER, "seed": 0, "power_iters": 0})  # restored from the state_dict
     opt2.load_state_dict(saves[0][1])
-    _train(rank, resumed, opt2, range(RESUME_AT, STEPS))
+    train(rank, resumed, opt2, range(RESUME_AT, STEPS), grad=backward)
     out["resumed"] = [p.detach().clone() for p in resumed.parameters()]
 
     # A non-finite gradient on rank 1 at a plain step (4) and at a refresh step (6): every rank
@@ -181,10 +169,10 @@ def test_tsr_adam_on_two_gloo_ranks_equals_the_reference_bit_for_bit():
         assert all(torch.equal(a, b) for a, b in zip(r["after_skips"], reference))
         assert r["skips"] == [(True, True, 4, True), (True, True, 6, True)]
         dense = 4 * sum(p.numel() for p in tiny_model().parameters())
-        for step, (predicted, payload, sent, dense_bytes) in enumerate(r["bytes"]):
-            assert predicted == payload == expected_bytes(step)
-            assert sent == payload  # ring all_reduce at 2 ranks: 2 (W - 1) / W = 1
-            assert dense_bytes == dense
+        for step, (predicted, popped) in enumerate(r["bytes"]):
+            assert predicted == popped["payload_bytes"] == expected_bytes(step)
+            assert popped["sent_bytes"] == popped["payload_bytes"]  # ring all_reduce at 2 ranks: 2 (W - 1) / W = 1
+            assert popped["dense_bytes"] == dense
         assert r["mean_bytes"] == pytest.approx(4 * (8 + 10) + 4 * 2 * 4 * 24 / 3)
     assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
 

@@ -1,5 +1,5 @@
 """The tiny model, data and training loop the tests of the optimizers that own their exchange
-(DeMo, LocalAdamW) share: every rank draws its own batch from (rank, step)."""
+(DeMo, LocalAdamW; TSR-Adam the loop) share: every rank draws its own batch from (rank, step)."""
 
 from __future__ import annotations
 
@@ -23,15 +23,17 @@ def backward(model: torch.nn.Module, rank: int, step: int) -> None:
 
 
 def train(rank: int, model, opt, steps, *, resume_at: int | None = None, saves: list | None = None,
-          bytes_log: list | None = None) -> None:
+          bytes_log: list | None = None, grad=None) -> None:
     """Steps ``steps`` of ``opt``; before step ``resume_at`` the model's and the optimizer's state
     are appended to ``saves``; ``bytes_log`` gets ``(opt.payload_nbytes() before the step, the
-    step's popped metrics)`` per step."""
+    step's popped metrics)`` per step. ``grad(model, rank, step)`` computes the gradients
+    (:func:`backward` unless given)."""
+    grad = backward if grad is None else grad
     for step in steps:
         if saves is not None and step == resume_at:
             saves.append((copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())))
         opt.zero_grad()
-        backward(model, rank, step)
+        grad(model, rank, step)
         predicted = opt.payload_nbytes()
         opt.step()
         popped = opt.metrics.pop()
