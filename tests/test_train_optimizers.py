@@ -149,6 +149,9 @@ def test_compare_runs_an_optimizer_entry_behind_the_uncompressed_hook(tmp_path):
     assert argv("local-adamw:bucket_cap_mb=1")[1:5] == ["--optimizer", "local-adamw:bucket_cap_mb=1", "--compressor", "none"]
     with pytest.raises(ValueError, match="--compressors entry 'local-adamw\\+auto': local-adamw sends its update through a codec"):
         run_compare(CompareConfig(compressors=["local-adamw+auto"], out=str(tmp_path / "c")))
+    # a codec after the + that is no gradzip spec is named as the codec, not read as the entry's spec
+    with pytest.raises(ValueError, match="'local-adamw\\+torch:fp16': .*--compressor torch:fp16 is not a plain codec"):
+        run_compare(CompareConfig(compressors=["local-adamw+torch:fp16"], out=str(tmp_path / "c")))
     with pytest.raises(ValueError, match="warmup_steps must be an integer >= 1"):
         run_compare(CompareConfig(compressors=["onebit-adam:warmup_steps=0"], out=str(tmp_path / "c")))
     # the entry is named, not an --optimizer option this command does not have

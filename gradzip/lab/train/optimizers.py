@@ -82,11 +82,17 @@ def names_optimizer(spec: str) -> bool:
     optimizer that sends its update through a codec, ``local-adamw+topk:ratio=0.01`` as
     ``--optimizer local-adamw --compressor topk:ratio=0.01`` (:func:`split_optimizer_entry`)."""
     try:
+        # The optimizer's spec alone: what follows its "+" is the codec's, which may be no codec
+        # spec at all (``torch:fp16``) and is then named as a codec when the entry is checked.
+        head = parse_spec(spec.partition("+")[0])
+    except SpecError:
+        return False
+    if head and head[0][0] in UPDATE_CODEC:
+        return True
+    try:
         parts = parse_spec(spec)
     except SpecError:
         return False
-    if parts and parts[0][0] in UPDATE_CODEC:
-        return True
     return len(parts) == 1 and parts[0][0] in OPTIMIZERS
 
 
