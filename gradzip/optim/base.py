@@ -19,7 +19,7 @@ compressed.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -74,6 +74,15 @@ def grad_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Abstr
     if not needs and hasattr(model, "no_sync"):
         return model.no_sync()
     return nullcontext()
+
+
+def closure_loss(closure: Callable[[], Any] | None) -> Any:
+    """What ``step(closure)`` returns: the closure's loss, evaluated with autograd on (every
+    optimizer here steps under ``torch.no_grad``), or None without a closure."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
 
 
 def check_loadable(optimizer: torch.optim.Optimizer, state_dict: Any, *, kind: str, extra_keys: tuple[str, ...],

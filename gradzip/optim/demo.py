@@ -23,6 +23,7 @@ from gradzip.optim.base import (
     added_checked,
     check_loadable,
     check_nonnegative,
+    closure_loss,
     group_world_size,
     kept_settings,
     restore_missing,
@@ -202,10 +203,7 @@ class DeMo(torch.optim.Optimizer):
         Returns:
             the closure's loss, or None.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         items = self._params_with_grad()
         deltas, payload = [], []
         for _key, p, group in items:

@@ -32,7 +32,7 @@ from gradzip.comm import make_reducer, nonfinite
 from gradzip.compressors import Compressor, build
 from gradzip.compressors.values import check_number
 from gradzip.metrics import StepMetrics
-from gradzip.optim.base import CompressedAdamBase, check_nonnegative
+from gradzip.optim.base import CompressedAdamBase, check_nonnegative, closure_loss
 
 
 class LocalAdamW(CompressedAdamBase):
@@ -192,10 +192,7 @@ class LocalAdamW(CompressedAdamBase):
         Returns:
             the closure's loss, or None.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         items = self._taking_part()
         # The moments are updated on per-parameter copies, dropped once the update is computed,
         # and updated again in place (the same operations, the same numbers) only if every rank's

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from gradzip.comm import Reducer
 from gradzip.compressors import check_int
 from gradzip.metrics import StepMetrics
-from gradzip.optim.base import CompressedAdamBase
+from gradzip.optim.base import CompressedAdamBase, closure_loss
 
 
 class OneBitAdam(CompressedAdamBase):
@@ -109,10 +109,7 @@ class OneBitAdam(CompressedAdamBase):
         Returns:
             the closure's loss, or None.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         items = self.params_with_grad()
         step = self.steps_taken
         if self.in_warmup:

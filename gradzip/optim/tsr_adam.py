@@ -18,7 +18,7 @@ from gradzip.comm import nonfinite
 from gradzip.compressors import check_int
 from gradzip.compressors.base import seeded_generator
 from gradzip.metrics import StepMetrics
-from gradzip.optim.base import CompressedAdamBase, check_nonnegative
+from gradzip.optim.base import CompressedAdamBase, check_nonnegative, closure_loss
 from gradzip.optim.collectives import mean_all_reduce
 
 #: the name its buckets carry in StepMetrics
@@ -297,10 +297,7 @@ class TSRAdam(CompressedAdamBase):
         Returns:
             the closure's loss, or None.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         t = self.steps_taken
         items = self.params_with_grad()
         low = [(key, p, group) for key, p, group in items if self.is_low_rank(p, group)]

@@ -16,7 +16,7 @@ from torch import Tensor
 from gradzip.comm import Reducer
 from gradzip.compressors import check_int
 from gradzip.metrics import StepMetrics
-from gradzip.optim.base import CompressedAdamBase
+from gradzip.optim.base import CompressedAdamBase, closure_loss
 
 
 class ZeroOneAdam(CompressedAdamBase):
@@ -159,10 +159,7 @@ class ZeroOneAdam(CompressedAdamBase):
         Returns:
             the closure's loss, or None.
         """
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         t = self.next_step
         items = self.params_with_grad()
         if self.is_variance_step(t):
