@@ -159,3 +159,50 @@ def _group_empty(pgid: int, wait_s: float) -> bool:
             return True
         time.sleep(0.2)
     return False
+
+
+def _diverging_worker(rank: int, world_size: int, out: str, data: str) -> dict | None:
+    from gradzip.lab.train.loop import DIVERGED_AFTER
+
+    without_plots()
+    # rank 1's gradient is not finite from step 3 on, as in a run whose loss has become NaN
+    os.environ[ENV] = "+".join(f"nonfinite:rank=1,step={s},value=nan" for s in range(3, 3 + DIVERGED_AFTER + 5))
+    summary = train_worker(tiny_config(data, out, world_size=world_size, steps=30, checkpoint_every=2,
+                                       keep_checkpoints=0))
+    if rank != 0:
+        return None
+    records = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+    folders = sorted(p.name for p in (Path(out) / "checkpoints").iterdir())
+    return {"summary": summary, "steps": [r["step"] for r in records], "folders": folders, "after": DIVERGED_AFTER}
+
+
+@pytest.mark.dist
+def test_a_run_whose_steps_are_all_skipped_stops_as_diverged_without_a_checkpoint_of_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path / "cache"))
+    data = write_corpus(tmp_path / "corpus.txt")
+    out = tmp_path / "run"
+    first, second = run_ranks(_diverging_worker, 2, str(out), data, timeout_s=300)
+    assert second is None
+    after = first["after"]
+    last = 3 + after - 1  # the step on which the tenth skip in a row came
+    assert first["steps"] == list(range(last + 1))  # both ranks stopped there, not at step 29
+    summary = first["summary"]
+    assert summary["skipped_steps"] == after
+    assert summary["diverged"].startswith("diverged: from step 3 on every step had a non-finite gradient")
+    assert f"stopped after {after} in a row" in summary["diverged"]
+    # the periodic checkpoints up to the stop are kept; no final one of the diverged run is written
+    assert first["folders"][-1] == f"step-{last // 2 * 2:06d}"
+    assert f"step-{last + 1:06d}" not in first["folders"]
+
+
+def test_the_command_line_says_why_a_diverged_run_failed_and_exits_1(monkeypatch, capsys):
+    from gradzip.lab.cli import build_parser
+    from gradzip.lab.train import cli, launch
+
+    reason = "diverged: the final validation loss is nan"
+    args = build_parser().parse_args(["train", "--steps", "5"])
+    monkeypatch.setattr(launch, "launch", lambda cfg: {"diverged": reason})
+    assert cli.run(args) == 1
+    assert capsys.readouterr().err.strip() == f"gradzip train: {reason}"
+    monkeypatch.setattr(launch, "launch", lambda cfg: {"diverged": None})
+    assert cli.run(args) == 0

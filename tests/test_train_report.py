@@ -1,6 +1,8 @@
 """The run summary's count of steps where a count sketch did not peel its whole support."""
 
-from gradzip.lab.train.report import summarize, unpeeled_note
+import math
+
+from gradzip.lab.train.report import divergence, summarize, unpeeled_note
 
 
 def _record(step: int, buckets: dict) -> dict:
@@ -26,3 +28,14 @@ def test_no_note_where_everything_peeled_or_no_sketch_ran():
     assert peeled["unpeeled_steps"] == 0 and unpeeled_note(peeled) is None
     other = summarize([_record(0, {"a": {"codec": "fp16"}})])
     assert "unpeeled_steps" not in other and unpeeled_note(other) is None
+
+
+def test_divergence_names_the_stop_the_last_finite_loss_or_a_nonfinite_final_loss():
+    records = [{"step": 0, "loss": 7.6}, {"step": 1, "loss": 2.5e9}, {"step": 2, "loss": math.nan},
+               {"step": 3, "loss": math.inf}]
+    stopped = divergence(records, math.nan, diverged_at=2, skipped_in_a_row=10)
+    assert stopped.startswith("diverged: from step 2 on every step had a non-finite gradient")
+    assert "stopped after 10 in a row; the last finite train loss: 2.5e+09 at step 1;" in stopped
+    assert divergence(records, math.nan, diverged_at=None, skipped_in_a_row=2) == (
+        "diverged: the final validation loss is nan; the last finite train loss: 2.5e+09 at step 1")
+    assert divergence(records[:1], 4.2, diverged_at=None, skipped_in_a_row=0) is None

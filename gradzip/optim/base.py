@@ -76,6 +76,15 @@ def grad_sync(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Abstr
     return nullcontext()
 
 
+def range_name(kind: str, indices: list[int]) -> str:
+    """``kind 0-51`` for the ascending indices 0 to 51, all of them; ``kind 0,2,5`` when some in
+    the range are missing (so that two different index lists never share a name)."""
+    first, last = indices[0], indices[-1]
+    if len(indices) == last - first + 1:
+        return f"{kind} {first}-{last}" if last != first else f"{kind} {first}"
+    return f"{kind} " + ",".join(str(i) for i in indices)
+
+
 def closure_loss(closure: Callable[[], Any] | None) -> Any:
     """What ``step(closure)`` returns: the closure's loss, evaluated with autograd on (every
     optimizer here steps under ``torch.no_grad``), or None without a closure."""
@@ -336,8 +345,14 @@ class CompressedAdamBase(torch.optim.Optimizer):
 
     @staticmethod
     def bucket_name(keys: list[Hashable]) -> Hashable:
-        """The name a bucket of the tensors ``keys`` keeps its residual under across steps: the
-        tuple of the keys (another membership never takes this bucket's residual)."""
+        """The name a bucket of the tensors ``keys`` keeps its residual under across steps, and the
+        monitor shows: ``exp_avg 0-27`` for keys ``("exp_avg", 0)`` to ``("exp_avg", 27)``, all of
+        them (:func:`range_name`); other keys as their tuple. Another membership never takes this
+        bucket's residual."""
+        if all(isinstance(k, tuple) and len(k) == 2 and isinstance(k[1], int) for k in keys):
+            kinds = {k[0] for k in keys}
+            if len(kinds) == 1:
+                return range_name(str(kinds.pop()), [k[1] for k in keys])
         return tuple(keys)
 
     def _buckets(self, items: list[tuple[Hashable, Tensor]]) -> list[list[tuple[Hashable, Tensor]]]:

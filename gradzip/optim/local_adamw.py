@@ -32,7 +32,7 @@ from gradzip.comm import make_reducer, nonfinite
 from gradzip.compressors import Compressor, build
 from gradzip.compressors.values import check_number
 from gradzip.metrics import StepMetrics
-from gradzip.optim.base import CompressedAdamBase, check_nonnegative, closure_loss
+from gradzip.optim.base import CompressedAdamBase, check_nonnegative, closure_loss, range_name
 
 
 class LocalAdamW(CompressedAdamBase):
@@ -157,13 +157,9 @@ class LocalAdamW(CompressedAdamBase):
 
     @staticmethod
     def bucket_name(keys: list[Hashable]) -> str:
-        """A bucket's name across steps: ``update 0-51`` for parameters 0 to 51, all of them; the
-        indices listed when some in the range take no part, so another membership never takes
-        this bucket's residual."""
-        first, last = keys[0], keys[-1]
-        if len(keys) == last - first + 1:
-            return f"update {first}-{last}" if last != first else f"update {first}"
-        return "update " + ",".join(str(k) for k in keys)
+        """A bucket's name across steps: ``update 0-51`` for parameters 0 to 51, all of them (see
+        :func:`~gradzip.optim.base.range_name`)."""
+        return range_name("update", keys)
 
     def payload_nbytes(self) -> int:
         """Bytes this rank hands to the codec's collectives in a step, by the codec's formula per

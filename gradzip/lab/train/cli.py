@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 from gradzip.lab.options import add_arguments
 from gradzip.lab.train.config import TrainConfig
@@ -61,14 +62,15 @@ def run(args: argparse.Namespace) -> int:
     from gradzip.lab.train.launch import WorkerFailed, launch
 
     try:
-        launch(config_from_args(args))
+        summary = launch(config_from_args(args))
     except PeerLost as exc:  # this process is a rank under torchrun
         leave(str(exc))
     except WorkerFailed as exc:
-        import sys
-
         from gradzip.lab.cli import one_line
 
         print(f"gradzip: {one_line(exc)}", file=sys.stderr)
+        return 1
+    if summary and summary.get("diverged"):  # the run ended, its files are written: say why it failed
+        print(f"gradzip train: {summary['diverged']}", file=sys.stderr)
         return 1
     return 0

@@ -41,6 +41,11 @@ from gradzip.optim import grad_sync
 
 CALIBRATION_STEPS = 3
 
+#: steps skipped in a row (a non-finite gradient on some rank) after which a run is called diverged
+#: and stopped: an isolated overflow is skipped and forgotten, a model whose loss stays NaN is not
+#: trained on to the last step. Ranks agree on every skip, so they stop at the same step.
+DIVERGED_AFTER = 10
+
 
 def pick_backend(cfg: TrainConfig) -> str:
     if cfg.backend != "auto":
@@ -196,6 +201,8 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     fault_plan = faults.FaultPlan.from_env()  # test-only injection; empty unless GRADZIP_FAULTS is set
     train_start = time.perf_counter() - progress.elapsed_s
     paused_s = 0.0  # validation passes and checkpoints: measuring, not training, so kept out of elapsed_s
+    # Under --outer each replica skips its own steps, so a count of them is not agreed: no stop there.
+    skipped_in_a_row, diverged_at = 0, None
     for step in range(progress.step, cfg.steps):
         fault_plan.at_step(model, rank=rank, step=step)
         x, y = sample_batch(corpus.train, cfg.batch_size, cfg.seq_len, data_gen)
@@ -219,6 +226,8 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
                 optimizer.skip_step()
         if finite or outer_metrics is not None:  # the schedule follows the inner step count
             scheduler.step()
+        skipped = not finite or getattr(optimizer, "last_step_skipped", False)
+        skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
         optimizer.zero_grad(set_to_none=True)
         step_end = time.perf_counter()
 
@@ -269,16 +278,20 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
                 **per_rank, **state,
             )
             paused_s += time.perf_counter() - save_start
+        if skipped_in_a_row >= DIVERGED_AFTER and outer_metrics is None:
+            diverged_at = step + 1 - skipped_in_a_row
+            break
 
     if bar is not None:
         bar.close()
     if owns_communication(optimizer) or outer_metrics is not None:
         optimizer.synchronize()  # 0/1 Adam: ranks that took local steps meet again; DiLoCo: land what is in flight
     final_val = evaluate(model, val, device)
-    save_training_state(
-        cfg, progress, rank=rank, world_size=world_size, parallel=par,
-        **per_rank, **state,
-    )
+    if diverged_at is None:  # a diverged model is not saved: the last checkpoint stays the latest
+        save_training_state(
+            cfg, progress, rank=rank, world_size=world_size, parallel=par,
+            **per_rank, **state,
+        )
     if log is None:
         return None
     log.close()
@@ -307,6 +320,8 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     )
     summary["tokens_per_s"] = tokens_per_step / summary["step_s_median"] if summary["step_s_median"] else 0.0
     summary["skipped_steps"] = progress.skipped_steps
+    summary["diverged"] = report.divergence(log.records, final_val, diverged_at=diverged_at,
+                                            skipped_in_a_row=skipped_in_a_row)
     summary["monitor"] = monitor.summary()
     summary["known_gap"] = gap_note(cfg.choice)
     if cfg.outer is not None:

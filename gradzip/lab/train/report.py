@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 from typing import Any
@@ -102,6 +103,22 @@ def unpeeled_note(s: dict[str, Any]) -> str | None:
             "collisions bias: a larger width (countsketch:width=...) peels more")
 
 
+def divergence(records: list[dict[str, Any]], final_val_loss: float, *, diverged_at: int | None,
+               skipped_in_a_row: int) -> str | None:
+    """Why a run counts as diverged, in one line (None when it does not): it was stopped after
+    ``skipped_in_a_row`` steps skipped in a row from step ``diverged_at`` on, or it ended with a
+    validation loss that is not finite."""
+    finite = [r for r in records if math.isfinite(r["loss"])]
+    last = f"; the last finite train loss: {finite[-1]['loss']:.4g} at step {finite[-1]['step']}" if finite else ""
+    if diverged_at is not None:
+        return (f"diverged: from step {diverged_at} on every step had a non-finite gradient on some rank and was "
+                f"skipped, so the run stopped after {skipped_in_a_row} in a row{last}; no checkpoint was written "
+                "after the divergence")
+    if not math.isfinite(final_val_loss):
+        return f"diverged: the final validation loss is {final_val_loss}{last}"
+    return None
+
+
 def _fmt_bytes(n: float | None) -> str:
     if n is None:
         return "-"
@@ -143,6 +160,10 @@ def summary_table(s: dict[str, Any]) -> str:
         ("  optimizer", f"{s['optimizer_s_median'] * 1000:.0f} ms"),
         ("training time", f"{s['wall_s']:.1f} s (validation and checkpoints left out)"),
     ]
+    if s.get("skipped_steps"):
+        rows.append(("skipped steps", f"{s['skipped_steps']} (a non-finite gradient on some rank)"))
+    if s.get("diverged"):
+        rows.append(("stopped", s["diverged"].split(":")[0]))
     width = max(len(k) for k, _ in rows)
     lines = ["", "gradzip train: summary", "-" * (width + 30)]
     lines += [f"{k:<{width}}  {v}" for k, v in rows]
