@@ -42,3 +42,8 @@ def test_model_gradient_when_cached_else_synthetic(tmp_path, monkeypatch):
     expected = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
     assert torch.allclose(x[: expected.numel()], expected, rtol=1e-4, atol=1e-7)
     assert float(x[expected.numel() :].abs().sum()) > 0
+
+
+def test_a_missing_checkpoint_is_named_by_the_option_that_gave_it(tmp_path):
+    with pytest.raises(ValueError, match=f"^--checkpoint: no such folder: {tmp_path / 'gone'}$"):
+        bench_input(1000, source="model", checkpoint=str(tmp_path / "gone"))

@@ -73,7 +73,7 @@ def model_gradient(numel: int, *, checkpoint: str | None = None, seed: int = 0) 
     else:
         from gradzip.lab.train.checkpoint import find_checkpoint
 
-        folder, _notes = find_checkpoint(checkpoint)
+        folder, _notes = find_checkpoint(checkpoint, option="--checkpoint")
         shared = torch.load(Path(folder) / "shared.pt", map_location="cpu", weights_only=True)
         known = {f.name for f in dataclasses.fields(TrainConfig)}
         cfg = TrainConfig(**{k: v for k, v in shared["config"].items() if k in known})

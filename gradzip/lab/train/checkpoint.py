@@ -179,8 +179,8 @@ def run_folder(path: str | Path) -> Path:
     return path
 
 
-def find_checkpoint(path: str | Path) -> tuple[Path, list[str]]:
-    """The checkpoint folder to resume from.
+def find_checkpoint(path: str | Path, *, option: str = "--resume") -> tuple[Path, list[str]]:
+    """The checkpoint folder to resume from (``option``: the command-line option its errors name).
 
     Args:
         path: a run folder (holding ``checkpoints/``) or one checkpoint folder.
@@ -193,11 +193,11 @@ def find_checkpoint(path: str | Path) -> tuple[Path, list[str]]:
     """
     path = Path(path)
     if not path.exists():
-        raise NoUsableCheckpoint(f"--resume: no such folder: {path}")
+        raise NoUsableCheckpoint(f"{option}: no such folder: {path}")
     if step_of(path) is not None or (path / MANIFEST).exists():
         reason = incomplete_reason(path)
         if reason is not None:
-            raise NoUsableCheckpoint(f"--resume: checkpoint {path} is not usable: {reason}")
+            raise NoUsableCheckpoint(f"{option}: checkpoint {path} is not usable: {reason}")
         return path, []
     root = path / "checkpoints"
     folders = sorted((f for f in root.glob("step-*") if step_of(f) is not None), key=step_of, reverse=True)
@@ -212,7 +212,7 @@ def find_checkpoint(path: str | Path) -> tuple[Path, list[str]]:
             return folder, notes
         notes.append(f"{folder.name}: {reason}")
     found = "; ".join(notes) if notes else f"no checkpoints under {root}"
-    raise NoUsableCheckpoint(f"--resume: no usable checkpoint in {path} ({found})")
+    raise NoUsableCheckpoint(f"{option}: no usable checkpoint in {path} ({found})")
 
 
 def read_latest(root: Path) -> tuple[Path | None, list[str]]:
