@@ -39,3 +39,15 @@ def test_divergence_names_the_stop_the_last_finite_loss_or_a_nonfinite_final_los
     assert divergence(records, math.nan, diverged_at=None, skipped_in_a_row=2) == (
         "diverged: the final validation loss is nan; the last finite train loss: 2.5e+09 at step 1")
     assert divergence(records[:1], 4.2, diverged_at=None, skipped_in_a_row=0) is None
+
+
+def test_bytes_a_hook_did_not_count_read_unknown_not_zero():
+    step = {"payload_bytes": 0, "dense_bytes": 1000, "sent_bytes": 0, "step_s": 1.0, "fwd_bwd_s": 0.5,
+            "optimizer_s": 0.1, "compress_s": 0.0, "decompress_s": 0.0, "communicate_s": 0.0, "elapsed_s": 1.0}
+    summary = summarize([step, step])
+    assert summary["payload_bytes_per_step"] is None and summary["sent_bytes_per_step"] is None
+    assert summary["compression_ratio"] is None and summary["dense_bytes_per_step"] == 1000
+    counted = summarize([dict(step, payload_bytes=250, sent_bytes=250)])
+    assert counted["payload_bytes_per_step"] == 250 and counted["compression_ratio"] == 4
+    # no exchange at all (world size 1): nothing to count, zero is the count
+    assert summarize([dict(step, dense_bytes=0)])["payload_bytes_per_step"] == 0

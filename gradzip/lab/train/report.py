@@ -66,12 +66,15 @@ def summarize(records: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
     dense = sum(r["dense_bytes"] for r in records)
     steps = len(records)
     step_s = median([r["step_s"] for r in records])
+    # None where the hook did not count its bytes (PyTorch's PowerSGD hook): 0 of a nonzero dense
+    known = payload > 0 or dense == 0
     summary = dict(fields)
     summary.update(
         {
             "steps": steps,
-            "payload_bytes_per_step": payload / steps if steps else 0,
-            "sent_bytes_per_step": sum(r.get("sent_bytes", 0) for r in records) / steps if steps else 0,
+            "payload_bytes_per_step": (payload / steps if steps else 0) if known else None,
+            "sent_bytes_per_step": (sum(r.get("sent_bytes", 0) for r in records) / steps if steps else 0)
+            if known else None,
             "dense_bytes_per_step": dense / steps if steps else 0,
             "compression_ratio": dense / payload if payload else None,
             "step_s_median": step_s,
@@ -119,9 +122,9 @@ def divergence(records: list[dict[str, Any]], final_val_loss: float, *, diverged
     return None
 
 
-def _fmt_bytes(n: float | None) -> str:
+def _fmt_bytes(n: float | None, *, unknown: str = "-") -> str:
     if n is None:
-        return "-"
+        return unknown
     for unit in ("B", "KB", "MB", "GB"):
         if abs(n) < 1000:
             return f"{n:.1f} {unit}" if unit != "B" else f"{n:.0f} B"
@@ -143,9 +146,9 @@ def summary_table(s: dict[str, Any]) -> str:
         ("train loss (first -> last)", f"{s['initial_train_loss']:.3f} -> {s['final_train_loss']:.3f}"),
         ("val loss (start -> end)", f"{s['initial_val_loss']:.3f} -> {s['final_val_loss']:.3f}"),
         ("tokens/s (all workers)", f"{s['tokens_per_s']:,.0f}"),
-        ("payload per step", _fmt_bytes(s["payload_bytes_per_step"])),
+        ("payload per step", _fmt_bytes(s["payload_bytes_per_step"], unknown="unknown (the hook does not count it)")),
         ("uncompressed per step", _fmt_bytes(s["dense_bytes_per_step"])),
-        ("sent per worker per step", _fmt_bytes(s.get("sent_bytes_per_step"))),
+        ("sent per worker per step", _fmt_bytes(s.get("sent_bytes_per_step"), unknown="unknown")),
         ("compression ratio", f"{ratio:.1f}x" if ratio else "-"),
     ]
     if (s.get("replica_size") or 1) > 1:  # --outer: the exchange inside a replica, beside the one between
