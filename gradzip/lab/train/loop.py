@@ -383,8 +383,9 @@ def _update_progress(bar, record: dict[str, Any], tokens_per_step: int, skipped_
     postfix = {
         "loss": f"{record['loss']:.3f}",
         "tok/s": f"{tokens_per_step / record['step_s']:,.0f}",
-        "ratio": f"{record['compression_ratio']:.1f}x",
     }
+    if record["payload_bytes"] or not record["dense_bytes"]:  # else the hook did not count its bytes
+        postfix["ratio"] = f"{record['compression_ratio']:.1f}x"
     if "val_loss" in record:
         postfix["val"] = f"{record['val_loss']:.3f}"
     if skipped_steps:
