@@ -220,6 +220,17 @@ def test_huge_spec_values_are_one_line_in_every_command(no_workers, spec, key):
     _assert_one_line_exit_2(["bench", "--codecs", spec], key)
 
 
+@pytest.mark.parametrize("spec, why", [("topk:ratio=1.5", "ratio must be in (0, 1]"), ("topkk", "unknown compressor 'topkk'")])
+def test_a_bad_entry_of_a_list_option_is_named_with_its_option(no_workers, spec, why):
+    _assert_one_line_exit_2(["simulate", "--compressors", f"none,{spec}", "--no-plot", "--out", "sim"],
+                            f"--compressors entry '{spec}': {why}")
+    _assert_one_line_exit_2(["compare", "--compressors", f"none,{spec}", "--network", "loopback", "--out", "cmp"],
+                            f"--compressors entry '{spec}': {why}")
+    _assert_one_line_exit_2(["compare", "--compressors", f"local-adamw+{spec}", "--network", "loopback", "--out", "cmp"],
+                            f"--compressors entry 'local-adamw+{spec}': {why}")
+    _assert_one_line_exit_2(["bench", "--codecs", f"none,{spec}"], f"--codecs entry '{spec}': {why}")
+
+
 def test_spec_with_other_digits_is_one_line(no_workers):
     _assert_one_line_exit_2(["train", "--compressor", "uniform:bits=١", "--out", "run"], "bits")
 

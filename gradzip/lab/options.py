@@ -175,3 +175,15 @@ def add_arguments(
         if defaults and default is not None:
             help_text += f" (default {default})"
         target.add_argument(flag, help=help_text, **kwargs)
+
+
+def list_entry(option: str, spec: str, build: Callable[[str], Any]) -> Any:
+    """``build(spec)`` for one entry of a list option (``--codecs``, ``--compressors``), its
+    ``ValueError`` naming the option and the entry: ``--codecs entry 'topk:ratio=1.5': ratio must
+    be in (0, 1]; got 1.5``. A message that names the single-value option ``--compressor SPEC:``
+    (the main job's checks) is reworded so."""
+    try:
+        return build(spec)
+    except ValueError as exc:
+        message = str(exc).removeprefix(f"--compressor {spec}: ")
+        raise type(exc)(f"{option} entry {spec!r}: {message}") from None

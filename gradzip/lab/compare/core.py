@@ -170,6 +170,7 @@ def split_compressors(text: str) -> list[str]:
 
 def _check_specs(cfg: CompareConfig) -> None:
     """Fail on a bad spec or training option now, not in the fifth run."""
+    from gradzip.lab.options import list_entry
     from gradzip.lab.train.optimizers import check_optimizer, names_optimizer, split_optimizer_entry
     from gradzip.lab.train.outer import names_outer, split_entry
 
@@ -180,13 +181,15 @@ def _check_specs(cfg: CompareConfig) -> None:
                 given = {k: v for k, v in cfg.train_options.items() if v is not None}
                 check_optimizer(TrainConfig(optimizer=optimizer, compressor=codec, steps=cfg.steps, **given))
             except ValueError as exc:  # its message names --optimizer, which this command has not
-                raise type(exc)(f"--compressors entry {spec!r}: {str(exc).removeprefix('--optimizer ')}") from None
+                message = str(exc).removeprefix("--optimizer ").removeprefix(f"--compressor {codec}: ")
+                raise type(exc)(f"--compressors entry {spec!r}: {message}") from None
         elif names_outer(spec):
             outer, codec = split_entry(spec)
             TrainConfig(outer=outer, outer_compressor=codec, compressor="none", steps=cfg.steps,
                         world_size=cfg.world_size, replica_size=cfg.ranks_per_host).validate()
         else:  # the spec with train's default options, as each run will use it
-            TrainConfig(compressor=spec, steps=cfg.steps, world_size=cfg.world_size).validate()
+            list_entry("--compressors", spec,
+                       lambda s: TrainConfig(compressor=s, steps=cfg.steps, world_size=cfg.world_size).validate())
     TrainConfig(
         steps=cfg.steps, seed=cfg.seed, world_size=cfg.world_size, timeout_s=cfg.collective_timeout_s, out=cfg.out,
         **cfg.train_options,

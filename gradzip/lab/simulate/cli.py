@@ -12,6 +12,7 @@ import torch
 from gradzip.compressors.spec import split_spec_list
 from gradzip.compressors.values import FLOAT_TEXT, INT_TEXT, check_int, check_number, shown
 from gradzip.lab.cli import writable_folder
+from gradzip.lab.options import list_entry
 from gradzip.lab.simulate.calibrate import (
     DEFAULT_LATENCY_US,
     TCP_GOODPUT,
@@ -329,7 +330,7 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate:
         return run_calibration(args)
     scenario = scenario_from_args(args)
-    methods = [Method(spec) for spec in split_specs(args.compressors)]
+    methods = [list_entry("--compressors", spec, Method) for spec in split_specs(args.compressors)]
     out = writable_folder(args.out, "--out")  # after the specs, so that a bad one leaves no folder
     sweep = sorted(set(_positive_ints(args.sweep, "--sweep", MAX_GPUS)) | {args.gpus})
     # Explicit rates win over measured ones, measured ones over the preset's assumption.
