@@ -19,11 +19,12 @@ typed value or the objects built from it.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 from typing import Any
 
 from gradzip.compressors import REGISTRY, Compressor, SpecError, build, list_compressors, parse_spec
-from gradzip.compressors.spec import format_spec, split_training_options
+from gradzip.compressors.spec import TRAINING_OPTIONS, format_spec, split_training_options
 
 AUTO = "auto"
 #: PyTorch's DDP hooks that ``torch:NAME`` names, with the parameters each takes
@@ -140,7 +141,15 @@ def parse_compressor(text: str | Compressor | Choice) -> Choice:
         if name not in REGISTRY:
             raise SpecError(f"unknown compressor {name!r}; known: {accepted_names()}")
     codec_spec, warmup = split_training_options(stripped)
-    codec = build(codec_spec)
+    try:
+        codec = build(codec_spec)
+    except SpecError as exc:
+        # The DDP warm-up's options were taken off the spec before the codec saw it: name them too.
+        takes_ratio = "ratio" in inspect.signature(REGISTRY[parts[0][0]].__init__).parameters
+        if len(parts) == 1 and "has no parameter" in str(exc) and takes_ratio:
+            raise SpecError(f"{exc}; as a DDP hook's codec also {', '.join(TRAINING_OPTIONS)} "
+                            "(DGC's sparsity warm-up)") from None
+        raise
     if warmup:
         from gradzip.comm.warmup import WarmupReducer
 

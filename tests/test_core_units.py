@@ -204,3 +204,16 @@ def test_compression_state_pickles_without_its_group_and_keeps_residuals():
     assert torch.equal(clone.reducer.feedback.residuals[3], torch.arange(4.0))
     with pytest.raises(ValueError, match="checkpoint holds compressor state"):
         CompressionState("fp16").load_state_dict(state.state_dict())
+
+
+def test_an_unknown_key_lists_the_ddp_warmup_options_where_the_codec_takes_them():
+    from gradzip.choice import parse_compressor
+
+    with pytest.raises(ValueError) as info:
+        parse_compressor("topk:ratoi=0.01")
+    assert str(info.value) == ("topk has no parameter 'ratoi'; it takes ratio, start_step; as a DDP hook's codec "
+                               "also warmup_steps, warmup_stages, clip_norm (DGC's sparsity warm-up)")
+    parse_compressor("topk:ratio=0.01,warmup_steps=5")  # which are indeed taken
+    with pytest.raises(ValueError) as info:  # no ratio, no warm-up: not offered
+        parse_compressor("powersgd:ratioo=2")
+    assert str(info.value).endswith("it takes approx_rank, start_step, warm_start, seed, factor_bits")
