@@ -252,7 +252,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("bench", help="codec throughput, payload and error against one elementwise pass")
+    p = sub.add_parser(
+        "bench", help="codec throughput, payload and error against one elementwise pass",
+        description="Encode and decode each codec on one rank over a tensor of --size-mb: the main job's gradient "
+        "where its token ids are cached (or a trained run's with --checkpoint), else a heavy-tailed synthetic "
+        "one. Prints the encode + decode throughput (medians of interleaved repeats) beside that of one elementwise "
+        "pass (x.abs()) over the same tensor, the payload bytes against the formula's, and the relative error of the decode (for unbiased random projections such "
+        "as separate it exceeds 1: they are right on average, not per draw).",
+    )
     p.add_argument("--size-mb", type=float, default=25.0, help="tensor size in MiB (2^20 bytes) of fp32 (default 25)")
     p.add_argument(
         "--codecs",

@@ -397,7 +397,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument("--price-per-gpu-hour", type=float, default=3.5, help="USD per GPU-hour (default 3.5)")
     p.add_argument("--sweep", default=DEFAULT_SWEEP, help=f"GPU counts of the plot (default {DEFAULT_SWEEP})")
-    p.add_argument("--out", default="runs/simulate", help="directory for projection.md/.json and the plot")
+    p.add_argument("--out", default="runs/simulate", help="directory for projection.md/.json and the plot (default runs/simulate)")
     p.add_argument("--no-plot", action="store_true", help="skip the speedup plot")
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument(

@@ -127,7 +127,7 @@ class TrainConfig:
                               group=MONITORING)
     norm_warn_checks: int = option(3, "... for K consecutive checks", check=Int(1), metavar="K", group=MONITORING)
     adapt_every: int = option(
-        50, f"--compressor auto: re-decide every N steps; the first decision comes after a measuring window of "
+        50, f"--compressor auto: re-decide every N steps (N >= 4); the first decision comes after a measuring window of "
         f"min(N, {FIRST_WINDOW_STEPS}) steps after step 0", check=Int(4), metavar="N", group=MONITORING, compare=True)
     auto_schedule: str = option("cost", "--compressor auto: bandwidth-aware cost or accordion (the per-layer "
                                 "schedules are compressors: --compressor kimad, legacy, edgc)",
