@@ -162,6 +162,55 @@ def test_resume_with_other_settings_names_them(tmp_path, capsys, monkeypatch):
     assert "--world-size (checkpoint 2, now 3)" in err and "--compressor (checkpoint 'topk:ratio=0.1', now 'fp16')" in err
 
 
+def _resume_args(*argv: str):
+    from gradzip.lab.cli import build_parser
+    from gradzip.lab.train.cli import config_and_notes
+
+    argv = ["train", *argv]
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    return config_and_notes(args)
+
+
+def test_resume_takes_the_settings_not_given_from_the_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path / "cache"))
+    data = write_corpus(tmp_path / "corpus.txt")
+    config = tiny_config(data, str(tmp_path / "run"), compressor="topk:ratio=0.1", steps=4, world_size=3,
+                         checkpoint_every=2).to_dict()
+    for rank in (2, 1, 0):  # as three ranks would, rank 0 last (it writes the manifest)
+        save_checkpoint(tmp_path / "run", 2, shared={}, per_rank={}, rank=rank, world_size=3, config=config)
+    run = str(tmp_path / "run")
+
+    cfg, notes = _resume_args("--resume", run)
+    for name in ("compressor", "steps", "world_size", "n_layer", "n_embd", "data", "vocab_size", "seq_len",
+                 "checkpoint_every", "threads"):
+        assert getattr(cfg, name) == config[name], name
+    assert cfg.out == run and cfg.resume == run
+    assert cfg.progress is True  # --quiet belongs to this command, not to the run
+    assert notes == ["resuming with the checkpoint's settings: " + ", ".join(
+        f"--{k.replace('_', '-')} {config[k]}" for k in TrainConfig().to_dict()
+        if k not in ("resume", "out", "progress") and config[k] != getattr(TrainConfig(), k))]
+    assert "--compressor topk:ratio=0.1" in notes[0] and "--world-size 3" in notes[0]
+
+    # what is given wins (and is then checked against the checkpoint by launch), and a new step
+    # count is said
+    cfg, notes = _resume_args("--resume", run, "--steps", "8", "--compressor", "fp16", "--quiet")
+    assert (cfg.steps, cfg.compressor, cfg.progress, cfg.n_layer) == (8, "fp16", False, config["n_layer"])
+    assert "--compressor" not in notes[0] and "--steps" not in notes[0]
+    assert notes[1] == ("resuming with --steps 8 where the checkpoint's run had 4 (the learning-rate schedule "
+                        "follows the new count from here)")
+
+    # a namespace built by hand (no raw arguments): everything counts as given, as before
+    from gradzip.lab.cli import build_parser
+    from gradzip.lab.train.cli import config_and_notes
+
+    args = build_parser().parse_args(["train", "--resume", run])
+    cfg, notes = config_and_notes(args)
+    assert cfg.compressor == TrainConfig.compressor and cfg.steps == TrainConfig.steps
+    assert notes == [f"resuming with --steps {TrainConfig.steps} where the checkpoint's run had 4 (the learning-rate "
+                     "schedule follows the new count from here)"]
+
+
 @pytest.mark.e2e
 def test_zeroone_adam_resumes_exactly_between_synchronisations(tmp_path):
     """0/1 Adam's ranks take local steps between synchronisations, so their parameters differ

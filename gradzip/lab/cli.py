@@ -121,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # which options were given (train --resume)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

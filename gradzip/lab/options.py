@@ -114,6 +114,16 @@ def _option(f: dataclasses.Field) -> Option | None:
     return f.metadata.get("option")
 
 
+def as_argument(cls: type, name: str, value: Any) -> str:
+    """Field ``name`` at ``value`` as the command line would give it: ``--n-layer 2``; a boolean
+    as its flag (``--quiet`` for ``progress`` False) or ``without --quiet``."""
+    opt = next((_option(f) for f in dataclasses.fields(cls) if f.name == name), None)
+    flag = opt.flag if opt is not None and opt.flag else flag_of(name)
+    if isinstance(value, bool):
+        return flag if value != bool(opt is not None and opt.negate) else f"without {flag}"
+    return f"{flag} {value}"
+
+
 def names_where(cls: type, attribute: str) -> tuple[str, ...]:
     """Names of ``cls``'s fields whose :class:`Option` has ``attribute`` true, in field order."""
     return tuple(f.name for f in dataclasses.fields(cls) if _option(f) and getattr(_option(f), attribute))

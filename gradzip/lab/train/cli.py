@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import sys
 
-from gradzip.lab.options import add_arguments
+from gradzip.lab.options import add_arguments, as_argument
 from gradzip.lab.train.config import TrainConfig
 
 HELP = """\
@@ -48,13 +48,64 @@ def add_out_argument(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The run's config (under ``--resume``, the settings not given are the checkpoint's)."""
+    return config_and_notes(args)[0]
+
+
+def config_and_notes(args: argparse.Namespace) -> tuple[TrainConfig, list[str]]:
+    """The run's config, and what to say about it once it is checked (see
+    :func:`with_checkpoint_settings`)."""
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
+    notes: list[str] = []
+    if values.get("resume"):
+        values, notes = with_checkpoint_settings(values, given_options(args))
     if values.get("out") is None:
         from gradzip.lab.train.checkpoint import run_folder
 
         values["out"] = str(run_folder(args.resume)) if args.resume else TrainConfig.out
-    return TrainConfig(**values)
+    return TrainConfig(**values), notes
+
+
+def given_options(args: argparse.Namespace) -> set[str]:
+    """The TrainConfig fields given on the command line (every field when the raw arguments are
+    not known: a namespace built by hand)."""
+    argv = getattr(args, "argv", None)
+    if argv is None:
+        return {f.name for f in dataclasses.fields(TrainConfig)}
+    probe = argparse.ArgumentParser(add_help=False)
+    add_arguments(probe, TrainConfig, defaults=False)
+    add_out_argument(probe)
+    known, _rest = probe.parse_known_args(argv)
+    return {name for name, value in vars(known).items() if value is not None}
+
+
+def with_checkpoint_settings(values: dict, given: set[str]) -> tuple[dict, list[str]]:
+    """``values`` with every setting not in ``given`` taken from the checkpoint ``--resume`` names,
+    so that ``gradzip train --resume runs/a`` continues run ``a`` as it was started (its model,
+    codec, world size, steps, ...); what is given still wins, within what a resume may change.
+    ``--quiet`` is this command's own.
+    Also the notes to print once the run is checked: which settings came from the checkpoint, and
+    a changed ``--steps``.
+
+    Raises:
+        ValueError: when ``--resume`` holds no usable checkpoint.
+    """
+    from gradzip.lab.train.checkpoint import find_checkpoint, manifest_of
+
+    folder, _passed_over = find_checkpoint(values["resume"])
+    saved = manifest_of(folder).get("config", {})
+    values, taken = dict(values), []
+    for name, value in saved.items():
+        if name in ("resume", "out", "progress") or name in given or name not in values or values[name] == value:
+            continue
+        values[name] = value
+        taken.append(as_argument(TrainConfig, name, value))
+    notes = [f"the checkpoint's settings: {', '.join(taken)}"] if taken else []
+    if "steps" in given and saved.get("steps") not in (None, values["steps"]):
+        notes.append(f"--steps {values['steps']} where the checkpoint's run had {saved['steps']} (the "
+                     "learning-rate schedule follows the new count from here)")
+    return values, [f"resuming with {note}" for note in notes]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     from gradzip.lab.train.launch import WorkerFailed, launch
 
     try:
-        summary = launch(config_from_args(args))
+        summary = launch(*config_and_notes(args))
     except PeerLost as exc:  # this process is a rank under torchrun
         leave(str(exc))
     except WorkerFailed as exc:

@@ -114,7 +114,7 @@ class TrainConfig:
     keep_checkpoints: int = option(2, "complete checkpoints to keep, newest first; 0 keeps all (two leave one to fall "
                                    "back on if the newest is damaged)", check=Int(0), metavar="K")
     resume: str | None = option(None, "continue a run exactly from its last complete checkpoint (a run folder or a "
-                                "checkpoint folder)", metavar="DIR")
+                                "checkpoint folder), with the checkpoint's settings where none are given", metavar="DIR")
     progress: bool = option(True, "no progress bar or summary table", flag="--quiet", negate=True)
     monitor_every: int = option(10, "quality checks (norm ratio, cosine, relative error, error-feedback norm) every N "
                                 "steps; 0 off (bytes and times are recorded every step)", check=Int(0), metavar="N",

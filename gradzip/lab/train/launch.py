@@ -17,6 +17,7 @@ import json
 import multiprocessing.connection
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -89,8 +90,9 @@ def _read_status(status_dir: str, rank: int) -> dict:
         return {}
 
 
-def launch(cfg: TrainConfig) -> dict[str, Any] | None:
+def launch(cfg: TrainConfig, notes: list[str] | None = None) -> dict[str, Any] | None:
     """Validate, then train. Returns rank 0's summary where this process ran or spawned rank 0.
+    ``notes``: lines to print on stderr once every check has passed (rank 0).
 
     Raises:
         ValueError: for bad settings (before any worker starts).
@@ -108,6 +110,8 @@ def launch(cfg: TrainConfig) -> dict[str, Any] | None:
 
     for line in idle if os.environ.get("RANK", "0") == "0" else []:
         warn(line)  # after every check, so that a refused run prints its one error line alone
+    for line in notes or [] if os.environ.get("RANK", "0") == "0" else []:
+        print(f"gradzip train: {line}", file=sys.stderr)
     notes = [gap_note(cfg.choice), dense_steps_note(cfg)]
     if cfg.warmup_steps >= cfg.steps > 0 and not cfg.resume:
         notes.append(f"--warmup-steps {cfg.warmup_steps} covers all {cfg.steps} steps: the learning rate never "
