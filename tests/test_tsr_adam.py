@@ -263,7 +263,7 @@ def test_bad_settings_raise_naming_the_argument(kwargs, name):
 
 
 def test_rank_error_names_the_shape_and_dense_groups_take_any_shape():
-    with pytest.raises(ValueError, match=r"shape \(6, 8\)"):
+    with pytest.raises(ValueError, match=r"shape \(6, 8\); give the weights of other sizes parameter groups"):
         TSRAdam(tiny_model().parameters(), approx_rank=7)
     model = tiny_model()
     opt = TSRAdam([{"params": [model[0].weight], "approx_rank": None}, {"params": [model[2].weight], "approx_rank": 4}])

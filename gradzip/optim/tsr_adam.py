@@ -147,7 +147,9 @@ class TSRAdam(CompressedAdamBase):
                 if p.dim() == 2 and rank > min(p.shape):
                     raise ValueError(
                         f"approx_rank must be an integer in [1, min(m, n)] of every weight of its group; "
-                        f"got {rank} for a weight of shape {tuple(p.shape)}"
+                        f"got {rank} for a weight of shape {tuple(p.shape)}; give the weights of other sizes "
+                        "parameter groups of their own (a dict with its own approx_rank, or approx_rank=None to "
+                        "step them dense)"
                     )
         check_int(group["update_gap"], name="update_gap", low=1)
         check_nonnegative(group["scale"], name="scale", strict=True)
