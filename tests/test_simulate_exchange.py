@@ -140,6 +140,8 @@ def test_onebit_adam_payload_and_warmup():
         Method("onebit-adam:warmup=2")
     with pytest.raises(ValueError, match="fused"):
         Method("onebit-adam:fused=3")
+    with pytest.raises(ValueError, match="train's warmup_steps=N of --steps S is warmup=N/S here"):
+        Method("onebit-adam:warmup_steps=10")  # gradzip train's key, with the conversion named
     assert len(method.onebit_momentum_exchanges(SHAPES, 4)) == len(SHAPES)
     assert len(Method("onebit-adam:fused=true").onebit_momentum_exchanges(SHAPES, 4)) == 1
     with pytest.raises(ValueError, match="fsdp|ddp"):

@@ -179,9 +179,11 @@ class Method:
             warmup = params.pop("warmup", ONEBIT_WARMUP_FRACTION)
             fused = params.pop("fused", False)
             if params:
+                hint = ("; a projection has no step count: gradzip train's warmup_steps=N of --steps S is "
+                        "warmup=N/S here") if "warmup_steps" in params else ""
                 raise ValueError(
                     f"{ONEBIT_ADAM} takes warmup (a fraction of steps in [0, 1]) and fused (true or false); "
-                    f"got {sorted(params)}"
+                    f"got {sorted(params)}{hint}"
                 )
             check_number(warmup, name="warmup", low=0, high=1)
             if not isinstance(fused, bool):
