@@ -206,3 +206,24 @@ def test_smollm2_from_its_gguf_is_pretrained():
     with torch.no_grad():
         loss = float(next_token_loss(model, x, y))
     assert loss < 5.0, loss
+
+
+def test_a_model_whose_embedding_is_smaller_than_its_tokenizer_is_refused_before_workers(tmp_path, capsys, monkeypatch):
+    from gradzip.lab.train import launch
+
+    monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path / "cache"))
+    data = write_corpus(tmp_path / "corpus.txt", n_lines=50)
+    folder = Path(write_tiny_llama(tmp_path / "model", data))
+    config = json.loads((folder / "config.json").read_text())
+    tokens = config["vocab_size"]
+    config["vocab_size"] = tokens - 1  # the weights are not read: the config alone says the rows
+    (folder / "config.json").write_text(json.dumps(config))
+    spawned = []
+    monkeypatch.setattr(launch, "spawn_workers", lambda cfg: spawned.append(cfg))
+    capsys.readouterr()  # what writing the folder printed
+    assert main(["finetune", "--model", str(folder), "--data", data, "--seq-len", "32", "--steps", "2",
+                 "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"gradzip: error: --model {folder}: its tokenizer has {tokens} tokens and its embedding "
+                   f"{tokens - 1} rows\n")
+    assert spawned == []

@@ -100,7 +100,12 @@ def launch(cfg: TrainConfig, notes: list[str] | None = None) -> dict[str, Any] |
     """
     cfg.validate()
     idle = preflight(cfg)
-    Corpus.load(cfg.data, cfg.vocab_size, say=report.status if cfg.progress else None, model=cfg.model).check_fits(cfg.seq_len)
+    corpus = Corpus.load(cfg.data, cfg.vocab_size, say=report.status if cfg.progress else None, model=cfg.model)
+    corpus.check_fits(cfg.seq_len)
+    if cfg.model is not None:
+        from gradzip.lab.train.pretrained import check_embedding_rows
+
+        check_embedding_rows(cfg.model, corpus.vocab_size)
     if cfg.resume:
         from gradzip.lab.train.checkpoint import check_compatible, find_checkpoint
 

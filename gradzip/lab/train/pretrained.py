@@ -150,6 +150,18 @@ def load_config(folder: str | Path):
     return config
 
 
+def check_embedding_rows(model: str, tokens: int) -> None:
+    """Refuse ``--model`` before any worker starts when its tokenizer has more tokens than its
+    embedding has rows (read from its config: no weights are loaded).
+
+    Raises:
+        ValueError: naming ``--model`` and both counts.
+    """
+    rows = SMOLLM2_SHAPE["vocab_size"] if model == SMOLLM2 else getattr(load_config(model_folder(model)), "vocab_size", None)
+    if rows is not None and tokens > rows:
+        raise ValueError(f"--model {model}: its tokenizer has {tokens} tokens and its embedding {rows} rows")
+
+
 def load_model(folder: str | Path, seed: int) -> torch.nn.Module:
     """The pretrained causal LM in ``folder``, float32, dropout off. Weights the folder lacks
     (none for a complete one) are initialised from ``seed`` inside a forked RNG state."""
