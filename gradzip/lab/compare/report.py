@@ -150,7 +150,9 @@ def write_report(out: Path, rows: Sequence[dict[str, Any]], setup: dict[str, Any
         "- `time to target s`: training wall time at the first validation pass (every "
         f"{setup['eval_every']} steps) at or below the target; `vs none`: time of `none` / this run's. "
         + ("`compute util`: mean step time of `limit` (compute alone) / this run's mean step time (means, since "
-           "a DiLoCo entry exchanges on one step in H, which a median hides)." if has_limit else ""),
+           "a DiLoCo entry exchanges on one step in H, which a median hides); above 100% where this run's steps "
+           "were quicker than the limit's own, which happens when the exchange is nearly free and the machine's "
+           "noise decides (on loopback, on shared cores)." if has_limit else ""),
         "- `compute / codec / comm s`: compute alone (forward + backward, measured before training), compress + "
         "decompress, and time with a collective in flight (overlaps the backward pass), medians per step.",
         "- `payload MB/rank`: bytes the hook handed to collectives over the run; `sent MB/rank`: what those "
