@@ -133,6 +133,31 @@ def test_a_nonfinite_pseudo_gradient_is_skipped_and_never_reaches_the_parameters
         assert torch.isfinite(global_params).all()
 
 
+def eager_skip_without_momentum(rank, world_size, nan_step):
+    """Without outer momentum the own share a replica applies a round early cancels when the mean
+    lands, so the replicas agree after synchronize(), also when a round was skipped."""
+    model, opt = train_diloco(rank, 0, dict(CFG, outer_momentum=0.0), inner="sgd")
+    for step in range(1, STEPS + 1):
+        if step == nan_step and rank == 1:
+            with torch.no_grad():
+                model[0].weight[0, 0] = float("nan")
+        loss_of(model, rank, step).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    return opt.skipped, flat(opt.global_params)
+
+
+@pytest.mark.parametrize("nan_step", [None, 2 * H])
+def test_a_skipped_eager_round_takes_back_the_own_share_so_replicas_agree(nan_step):
+    results = run_ranks(eager_skip_without_momentum, 3, nan_step)
+    for skipped, global_params in results:
+        assert skipped == (0 if nan_step is None else 1)
+        assert torch.isfinite(global_params).all()
+        # the same up to the rounding of own / M added and taken back a round apart
+        assert torch.allclose(global_params, results[0][1], rtol=0, atol=1e-6)
+
+
 def eager_resume(rank, world_size, cfg):
     def build():
         model = tiny_model()

@@ -1,6 +1,9 @@
 """DiLoCo when things go wrong or could stall: a replica that stops, a non-finite
 pseudo-gradient, the first overlapped exchange, and settings out of range."""
 
+import time
+from datetime import timedelta
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -75,6 +78,32 @@ def test_nonfinite_pseudo_gradient_is_skipped_on_every_rank():
         assert torch.isfinite(r["final"]).all()
         assert not torch.equal(r["final"], r["global_before"])  # training went on
     assert torch.equal(results[0]["final"], results[1]["final"])
+
+
+def carried_nonfinite(rank, world_size, nan_step):
+    """carry=True, an exchange launched after step 4 lands after step 5; rank 1 takes an inner
+    step on a NaN gradient at ``nan_step`` (plain SGD: its parameters turn NaN)."""
+    model, opt = _build({"sync_every": 4, "delay": 1, "carry": True}, inner="sgd")
+    for step in range(1, 17):
+        loss_of(model, rank, step).backward()
+        if step == nan_step and rank == 1:
+            model[0].weight.grad[0, 0] = float("nan")
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    return opt.skipped, flat(opt.global_params), flat(model.parameters())
+
+
+@pytest.mark.parametrize("nan_step, skipped", [(2, 1), (5, 0)])
+def test_a_nonfinite_carry_is_dropped_not_kept_for_good(nan_step, skipped):
+    """Before the launch (step 2) the pseudo-gradient is NaN: skipped on every rank. After it
+    (step 5) the exchange is finite but what rank 1 would carry over is not. Either way rank 1
+    goes back to the global parameters and trains on; the ranks agree."""
+    results = run_ranks(carried_nonfinite, 2, nan_step)
+    for r_skipped, global_params, params in results:
+        assert r_skipped == skipped
+        assert torch.isfinite(global_params).all() and torch.isfinite(params).all()
+    assert torch.equal(results[0][1], results[1][1])
 
 
 def first_exchange_in_flight(rank, world_size):
@@ -184,6 +213,27 @@ def test_sparseloco_equals_its_written_out_update():
 def test_settings_out_of_range_raise_naming_the_option(kwargs, match):
     with pytest.raises(ValueError, match=match):
         _build(kwargs)
+
+
+def stalled_outer_peer(rank, world_size):
+    """Rank 1 stops answering for 10 s; rank 0 all_reduces on its outer group (2 s timeout)."""
+    _replica, outer = gradzip.replica_groups(world_size, 1, timeout=timedelta(seconds=2))
+    if rank == 1:
+        time.sleep(10)
+        return None
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1), group=outer)
+    except RuntimeError:
+        return "raised", time.monotonic() - start
+    return "completed", time.monotonic() - start
+
+
+def test_the_outer_groups_take_the_timeout_given_not_pytorchs_30_minutes():
+    outcome, waited = run_ranks(stalled_outer_peer, 2, timeout_s=60)[0]
+    # before rank 1 came back (10 s): the group's own 2 s, not the 60 s of the default group
+    # nor PyTorch's 30 minutes for a new group
+    assert outcome == "raised" and waited < 8, (outcome, waited)
 
 
 def test_replica_groups_refuse_a_size_that_does_not_divide():

@@ -157,8 +157,11 @@ class DiLoCo:
 
     A pseudo-gradient that is not finite on any rank is skipped on every rank: the global
     parameters and outer state stay, the fragment's local parameters go back to the global
-    ones (with ``carry``, plus the steps taken since the launch), the reducer's residuals are
-    put back, and :attr:`skipped` counts it. The inner optimizer's own state is left as it is.
+    ones (with ``carry``, plus the steps taken since the launch where those are finite), the
+    reducer's residuals are put back, and :attr:`skipped` counts it; with ``eager`` every replica
+    takes back the own share it applied a round early. The inner optimizer's own state is left as
+    it is. A carry that is not finite (the replica stepped on a non-finite gradient after the
+    launch) is dropped even when the exchange was finite.
 
     What differs from the papers: fragments are strided over parameter tensors, not over
     transformer blocks; with ``eager``, the replicas' global parameters differ by their own last
@@ -339,8 +342,10 @@ class DiLoCo:
         grads = []
         for k, i in enumerate(indices):
             g = own[k] / m if finite else torch.zeros_like(own[k])
-            if previous is not None:
-                g += previous[i] - self.sent[k] / m
+            if self.sent is not None:
+                # the previous round's mean for the own share applied a round early; a round that
+                # some rank skipped takes that share back alone, as every other replica does
+                g += (previous[i] if previous is not None else 0) - self.sent[k] / m
             grads.append(g)
         self.sent = own if finite else [torch.zeros_like(d) for d in own]
         self.outer.step(indices, grads)
@@ -364,9 +369,10 @@ class DiLoCo:
         """Land the eager exchange in flight: one outer step on the other replicas' share of it."""
         indices = self.fragments[0]
         previous = self._landed(self.pending.pop(0))
-        if previous is not None:
-            m = self.replicas
-            self.outer.step(indices, [previous[i] - self.sent[k] / m for k, i in enumerate(indices)])
+        m = self.replicas
+        # a skipped round (some rank's pseudo-gradient not finite) takes back the own share alone
+        self.outer.step(indices, [(previous[i] if previous is not None else 0) - self.sent[k] / m
+                                  for k, i in enumerate(indices)])
         self.sent = None
         for i in indices:
             self.params[i].copy_(self.global_params[i])
@@ -378,9 +384,13 @@ class DiLoCo:
         if means is not None:
             self.outer.step(indices, [means[i] for i in indices])
         for k, i in enumerate(indices):
-            if exchange.start is not None:  # keep the inner steps taken while the exchange ran
-                torch.add(self.global_params[i], self.params[i] - exchange.start[k], out=self.params[i])
-            elif means is None or self.mix == 0:
+            carried = None if exchange.start is None else self.params[i] - exchange.start[k]
+            if carried is not None and bool(torch.isfinite(carried).all()):
+                # keep the inner steps taken while the exchange ran
+                torch.add(self.global_params[i], carried, out=self.params[i])
+            elif means is None or self.mix == 0 or carried is not None:
+                # (a carry that is not finite, from a replica that stepped on a non-finite
+                # gradient before or after the launch, is dropped: it would stay so for good)
                 self.params[i].copy_(self.global_params[i])
             else:
                 self.params[i].lerp_(self.global_params[i], 1 - self.mix)

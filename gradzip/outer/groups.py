@@ -10,18 +10,24 @@ the replica stays identical.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch.distributed as dist
 
 from gradzip.compressors import check_int
 
 
-def replica_groups(world_size: int, replica_size: int) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+def replica_groups(world_size: int, replica_size: int, *,
+                   timeout: timedelta | None = None) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """Build every replica group and every outer group, in one order on every rank (as
     ``dist.new_group`` requires), and return this rank's ``(replica_group, outer_group)``.
 
     Args:
         world_size: ranks in the default group (``dist.get_world_size()``).
         replica_size: ranks per replica, in ``[1, world_size]``, dividing ``world_size``.
+        timeout: how long a collective of these groups waits for a rank that stopped before it
+            fails. Pass the one given to ``init_process_group``: a new group does not inherit
+            it, and None leaves PyTorch's default (30 minutes on gloo).
 
     Raises:
         ValueError: for a ``replica_size`` out of range or not dividing ``world_size``, or a
@@ -38,12 +44,12 @@ def replica_groups(world_size: int, replica_size: int) -> tuple[dist.ProcessGrou
     mine: dict[str, dist.ProcessGroup] = {}
     for r in range(replicas):
         ranks = list(range(r * replica_size, (r + 1) * replica_size))
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine["replica"] = group
     for position in range(replica_size):
         ranks = [r * replica_size + position for r in range(replicas)]
-        group = dist.new_group(ranks)
+        group = dist.new_group(ranks, timeout=timeout)
         if rank in ranks:
             mine["outer"] = group
     return mine["replica"], mine["outer"]

@@ -156,7 +156,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     if cfg.outer is not None:
         from gradzip.outer import replica_groups
 
-        replica_group, outer_group = replica_groups(world_size, cfg.replica_size)
+        replica_group, outer_group = replica_groups(world_size, cfg.replica_size, timeout=timedelta(seconds=cfg.timeout_s))
     par = make_parallel(model, cfg, settle=lambda ddp: settle_buckets(ddp, corpus, cfg, device), group=replica_group)
     # auto probes its candidates on a later step: theirs compile now as well (the per-layer
     # schedules build theirs as they plan)
