@@ -148,6 +148,36 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
     assert _group_empty(proc.pid, wait_s=10), "a worker of the run is still running"
 
 
+@pytest.mark.e2e
+def test_sigkill_to_the_launcher_stops_every_worker(tmp_path):
+    """The launcher killed outright (SIGKILL, the OOM killer) cannot stop its workers: they stop
+    by themselves, and no process of the run is left training into its folder. Started as a
+    script's background job is (SIGINT ignored, which the workers inherit), where the SIGINT that
+    torch's spawn asks the kernel for at the parent's death would do nothing."""
+    data = write_corpus(tmp_path / "corpus.txt")
+    out = tmp_path / "run"
+    env = dict(os.environ, GRADZIP_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "gradzip", "train", "--data", data, "--vocab-size", "300", "--seq-len", "32",
+           "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "2", "--threads", "1",
+           "--world-size", "2", "--steps", "100000", "--eval-every", "100000", "--out", str(out), "--quiet"]
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        metrics = out / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # the workers are training
+            assert proc.poll() is None and time.monotonic() < deadline, "no steps"
+            time.sleep(0.5)
+        proc.kill()  # the launcher alone, not its group
+        proc.wait(timeout=30)
+        assert _group_empty(proc.pid, wait_s=15), "a worker of the run is still running"
+    finally:
+        try:
+            os.killpg(proc.pid, 9)
+        except ProcessLookupError:
+            pass
+
+
 def _group_empty(pgid: int, wait_s: float) -> bool:
     """Whether no process is left in the group within ``wait_s`` (Python's multiprocessing
     resource tracker leaves a moment after the launcher, on its own)."""

@@ -45,9 +45,32 @@ def under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _spawned(local_rank: int, cfg: TrainConfig, port: int, status_dir: str) -> None:
+def _die_with(launcher: int) -> None:
+    """Stop this worker when its launcher dies without stopping it (SIGKILL, the OOM killer), so
+    no worker trains on alone into the run folder: on Linux the kernel sends SIGTERM when the
+    parent dies (``prctl(PR_SET_PDEATHSIG)``); elsewhere a daemon thread looks every second."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        if ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM, 0, 0, 0) == 0:
+            if os.getppid() != launcher:  # it died before the call: no signal will come
+                os._exit(1)
+            return
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="gradzip-launcher-watch", daemon=True).start()
+
+
+def _spawned(local_rank: int, cfg: TrainConfig, port: int, status_dir: str, launcher: int) -> None:
     from gradzip.lab.train.faults import PeerLost, leave
     from gradzip.lab.train.loop import pick_backend, train_worker
+
+    _die_with(launcher)
 
     os.environ.update(
         RANK=str(local_rank),
@@ -238,7 +261,8 @@ def spawn_workers(cfg: TrainConfig) -> None:
         report.status(f"starting {cfg.world_size} workers (each imports torch and builds the model)")
     with tempfile.TemporaryDirectory(prefix="gradzip-workers-") as status_dir:
         ctx = mp.start_processes(
-            _spawned, args=(cfg, store.port, status_dir), nprocs=cfg.world_size, join=False, start_method="spawn"
+            _spawned, args=(cfg, store.port, status_dir, os.getpid()), nprocs=cfg.world_size, join=False,
+            start_method="spawn",
         )
         # SIGTERM (a scheduler's or timeout's stop) unwinds here like Ctrl-C; only the main
         # thread may set a handler
