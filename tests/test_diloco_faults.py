@@ -208,6 +208,9 @@ def test_sparseloco_equals_its_written_out_update():
         ({"sync_every": 4, "compressor": "powersgd", "method": "sparseloco"}, r"single-round codec"),
         ({"sync_every": 4, "compressor": "topk", "method": "sparseloco", "error_feedback": False}, r"error_feedback must be on"),
         ({"sync_every": 4, "compressor": "nope"}, r"unknown compressor"),
+        ({"sync_every": 4, "compressor": "topk", "method": "sparseloco", "outer_momentum": 0.0},
+         r"^outer_momentum must be in \(0, 1\) with method='sparseloco'"),
+        ({"sync_every": 4, "outer_lr": 1e300}, r"^outer_lr must be a number in \(0, 3.40282e\+38\] for torch.float32"),
     ],
 )
 def test_settings_out_of_range_raise_naming_the_option(kwargs, match):

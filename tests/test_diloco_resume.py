@@ -3,6 +3,7 @@ exchange in flight, between fragments, with error-feedback residuals (Top-K on t
 exchange) and in SparseLoCo mode."""
 
 import io
+import re
 
 import pytest
 import torch
@@ -81,6 +82,35 @@ def test_loading_a_foreign_or_reshaped_checkpoint_raises_and_changes_nothing():
     with pytest.raises(ValueError, match="shape"):
         opt.load_state_dict(state)
     assert all(torch.equal(a, b) for a, b in zip(before, opt.global_params))
+
+
+@pytest.mark.parametrize(
+    "other, differ",
+    [({"bucket_cap_mb": 0}, "buckets [1], now [6]"), ({"error_feedback": False}, "error_feedback True, now False")],
+)
+def test_a_state_of_other_buckets_or_error_feedback_is_refused_by_name(other, differ):
+    base = {"compressor": "topk:ratio=0.5", "sync_every": 4, "error_feedback": True}
+    state = _build(base)[1].state_dict()
+    with pytest.raises(ValueError, match=re.escape(f"({differ})") + "$"):
+        _build({**base, **other})[1].load_state_dict(state)
+
+
+def test_a_damaged_state_is_refused_and_a_part_loaded_is_taken_back():
+    good = _build({"compressor": "topk:ratio=0.5", "sync_every": 2, "error_feedback": True})[1].state_dict()
+    # a state further on than the one it is loaded into: a part loaded would show
+    good = {**good, "inner_steps": 5, "global": [g + 1 for g in good["global"]]}
+    fresh = _build({"compressor": "topk:ratio=0.5", "sync_every": 2, "error_feedback": True})[1]
+    before = fresh.state_dict()
+    short = {**good, "global": good["global"][:-1]}
+    with pytest.raises(ValueError, match="checkpoint holds 5 global parameters; the model trains 6"):
+        fresh.load_state_dict(short)
+    for damaged in ({**good, "outer": {}}, {**good, "reducers": [{}]}):
+        with pytest.raises(ValueError, match="not a loadable DiLoCo state_dict .*nothing was changed"):
+            fresh.load_state_dict(damaged)
+        after = fresh.state_dict()
+        assert after["inner_steps"] == before["inner_steps"] == 0
+        assert all(torch.equal(a, b) for a, b in zip(after["global"], before["global"]))
+        assert after["outer"].keys() == before["outer"].keys()
 
 
 def test_a_model_without_trainable_parameters_or_a_non_bool_error_feedback_is_refused():

@@ -207,6 +207,12 @@ class DiLoCo:
             raise ValueError(f"error_feedback must be True, False or None (the codec's default); got {error_feedback!r}")
         self.schedule = Schedule(sync_every=sync_every, fragments=fragments, delay=delay, n_tensors=len(self.params))
         self.outer_lr = _check_number(outer_lr, name="outer_lr", low=0, high=math.inf, low_open=True, high_open=True)
+        # the outer step multiplies in the parameters' dtype: a rate past its range cannot be applied
+        dtypes = {p.dtype for p in self.params if p.is_floating_point()}
+        limit = min((torch.finfo(d).max for d in dtypes), default=math.inf)
+        if self.outer_lr > limit:
+            raise ValueError(f"outer_lr must be a number in (0, {limit:g}] for {', '.join(sorted(map(str, dtypes)))} "
+                             f"parameters; got {outer_lr!r}")
         momentum = _check_number(outer_momentum, name="outer_momentum", low=0, high=1, low_open=False, high_open=True)
         self.mix = _check_number(mix, name="mix", low=0, high=1, low_open=False, high_open=False)
         cap_mb = _check_number(bucket_cap_mb, name="bucket_cap_mb", low=0, high=math.inf, low_open=False, high_open=True)
@@ -224,6 +230,9 @@ class DiLoCo:
             raise ValueError("error_feedback must be on (None or True) with method='sparseloco', which relies on it")
         if sparseloco and codec.multi_round:
             raise ValueError(f"method='sparseloco' needs a single-round codec; {codec.name} brings its own rounds")
+        if sparseloco and momentum == 0:
+            raise ValueError("outer_momentum must be in (0, 1) with method='sparseloco', where it is the decay of the "
+                             f"error-feedback accumulator (0 would keep no residual); got {outer_momentum!r}")
         self.inner_optimizer = inner_optimizer
         self.method = method
         self.spec = codec.spec
@@ -440,22 +449,49 @@ class DiLoCo:
         """Restore what :meth:`state_dict` returned.
 
         Raises:
-            ValueError: if it is not a DiLoCo state (missing entries), was made with other settings
-                (codec, schedule, method) or for parameters of other shapes; nothing is changed then.
+            ValueError: if it is not a DiLoCo state (missing or malformed entries), was made with
+                other settings (codec, schedule, method, buckets, error feedback, number of
+                replicas) or for other parameters (count, shapes); nothing is changed then.
         """
+        self._check_loadable(state)
+        before = self.state_dict()
+        try:
+            self._load(state)
+        except (KeyError, IndexError, TypeError, AttributeError, ValueError, RuntimeError) as exc:
+            self._load(before)  # a part that loaded is taken back: nothing is changed
+            raise ValueError(f"not a loadable DiLoCo state_dict ({type(exc).__name__}: {exc}); nothing was "
+                             "changed") from None
+
+    def _check_loadable(self, state: Any) -> None:
         missing = [k for k in ("settings", "inner_steps", "exchanges", "skipped", "global", "outer", "pending",
                                "reducers", "inner") if not isinstance(state, dict) or k not in state]
         if missing:
             raise ValueError(f"not a DiLoCo state_dict: no {', '.join(missing)} (settings: {self._settings()})")
-        if state["settings"] != self._settings():
-            raise ValueError(f"checkpoint made with settings {state['settings']}, not {self._settings()}")
+        mine, saved = self._settings(), state["settings"]
+        if saved != mine:
+            keys = [k for k in {**mine, **saved} if saved.get(k) != mine.get(k)] if isinstance(saved, dict) else []
+            differ = "; ".join(f"{k} {saved.get(k)!r}, now {mine.get(k)!r}" for k in keys)
+            raise ValueError(f"checkpoint made with settings {saved}, not {mine}" + (f" ({differ})" if differ else ""))
         if self.carry and any("start" not in e for e in state["pending"]):
             raise ValueError("not a carry DiLoCo state_dict: an exchange in flight has no start (its parameters at launch)")
         if self.eager and "sent" not in state:
             raise ValueError("not an eager DiLoCo state_dict: no sent (the pseudo-gradient of the exchange in flight)")
-        for i, (g, saved) in enumerate(zip(self.global_params, state["global"])):
-            if g.shape != saved.shape:
-                raise ValueError(f"checkpoint parameter {i} has shape {tuple(saved.shape)}; the model's is {tuple(g.shape)}")
+        if len(state["global"]) != len(self.global_params):
+            raise ValueError(f"checkpoint holds {len(state['global'])} global parameters; the model trains "
+                             f"{len(self.global_params)}")
+        for i, (g, saved_g) in enumerate(zip(self.global_params, state["global"])):
+            if not isinstance(saved_g, torch.Tensor) or g.shape != saved_g.shape:
+                shape = tuple(saved_g.shape) if isinstance(saved_g, torch.Tensor) else type(saved_g).__name__
+                raise ValueError(f"checkpoint parameter {i} has shape {shape}; the model's is {tuple(g.shape)}")
+        if len(state["reducers"]) != len(self.reducers):
+            raise ValueError(f"checkpoint holds {len(state['reducers'])} reducers; this DiLoCo has {len(self.reducers)}")
+        for e in state["pending"]:
+            if not isinstance(e, dict) or any(k not in e for k in ("fragment", "due", "step", "results")) or not (
+                    0 <= e["fragment"] < len(self.fragments)) or len(e["results"]) != len(self.buckets[e["fragment"]]):
+                raise ValueError(f"not a DiLoCo state_dict: an exchange in flight does not fit this DiLoCo's "
+                                 f"fragments and buckets: {e if not isinstance(e, dict) else sorted(e)}")
+
+    def _load(self, state: dict[str, Any]) -> None:
         self.inner_steps = state["inner_steps"]
         self.exchanges = state["exchanges"]
         self.skipped = state["skipped"]
@@ -482,6 +518,8 @@ class DiLoCo:
         return {
             "compressor": self.spec, "method": self.method, "sync_every": s.sync_every,
             "fragments": s.fragments, "delay": s.delay, "n_tensors": s.n_tensors, "replica_size": self._share,
+            "buckets": [len(b) for b in self.buckets], "error_feedback": self.reducers[0].feedback is not None,
+            "replicas": self.replicas if dist.is_initialized() else 1,
             **({"eager": True} if self.eager else {}),
             **({"carry": True} if self.carry else {}),
         }
