@@ -44,6 +44,17 @@ def _locked(method):
     return locked
 
 
+def check_error_feedback(value: object) -> bool | None:
+    """``error_feedback`` as the reducers take it: True, False or None (the codec's default).
+
+    Raises:
+        ValueError: for anything else (a string such as ``"no"`` would read as true).
+    """
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"error_feedback must be True, False or None (the codec's default); got {value!r}")
+    return value
+
+
 class ErrorFeedback:
     """One residual per key (a bucket, a parameter, a parameter name).
 
@@ -86,6 +97,8 @@ class ErrorFeedback:
             raise ValueError(f"start_step must be an integer >= 0; got {start_step!r}")
         self.decay = check_decay(decay)
         self.start_step = start_step
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"dtype must be a floating torch.dtype or None (the gradient's); got {dtype!r}")
         self.dtype = dtype
         self.deferred = deferred
         self.follow = follow

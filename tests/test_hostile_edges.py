@@ -484,3 +484,31 @@ def test_an_abbreviated_option_is_refused_not_read_as_another(no_workers):
     _assert_one_line_exit_2(["compare", "--compressors", "fp16", "--compressor", "topk:ratio=0.1", "--out", "run"],
                             "unrecognized arguments: --compressor")
     _assert_one_line_exit_2(["train", "--world", "2", "--out", "run"], "unrecognized arguments: --world")
+
+
+@pytest.mark.parametrize("value", ["no", "False", 1, 0.0])
+def test_error_feedback_that_is_not_a_bool_is_refused_everywhere(value):
+    from gradzip.comm import make_reducer
+    from gradzip.ddp import CompressionState
+
+    with pytest.raises(ValueError, match=r"^error_feedback must be True, False or None \(the codec's default\)"):
+        CompressionState("topk:ratio=0.1", error_feedback=value)
+    with pytest.raises(ValueError, match=r"^error_feedback must be True, False or None"):
+        make_reducer("topk:ratio=0.1", error_feedback=value)
+
+
+def test_a_residual_dtype_that_is_not_floating_is_refused():
+    from gradzip.feedback import ErrorFeedback
+
+    with pytest.raises(ValueError, match="dtype must be a floating torch.dtype or None"):
+        ErrorFeedback(dtype=torch.int32)
+    assert ErrorFeedback(dtype=torch.bfloat16).dtype is torch.bfloat16
+
+
+@pytest.mark.parametrize("name", ["OneBitAdam", "ZeroOneAdam", "TSRAdam", "LocalAdamW"])
+@pytest.mark.parametrize("eps", [0.0, -1e-8])
+def test_adam_family_refuses_an_eps_that_divides_zero_by_zero(name, eps):
+    import gradzip.optim as optim
+
+    with pytest.raises(ValueError, match=r"^eps must be a number > 0"):
+        getattr(optim, name)(torch.nn.Linear(3, 3).parameters(), eps=eps)

@@ -21,6 +21,7 @@ from gradzip.comm.reducer import CompressedReducer
 from gradzip.comm.routes import COLLECTIVES
 from gradzip.comm.twophase import TwoPhaseAllReduce
 from gradzip.compressors import Compressor, build
+from gradzip.feedback import check_error_feedback
 from gradzip.metrics import StepMetrics
 
 
@@ -80,6 +81,7 @@ def make_reducer(
         ValueError: for a bad spec, an impossible collective, a negative
             ``min_compress_bytes`` or a ``feedback_decay`` that does not apply.
     """
+    check_error_feedback(error_feedback)
     codec = build(compressor)
     if codec.multi_round:
         if collective != "auto":

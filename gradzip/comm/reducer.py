@@ -49,7 +49,7 @@ from gradzip.comm.traffic import dense_probe
 from gradzip.comm.twophase import TwoPhaseAllReduce
 from gradzip.compressors import Compressor, Payload, check_int
 from gradzip.compressors.kernels import wire
-from gradzip.feedback import ErrorFeedback, check_decay
+from gradzip.feedback import ErrorFeedback, check_decay, check_error_feedback
 from gradzip.keys import label
 from gradzip.metrics import StepMetrics, quality_figures
 
@@ -111,7 +111,7 @@ class CompressedReducer:
         self.group = group
         self.collective = check_collective(collective, compressor)
         self.min_compress_bytes = check_int(min_compress_bytes, name="min_compress_bytes", low=0)
-        use_feedback = compressor.error_feedback if error_feedback is None else error_feedback
+        use_feedback = compressor.error_feedback if check_error_feedback(error_feedback) is None else error_feedback
         feedback_decay = check_decay(feedback_decay)
         if feedback_decay != 1.0 and not use_feedback:
             raise ValueError(f"feedback_decay needs error feedback on; got feedback_decay={feedback_decay} without it")

@@ -227,7 +227,8 @@ class CompressedAdamBase(torch.optim.Optimizer):
         defaults = {
             "lr": check_nonnegative(lr, name="lr", strict=True),
             "betas": check_betas(betas),
-            "eps": check_nonnegative(eps, name="eps"),
+            # eps 0 divides 0 by 0 where a moment is 0 (a parameter without gradient signal)
+            "eps": check_nonnegative(eps, name="eps", strict=True),
             "weight_decay": check_nonnegative(weight_decay, name="weight_decay"),
             "compress": True,
         }
@@ -257,7 +258,7 @@ class CompressedAdamBase(torch.optim.Optimizer):
     def _check_group(self, group: dict[str, Any]) -> None:
         group["betas"] = check_betas(group["betas"])
         check_nonnegative(group["lr"], name="lr", strict=True)
-        check_nonnegative(group["eps"], name="eps")
+        check_nonnegative(group["eps"], name="eps", strict=True)
         check_nonnegative(group["weight_decay"], name="weight_decay")
 
     # ----- what subclasses decide -------------------------------------------------------------

@@ -32,7 +32,7 @@ from gradzip.comm import make_reducer, nonfinite
 from gradzip.compressors import Compressor, build
 from gradzip.compressors.values import check_number
 from gradzip.metrics import StepMetrics
-from gradzip.optim.base import CompressedAdamBase, check_nonnegative, closure_loss, range_name
+from gradzip.optim.base import CompressedAdamBase, closure_loss, range_name
 
 
 class LocalAdamW(CompressedAdamBase):
@@ -141,7 +141,6 @@ class LocalAdamW(CompressedAdamBase):
 
     def _check_group(self, group: dict[str, Any]) -> None:
         super()._check_group(group)
-        check_nonnegative(group["eps"], name="eps", strict=True)  # eps 0 divides 0 by 0 where a gradient is 0
         for flag in ("maximize", "amsgrad"):
             if group.get(flag):
                 raise ValueError(f"{flag} is not supported by LocalAdamW; got {flag}={group[flag]!r}")
