@@ -162,6 +162,21 @@ def test_resume_with_other_settings_names_them(tmp_path, capsys, monkeypatch):
     assert "--world-size (checkpoint 2, now 3)" in err and "--compressor (checkpoint 'topk:ratio=0.1', now 'fp16')" in err
 
 
+def test_a_codec_spec_written_otherwise_is_the_same_codec_and_a_file_is_named(tmp_path, capsys, monkeypatch):
+    from gradzip.lab.train.checkpoint import check_compatible
+
+    monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path / "cache"))
+    data = write_corpus(tmp_path / "corpus.txt")
+    config = tiny_config(data, str(tmp_path / "run"), compressor="topk:ratio=0.1", steps=4).to_dict()
+    folder = save_checkpoint(tmp_path / "run", 2, shared={}, per_rank={}, rank=0, world_size=1, config=config)
+    check_compatible(folder, {**config, "compressor": "topk:ratio=0.10"}, 1)  # the same codec: no error
+    with pytest.raises(ValueError, match="--compressor"):
+        check_compatible(folder, {**config, "compressor": "topk:ratio=0.2"}, 1)
+    assert main(["train", "--resume", str(folder / "shared.pt")]) == 2
+    assert capsys.readouterr().err == (f"gradzip: error: --resume: {folder / 'shared.pt'} is a file; give its run "
+                                       "folder or one checkpoint folder\n")
+
+
 def _resume_args(*argv: str):
     from gradzip.lab.cli import build_parser
     from gradzip.lab.train.cli import config_and_notes

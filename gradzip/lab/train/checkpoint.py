@@ -194,6 +194,8 @@ def find_checkpoint(path: str | Path, *, option: str = "--resume") -> tuple[Path
     path = Path(path)
     if not path.exists():
         raise NoUsableCheckpoint(f"{option}: no such folder: {path}")
+    if not path.is_dir():
+        raise NoUsableCheckpoint(f"{option}: {path} is a file; give its run folder or one checkpoint folder")
     if step_of(path) is not None or (path / MANIFEST).exists():
         reason = incomplete_reason(path)
         if reason is not None:
@@ -274,13 +276,26 @@ def check_compatible(folder: Path, config: dict[str, Any], world_size: int) -> N
     for name in must_match:
         if name == "compressor" and hookless:
             continue
-        if name in saved and saved[name] != config.get(name):
+        if name in saved and _canonical(saved[name]) != _canonical(config.get(name)):
             diffs.append(f"--{name.replace('_', '-')} (checkpoint {saved[name]!r}, now {config.get(name)!r})")
     if diffs:
         raise ValueError(
             f"--resume: {folder} was saved with other settings: {', '.join(diffs)}; a resumed run "
             "must use the checkpoint's settings for these"
         )
+
+
+def _canonical(value: Any) -> Any:
+    """A codec spec as the codec reads it (``topk:ratio=0.10`` is ``topk:ratio=0.1``); any other
+    value, or a spec that is no plain codec (``auto``, ``torch:...``), as given."""
+    if not isinstance(value, str):
+        return value
+    from gradzip.compressors import build
+
+    try:
+        return build(value).spec
+    except ValueError:
+        return value
 
 
 def _load(path: Path) -> dict[str, Any]:

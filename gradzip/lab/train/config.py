@@ -224,6 +224,8 @@ class TrainConfig:
         if os.path.exists(self.out) and not os.path.isdir(self.out):
             raise ValueError(f"--out must be a folder; {self.out} is a file")
         if self.resume is not None and not os.path.isdir(self.resume):
+            if os.path.exists(self.resume):
+                raise ValueError(f"--resume: {self.resume} is a file; give its run folder or one checkpoint folder")
             raise FileNotFoundError(f"--resume: no such folder: {self.resume}")
         if self.data is not None:
             if not os.path.exists(self.data):
