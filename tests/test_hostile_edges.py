@@ -512,3 +512,18 @@ def test_adam_family_refuses_an_eps_that_divides_zero_by_zero(name, eps):
 
     with pytest.raises(ValueError, match=r"^eps must be a number > 0"):
         getattr(optim, name)(torch.nn.Linear(3, 3).parameters(), eps=eps)
+
+
+def test_a_list_option_naming_a_spec_twice_or_nothing_is_one_line(no_workers):
+    _assert_one_line_exit_2(["simulate", "--compressors", "fp16,topk:ratio=0.1,fp16", "--no-plot", "--out", "sim"],
+                            "--compressors lists 'fp16' twice; give each spec once")
+    _assert_one_line_exit_2(["compare", "--compressors", "none,none", "--network", "loopback", "--out", "cmp"],
+                            "--compressors lists 'none' twice")
+    _assert_one_line_exit_2(["bench", "--codecs", ""], "--codecs must name at least one codec")
+
+
+@pytest.mark.parametrize("entry, why", [("diloco:sync_every=0+topk", "sync_every must be an integer >= 1"),
+                                        ("diloco:sync_every=4+bogus", "unknown compressor 'bogus'")])
+def test_a_bad_outer_entry_of_compare_is_named_as_the_entry(no_workers, entry, why):
+    _assert_one_line_exit_2(["compare", "--compressors", entry, "--network", "loopback", "--out", "cmp"],
+                            f"--compressors entry '{entry}': {why}")

@@ -172,6 +172,9 @@ def test_a_codec_spec_written_otherwise_is_the_same_codec_and_a_file_is_named(tm
     check_compatible(folder, {**config, "compressor": "topk:ratio=0.10"}, 1)  # the same codec: no error
     with pytest.raises(ValueError, match="--compressor"):
         check_compatible(folder, {**config, "compressor": "topk:ratio=0.2"}, 1)
+    # the saved optimizer and schedule hold the learning rate and weight decay: another is refused
+    with pytest.raises(ValueError, match=r"--lr \(checkpoint 0.001, now 0.5\), --weight-decay \(checkpoint 0.1, now 0.0\)"):
+        check_compatible(folder, {**config, "lr": 0.5, "weight_decay": 0.0}, 1)
     assert main(["train", "--resume", str(folder / "shared.pt")]) == 2
     assert capsys.readouterr().err == (f"gradzip: error: --resume: {folder / 'shared.pt'} is a file; give its run "
                                        "folder or one checkpoint folder\n")

@@ -35,9 +35,10 @@ def test_divergence_names_the_stop_the_last_finite_loss_or_a_nonfinite_final_los
                {"step": 3, "loss": math.inf}]
     stopped = divergence(records, math.nan, diverged_at=2, skipped_in_a_row=10)
     assert stopped.startswith("diverged: from step 2 on every step had a non-finite gradient")
-    assert "stopped after 10 in a row; the last finite train loss: 2.5e+09 at step 1;" in stopped
+    assert "stopped after 10 in a row; the last finite train loss: 2.5e+09 at step 1; no checkpoint" in stopped
     assert divergence(records, math.nan, diverged_at=None, skipped_in_a_row=2) == (
-        "diverged: the final validation loss is nan; the last finite train loss: 2.5e+09 at step 1")
+        "diverged: the final validation loss is nan; the last finite train loss: 2.5e+09 at step 1; the final "
+        "checkpoint was not written")
     assert divergence(records[:1], 4.2, diverged_at=None, skipped_in_a_row=0) is None
 
 

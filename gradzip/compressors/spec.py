@@ -50,7 +50,8 @@ def split_spec_list(text: str, *, name: str) -> list[str]:
         name: the option that holds it, for the error message.
 
     Raises:
-        SpecError: naming ``name`` when the list is empty or an item starts with a bare ``key=value``.
+        SpecError: naming ``name`` when the list is empty, names a spec twice or an item starts with a
+            bare ``key=value``.
     """
     specs: list[str] = []
     for group in text.split(";"):
@@ -66,6 +67,9 @@ def split_spec_list(text: str, *, name: str) -> list[str]:
             else:
                 specs.append(item)
             first = False
+    twice = sorted({spec for spec in specs if specs.count(spec) > 1})
+    if twice:
+        raise SpecError(f"{name} lists {', '.join(repr(t) for t in twice)} twice; give each spec once")
     if not specs:
         raise SpecError(f"{name} must name at least one codec, such as none,fp16; got {text!r}")
     return specs

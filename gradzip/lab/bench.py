@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--size-mb must be in (0, 4096]; got {args.size_mb}")
     check_int(args.repeats, name="--repeats", low=1, high=10**6)
     check_int(args.threads, name="--threads", low=1, high=1024)
-    specs = split_specs(args.codecs) if args.codecs else list(DEFAULT_CODECS)
+    specs = split_specs(args.codecs) if args.codecs is not None else list(DEFAULT_CODECS)
     codecs = [list_entry("--codecs", spec, build) for spec in specs]
     torch.set_num_threads(args.threads)
     numel = int(args.size_mb * (1 << 20)) // 4

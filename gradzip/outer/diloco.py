@@ -165,8 +165,9 @@ class DiLoCo:
 
     What differs from the papers: fragments are strided over parameter tensors, not over
     transformer blocks; with ``eager``, the replicas' global parameters differ by their own last
-    pseudo-gradient over ``M`` (and, under outer momentum, by how momentum weighted the own terms
-    a round apart) until :meth:`synchronize`, which lands the last exchange; the own term is the
+    pseudo-gradient over ``M`` until :meth:`synchronize`, which lands the last exchange, and,
+    under outer momentum, also after it, by how momentum weighted each own term added and taken
+    back a round apart (without outer momentum they agree after it); the own term is the
     raw pseudo-gradient, so what the codec dropped from it is taken back when the mean arrives;
     ``mix`` defaults to 0 (replace, as DiLoCo and torchft's default do), while
     Streaming DiLoCo mixes the late update with the local parameters (set ``mix``, its

@@ -185,8 +185,12 @@ def _check_specs(cfg: CompareConfig) -> None:
                 raise type(exc)(f"--compressors entry {spec!r}: {message}") from None
         elif names_outer(spec):
             outer, codec = split_entry(spec)
-            TrainConfig(outer=outer, outer_compressor=codec, compressor="none", steps=cfg.steps,
-                        world_size=cfg.world_size, replica_size=cfg.ranks_per_host).validate()
+            try:
+                TrainConfig(outer=outer, outer_compressor=codec, compressor="none", steps=cfg.steps,
+                            world_size=cfg.world_size, replica_size=cfg.ranks_per_host).validate()
+            except ValueError as exc:  # its message names --outer or --outer-compressor, which compare has not
+                message = str(exc).removeprefix("--outer: ").removeprefix(f"--outer-compressor {codec}: ")
+                raise type(exc)(f"--compressors entry {spec!r}: {message}") from None
         else:  # the spec with train's default options, as each run will use it
             list_entry("--compressors", spec,
                        lambda s: TrainConfig(compressor=s, steps=cfg.steps, world_size=cfg.world_size).validate())

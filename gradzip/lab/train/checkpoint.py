@@ -251,8 +251,9 @@ def check_compatible(folder: Path, config: dict[str, Any], world_size: int) -> N
 
     Raises:
         ValueError: if the checkpoint is already at ``steps``, or naming every setting that
-            differs from the checkpoint's (world size, codec, model shape, data order); the
-            others (steps, learning rate, ...) may change.
+            differs from the checkpoint's (world size, codec, model shape, data order, learning
+            rate and weight decay, which the saved optimizer and schedule hold); the others
+            (steps, ...) may change.
     """
     manifest = manifest_of(folder)
     saved = manifest.get("config", {})

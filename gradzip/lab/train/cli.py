@@ -100,7 +100,7 @@ def with_checkpoint_settings(values: dict, given: set[str]) -> tuple[dict, list[
         if name in ("resume", "out", "progress") or name in given or name not in values or values[name] == value:
             continue
         values[name] = value
-        taken.append(as_argument(TrainConfig, name, value))
+        taken.append(as_argument(TrainConfig, name, value) if value is not None else f"no --{name.replace('_', '-')}")
     notes = [f"the checkpoint's settings: {', '.join(taken)}"] if taken else []
     if "steps" in given and saved.get("steps") not in (None, values["steps"]):
         notes.append(f"--steps {values['steps']} where the checkpoint's run had {saved['steps']} (the "

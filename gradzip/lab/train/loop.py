@@ -47,6 +47,16 @@ CALIBRATION_STEPS = 3
 DIVERGED_AFTER = 10
 
 
+def everywhere(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` holds on every rank (one small all_reduce on ``device``, where the backend
+    reduces; the flag itself without a group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item() == 1.0)
+
+
 def pick_backend(cfg: TrainConfig) -> str:
     if cfg.backend != "auto":
         return cfg.backend
@@ -201,7 +211,9 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     fault_plan = faults.FaultPlan.from_env()  # test-only injection; empty unless GRADZIP_FAULTS is set
     train_start = time.perf_counter() - progress.elapsed_s
     paused_s = 0.0  # validation passes and checkpoints: measuring, not training, so kept out of elapsed_s
-    # Under --outer each replica skips its own steps, so a count of them is not agreed: no stop there.
+    # Under --outer and --no-exchange each replica (rank) skips its own steps, so a count of them is
+    # not agreed: no stop there, and checkpoints are not held back by it.
+    agreed_skips = outer_metrics is None and not cfg.no_exchange
     skipped_in_a_row, diverged_at = 0, None
     for step in range(progress.step, cfg.steps):
         fault_plan.at_step(model, rank=rank, step=step)
@@ -226,8 +238,10 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
                 optimizer.skip_step()
         if finite or outer_metrics is not None:  # the schedule follows the inner step count
             scheduler.step()
-        skipped = not finite or getattr(optimizer, "last_step_skipped", False)
-        skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
+        skipped = not finite or bool(getattr(optimizer, "last_step_skipped", False))
+        if finite and skipped:  # the optimizer skipped it itself (a non-finite update on some rank)
+            progress.skipped_steps += 1
+        skipped_in_a_row = skipped_in_a_row + 1 if skipped and agreed_skips else 0
         optimizer.zero_grad(set_to_none=True)
         step_end = time.perf_counter()
 
@@ -255,7 +269,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
             "uncompressed_buckets": comm["uncompressed_buckets"],
             "fused_buckets": comm["fused_buckets"],
             "tokens": tokens_per_step * (step + 1),
-            "skipped": not finite,
+            "skipped": skipped,
         }
         if replica_comm is not None:
             record["replica_payload_bytes"] = replica_comm["payload_bytes"]
@@ -271,14 +285,17 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
             log.write(record)
             _update_progress(bar, record, tokens_per_step, progress.skipped_steps)
         progress.step, progress.elapsed_s = step + 1, record["elapsed_s"]
-        if cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0 and progress.step < cfg.steps:
+        # no checkpoint from the second step in a row skipped on: it may hold a model that is
+        # diverging (one skip alone, an overflow, is routine and leaves no trace)
+        if (cfg.checkpoint_every and progress.step % cfg.checkpoint_every == 0 and progress.step < cfg.steps
+                and skipped_in_a_row < 2):
             save_start = time.perf_counter()
             save_training_state(
                 cfg, progress, rank=rank, world_size=world_size, parallel=par,
                 **per_rank, **state,
             )
             paused_s += time.perf_counter() - save_start
-        if skipped_in_a_row >= DIVERGED_AFTER and outer_metrics is None:
+        if skipped_in_a_row >= DIVERGED_AFTER:
             diverged_at = step + 1 - skipped_in_a_row
             break
 
@@ -287,7 +304,8 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     if owns_communication(optimizer) or outer_metrics is not None:
         optimizer.synchronize()  # 0/1 Adam: ranks that took local steps meet again; DiLoCo: land what is in flight
     final_val = evaluate(model, val, device)
-    if diverged_at is None:  # a diverged model is not saved: the last checkpoint stays the latest
+    # a diverged model is not saved: the last checkpoint stays the latest (the ranks agree on it)
+    if diverged_at is None and everywhere(math.isfinite(final_val), device):
         save_training_state(
             cfg, progress, rank=rank, world_size=world_size, parallel=par,
             **per_rank, **state,

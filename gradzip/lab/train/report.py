@@ -114,11 +114,11 @@ def divergence(records: list[dict[str, Any]], final_val_loss: float, *, diverged
     finite = [r for r in records if math.isfinite(r["loss"])]
     last = f"; the last finite train loss: {finite[-1]['loss']:.4g} at step {finite[-1]['step']}" if finite else ""
     if diverged_at is not None:
-        return (f"diverged: from step {diverged_at} on every step had a non-finite gradient on some rank and was "
-                f"skipped, so the run stopped after {skipped_in_a_row} in a row{last}; no checkpoint was written "
-                "after the divergence")
+        return (f"diverged: from step {diverged_at} on every step had a non-finite gradient or update on some rank "
+                f"and was skipped, so the run stopped after {skipped_in_a_row} in a row{last}; no checkpoint was "
+                "written from the second of them on")
     if not math.isfinite(final_val_loss):
-        return f"diverged: the final validation loss is {final_val_loss}{last}"
+        return f"diverged: the final validation loss is {final_val_loss}{last}; the final checkpoint was not written"
     return None
 
 
