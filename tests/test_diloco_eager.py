@@ -112,31 +112,10 @@ def test_the_eager_exchange_overlaps_the_next_cycle():
     assert exchanges == other == 2
 
 
-def eager_nonfinite(rank, world_size):
-    """Rank 1's parameters turn NaN just before the second outer step (inner SGD: no state for
-    the NaN to stay in)."""
-    model, opt = train_diloco(rank, 0, CFG, inner="sgd")
-    for step in range(1, STEPS + 1):
-        if step == 2 * H and rank == 1:
-            with torch.no_grad():
-                model[0].weight[0, 0] = float("nan")
-        loss_of(model, rank, step).backward()
-        opt.step()
-        opt.zero_grad()
-    opt.synchronize()
-    return opt.skipped, flat(opt.global_params)
-
-
-def test_a_nonfinite_pseudo_gradient_is_skipped_and_never_reaches_the_parameters():
-    for skipped, global_params in run_ranks(eager_nonfinite, 2):
-        assert skipped == 1  # the mean of that exchange, landing a cycle later, on every rank
-        assert torch.isfinite(global_params).all()
-
-
-def eager_skip_without_momentum(rank, world_size, nan_step):
-    """Without outer momentum the own share a replica applies a round early cancels when the mean
-    lands, so the replicas agree after synchronize(), also when a round was skipped."""
-    model, opt = train_diloco(rank, 0, dict(CFG, outer_momentum=0.0), inner="sgd")
+def eager_nonfinite(rank, world_size, cfg, nan_step):
+    """Rank 1's parameters turn NaN just before the outer step after ``nan_step`` (None: never;
+    inner SGD: no state for the NaN to stay in)."""
+    model, opt = train_diloco(rank, 0, cfg, inner="sgd")
     for step in range(1, STEPS + 1):
         if step == nan_step and rank == 1:
             with torch.no_grad():
@@ -148,9 +127,17 @@ def eager_skip_without_momentum(rank, world_size, nan_step):
     return opt.skipped, flat(opt.global_params)
 
 
+def test_a_nonfinite_pseudo_gradient_is_skipped_and_never_reaches_the_parameters():
+    for skipped, global_params in run_ranks(eager_nonfinite, 2, CFG, 2 * H):
+        assert skipped == 1  # the mean of that exchange, landing a cycle later, on every rank
+        assert torch.isfinite(global_params).all()
+
+
 @pytest.mark.parametrize("nan_step", [None, 2 * H])
 def test_a_skipped_eager_round_takes_back_the_own_share_so_replicas_agree(nan_step):
-    results = run_ranks(eager_skip_without_momentum, 3, nan_step)
+    """Without outer momentum the own share a replica applies a round early cancels when the mean
+    lands, so the replicas agree after synchronize(), also when a round was skipped."""
+    results = run_ranks(eager_nonfinite, 3, dict(CFG, outer_momentum=0.0), nan_step)
     for skipped, global_params in results:
         assert skipped == (0 if nan_step is None else 1)
         assert torch.isfinite(global_params).all()

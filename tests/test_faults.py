@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers.tiny_run import load, same, tiny_config, without_plots, write_corpus
@@ -125,19 +126,8 @@ def test_killed_worker_stops_the_others_in_bounded_time(tmp_path):
 def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
     """A scheduler or ``timeout`` stops the launcher with SIGTERM: the workers stop with it, the
     command exits 143 with one line, and no process of the run is left."""
-    data = write_corpus(tmp_path / "corpus.txt")
-    out = tmp_path / "run"
-    env = dict(os.environ, GRADZIP_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "gradzip", "train", "--data", data, "--vocab-size", "300", "--seq-len", "32",
-           "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "2", "--threads", "1",
-           "--world-size", "2", "--steps", "100000", "--eval-every", "100000", "--out", str(out), "--quiet"]
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = _training(tmp_path, stderr=subprocess.PIPE, text=True)
     try:
-        metrics = out / "metrics.jsonl"
-        deadline = time.monotonic() + 240
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # the workers are training
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read() if proc.poll() else "no steps"
-            time.sleep(0.5)
         proc.send_signal(signal.SIGTERM)  # to the launcher alone, not its group
         _, err = proc.communicate(timeout=60)
     finally:
@@ -154,20 +144,9 @@ def test_sigkill_to_the_launcher_stops_every_worker(tmp_path):
     by themselves, and no process of the run is left training into its folder. Started as a
     script's background job is (SIGINT ignored, which the workers inherit), where the SIGINT that
     torch's spawn asks the kernel for at the parent's death would do nothing."""
-    data = write_corpus(tmp_path / "corpus.txt")
-    out = tmp_path / "run"
-    env = dict(os.environ, GRADZIP_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "gradzip", "train", "--data", data, "--vocab-size", "300", "--seq-len", "32",
-           "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "2", "--threads", "1",
-           "--world-size", "2", "--steps", "100000", "--eval-every", "100000", "--out", str(out), "--quiet"]
-    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.DEVNULL, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    proc = _training(tmp_path, stderr=subprocess.DEVNULL,
+                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     try:
-        metrics = out / "metrics.jsonl"
-        deadline = time.monotonic() + 240
-        while not (metrics.exists() and metrics.read_text().count("\n") >= 2):  # the workers are training
-            assert proc.poll() is None and time.monotonic() < deadline, "no steps"
-            time.sleep(0.5)
         proc.kill()  # the launcher alone, not its group
         proc.wait(timeout=30)
         assert _group_empty(proc.pid, wait_s=15), "a worker of the run is still running"
@@ -176,6 +155,28 @@ def test_sigkill_to_the_launcher_stops_every_worker(tmp_path):
             os.killpg(proc.pid, 9)
         except ProcessLookupError:
             pass
+
+
+def _training(tmp_path: Path, **popen: Any) -> subprocess.Popen:
+    """A 2-worker ``gradzip train`` launcher in a session of its own, returned once its workers
+    are training (two steps in ``metrics.jsonl``)."""
+    data = write_corpus(tmp_path / "corpus.txt")
+    out = tmp_path / "run"
+    env = dict(os.environ, GRADZIP_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "gradzip", "train", "--data", data, "--vocab-size", "300", "--seq-len", "32",
+           "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "2", "--threads", "1",
+           "--world-size", "2", "--steps", "100000", "--eval-every", "100000", "--out", str(out), "--quiet"]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, **popen)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 240
+    while not (metrics.exists() and metrics.read_text().count("\n") >= 2):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            code = proc.poll()
+            if code is None:
+                os.killpg(proc.pid, 9)
+            raise AssertionError(f"no steps (launcher exit code {code})")
+        time.sleep(0.5)
+    return proc
 
 
 def _group_empty(pgid: int, wait_s: float) -> bool:
