@@ -41,7 +41,8 @@ from gradzip.optim import grad_sync
 
 CALIBRATION_STEPS = 3
 
-#: steps skipped in a row (a non-finite gradient on some rank) after which a run is called diverged
+#: steps skipped in a row (a non-finite gradient, or an update the optimizer skipped, on some rank)
+#: after which a run is called diverged
 #: and stopped: an isolated overflow is skipped and forgotten, a model whose loss stays NaN is not
 #: trained on to the last step. Ranks agree on every skip, so they stop at the same step.
 DIVERGED_AFTER = 10
