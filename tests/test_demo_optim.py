@@ -4,12 +4,11 @@ every rank, and bad settings."""
 
 from __future__ import annotations
 
-import copy
 import math
 
 import pytest
 import torch
-from helpers.optim_runs import backward, tiny_model, train
+from helpers.optim_runs import backward, params_unchanged, skip_and_retake, tiny_model, train
 
 from gradzip.optim import DeMo, dct
 from gradzip.testing import run_ranks
@@ -106,23 +105,17 @@ def _ranks(rank: int, world_size: int) -> dict:
     train(rank, resumed, opt2, range(RESUME_AT, STEPS))
     out["resumed"] = [p.detach().clone() for p in resumed.parameters()]
 
+    def spoil(model, rank):
+        if rank == 0:
+            model[2].bias.grad[1] = float("nan")
+
+    def check(before, model, opt):
+        same_state = all(torch.equal(before[1]["state"][k]["delta"], v["delta"]) for k, v in opt.state_dict()["state"].items())
+        return opt.last_step_skipped, params_unchanged(before[0], model), same_state, opt.steps_taken
+
     model = tiny_model(0)
     opt = DeMo(model.parameters(), **HYPER)
-    skips = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        backward(model, rank, step)
-        if step == 2:
-            before = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-            if rank == 0:
-                model[2].bias.grad[1] = float("nan")
-            opt.step()
-            same_params = all(torch.equal(a, b) for a, b in zip(before[0].values(), model.state_dict().values()))
-            same_state = all(torch.equal(before[1]["state"][k]["delta"], v["delta"]) for k, v in opt.state_dict()["state"].items())
-            skips.append((opt.last_step_skipped, same_params, same_state, opt.steps_taken))
-            opt.zero_grad()
-            backward(model, rank, step)
-        opt.step()
+    skips = skip_and_retake(rank, model, opt, range(STEPS), bad_steps=(2,), spoil=spoil, check=check)
     out["skips"] = skips
     out["after_skips"] = [p.detach().clone() for p in model.parameters()]
     return out

@@ -10,7 +10,7 @@ import copy
 
 import pytest
 import torch
-from helpers.optim_runs import backward, tiny_model, train
+from helpers.optim_runs import backward, params_unchanged, skip_and_retake, tiny_model, train
 
 from gradzip.optim import LocalAdamW
 from gradzip.testing import run_ranks
@@ -95,26 +95,20 @@ def _ranks(rank: int, world_size: int) -> dict:
     out["resumed"] = [p.detach().clone() for p in resumed.parameters()]
 
     # a NaN on rank 0 at step 2: every rank skips it and keeps nothing of it, then retakes the step
+    def spoil(model, rank):
+        if rank == 0:
+            model[2].bias.grad[1] = float("nan")
+
+    def check(before, model, opt):
+        after = opt.state_dict()
+        same_state = all(torch.equal(before[1]["state"][k][name], after["state"][k][name])
+                         for k in after["state"] for name in ("exp_avg", "exp_avg_sq"))
+        same_residuals = repr(before[1]["gradzip"]["exchange"]) == repr(after["gradzip"]["exchange"])
+        return opt.last_step_skipped, params_unchanged(before[0], model), same_state, same_residuals, opt.steps_taken
+
     model = tiny_model(0)
     opt = _optimizer(model)
-    skips = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        backward(model, rank, step)
-        if step == 2:
-            before = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-            if rank == 0:
-                model[2].bias.grad[1] = float("nan")
-            opt.step()
-            after = opt.state_dict()
-            same_params = all(torch.equal(a, b) for a, b in zip(before[0].values(), model.state_dict().values()))
-            same_state = all(torch.equal(before[1]["state"][k][name], after["state"][k][name])
-                             for k in after["state"] for name in ("exp_avg", "exp_avg_sq"))
-            same_residuals = repr(before[1]["gradzip"]["exchange"]) == repr(after["gradzip"]["exchange"])
-            skips.append((opt.last_step_skipped, same_params, same_state, same_residuals, opt.steps_taken))
-            opt.zero_grad()
-            backward(model, rank, step)
-        opt.step()
+    skips = skip_and_retake(rank, model, opt, range(STEPS), bad_steps=(2,), spoil=spoil, check=check)
     out["skips"] = skips
     out["after_skips"] = [p.detach().clone() for p in model.parameters()]
     return out

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers.optim_runs import train
+from helpers.optim_runs import params_unchanged, skip_and_retake, train
 
 from gradzip.compressors.base import seeded_generator
 from gradzip.optim import TSRAdam
@@ -122,22 +122,18 @@ def _ranks(rank: int, world_size: int) -> dict:
 
     # A non-finite gradient on rank 1 at a plain step (4) and at a refresh step (6): every rank
     # skips the step and keeps parameters and state as they were.
+    def spoil(model, rank):
+        if rank == 1:
+            next(iter(model.parameters())).grad[0, 0] = float("inf")
+
+    def check(before, model, opt):
+        return (opt.last_step_skipped, params_unchanged(before[0], model), opt.steps_taken,
+                _states_equal(before[1], opt.state_dict()))
+
     model = tiny_model(0)
     opt = TSRAdam(model.parameters(), **HYPER)
-    skips = []
-    for step in range(STEPS):
-        opt.zero_grad()
-        backward(model, rank, step)
-        if step in (4, 6):
-            before = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()))
-            if rank == 1:
-                next(iter(model.parameters())).grad[0, 0] = float("inf")
-            opt.step()
-            same = all(torch.equal(a, b) for a, b in zip(before[0].values(), model.state_dict().values()))
-            skips.append((opt.last_step_skipped, same, opt.steps_taken, _states_equal(before[1], opt.state_dict())))
-            opt.zero_grad()
-            backward(model, rank, step)
-        opt.step()
+    skips = skip_and_retake(rank, model, opt, range(STEPS), bad_steps=(4, 6), spoil=spoil, check=check,
+                            grad=backward)
     out["skips"] = skips
     out["after_skips"] = [p.detach().clone() for p in model.parameters()]
     return out

@@ -39,3 +39,30 @@ def train(rank: int, model, opt, steps, *, resume_at: int | None = None, saves: 
         popped = opt.metrics.pop()
         if bytes_log is not None:
             bytes_log.append((predicted, popped))
+
+
+def params_unchanged(before: dict, model: torch.nn.Module) -> bool:
+    """Whether ``model``'s state equals ``before`` (a state_dict taken earlier), bit for bit."""
+    return all(torch.equal(a, b) for a, b in zip(before.values(), model.state_dict().values()))
+
+
+def skip_and_retake(rank: int, model, opt, steps, *, bad_steps, spoil, check, grad=None) -> list:
+    """Steps ``steps`` of ``opt``; at each step in ``bad_steps``, ``spoil(model, rank)`` makes this
+    rank's gradient non-finite (or leaves it, on the ranks it spares) and the step is taken, which
+    every rank must skip; ``check(before, model, opt)`` records what it left (``before``: deep
+    copies of the model's and the optimizer's state_dict from just before); then the step is
+    retaken on the clean gradient. Returns the records. ``grad`` as for :func:`train`."""
+    grad = backward if grad is None else grad
+    records = []
+    for step in steps:
+        opt.zero_grad()
+        grad(model, rank, step)
+        if step in bad_steps:
+            before = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+            spoil(model, rank)
+            opt.step()
+            records.append(check(before, model, opt))
+            opt.zero_grad()
+            grad(model, rank, step)
+        opt.step()
+    return records
