@@ -187,13 +187,15 @@ def add_arguments(
         target.add_argument(flag, help=help_text, **kwargs)
 
 
-def list_entry(option: str, spec: str, build: Callable[[str], Any]) -> Any:
+def list_entry(option: str, spec: str, build: Callable[[str], Any], *, names: tuple[str, ...] | None = None) -> Any:
     """``build(spec)`` for one entry of a list option (``--codecs``, ``--compressors``), its
     ``ValueError`` naming the option and the entry: ``--codecs entry 'topk:ratio=1.5': ratio must
-    be in (0, 1]; got 1.5``. A message that names the single-value option ``--compressor SPEC:``
-    (the main job's checks) is reworded so."""
+    be in (0, 1]; got 1.5``. A message that starts by naming a single-value option this command
+    has not (``names``, in order; by default the main job's ``--compressor SPEC:``) is reworded so."""
     try:
         return build(spec)
     except ValueError as exc:
-        message = str(exc).removeprefix(f"--compressor {spec}: ")
+        message = str(exc)
+        for name in (f"--compressor {spec}: ",) if names is None else names:
+            message = message.removeprefix(name)
         raise type(exc)(f"{option} entry {spec!r}: {message}") from None

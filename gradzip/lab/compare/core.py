@@ -175,22 +175,19 @@ def _check_specs(cfg: CompareConfig) -> None:
     from gradzip.lab.train.outer import names_outer, split_entry
 
     for spec in cfg.compressors:
+        # the train options' messages name --optimizer, --outer, --compressor..., which this command has not
         if names_optimizer(spec):
             optimizer, codec = split_optimizer_entry(spec)
-            try:
-                given = {k: v for k, v in cfg.train_options.items() if v is not None}
-                check_optimizer(TrainConfig(optimizer=optimizer, compressor=codec, steps=cfg.steps, **given))
-            except ValueError as exc:  # its message names --optimizer, which this command has not
-                message = str(exc).removeprefix("--optimizer ").removeprefix(f"--compressor {codec}: ")
-                raise type(exc)(f"--compressors entry {spec!r}: {message}") from None
+            run = TrainConfig(optimizer=optimizer, compressor=codec, steps=cfg.steps,
+                              **{k: v for k, v in cfg.train_options.items() if v is not None})
+            list_entry("--compressors", spec, lambda _s, run=run: check_optimizer(run),
+                       names=("--optimizer ", f"--compressor {codec}: "))
         elif names_outer(spec):
             outer, codec = split_entry(spec)
-            try:
-                TrainConfig(outer=outer, outer_compressor=codec, compressor="none", steps=cfg.steps,
-                            world_size=cfg.world_size, replica_size=cfg.ranks_per_host).validate()
-            except ValueError as exc:  # its message names --outer or --outer-compressor, which compare has not
-                message = str(exc).removeprefix("--outer: ").removeprefix(f"--outer-compressor {codec}: ")
-                raise type(exc)(f"--compressors entry {spec!r}: {message}") from None
+            run = TrainConfig(outer=outer, outer_compressor=codec, compressor="none", steps=cfg.steps,
+                              world_size=cfg.world_size, replica_size=cfg.ranks_per_host)
+            list_entry("--compressors", spec, lambda _s, run=run: run.validate(),
+                       names=("--outer: ", f"--outer-compressor {codec}: "))
         else:  # the spec with train's default options, as each run will use it
             list_entry("--compressors", spec,
                        lambda s: TrainConfig(compressor=s, steps=cfg.steps, world_size=cfg.world_size).validate())
