@@ -62,11 +62,19 @@ def step_finite(model: torch.nn.Module, *, own_gradients: bool) -> bool:
             check is the agreement.
     """
     finite = gradients_finite(model)
-    if not own_gradients or not dist.is_initialized() or dist.get_world_size() == 1:
+    if not own_gradients:
         return finite
-    flag = torch.tensor([1.0 if finite else 0.0])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item() == 1.0)
+    return everywhere(finite, next(model.parameters(), torch.empty(0)).device)
+
+
+def everywhere(flag: bool, device: torch.device | str = "cpu") -> bool:
+    """Whether ``flag`` holds on every rank (one small all_reduce on ``device``, where the backend
+    reduces; the flag itself without a group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return flag
+    value = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MIN)
+    return bool(value.item() == 1.0)
 
 
 @dataclass(frozen=True)

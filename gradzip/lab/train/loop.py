@@ -42,20 +42,10 @@ from gradzip.optim import grad_sync
 CALIBRATION_STEPS = 3
 
 #: steps skipped in a row (a non-finite gradient, or an update the optimizer skipped, on some rank)
-#: after which a run is called diverged
-#: and stopped: an isolated overflow is skipped and forgotten, a model whose loss stays NaN is not
-#: trained on to the last step. Ranks agree on every skip, so they stop at the same step.
+#: after which a run is called diverged and stopped: an isolated overflow is skipped and forgotten,
+#: a model whose loss stays NaN is not trained on to the last step. Ranks agree on every skip, so
+#: they stop at the same step.
 DIVERGED_AFTER = 10
-
-
-def everywhere(flag: bool, device: torch.device) -> bool:
-    """Whether ``flag`` holds on every rank (one small all_reduce on ``device``, where the backend
-    reduces; the flag itself without a group)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    value = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(value, op=dist.ReduceOp.MIN)
-    return bool(value.item() == 1.0)
 
 
 def pick_backend(cfg: TrainConfig) -> str:
@@ -306,7 +296,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
         optimizer.synchronize()  # 0/1 Adam: ranks that took local steps meet again; DiLoCo: land what is in flight
     final_val = evaluate(model, val, device)
     # a diverged model is not saved: the last checkpoint stays the latest (the ranks agree on it)
-    if diverged_at is None and everywhere(math.isfinite(final_val), device):
+    if diverged_at is None and faults.everywhere(math.isfinite(final_val), device):
         save_training_state(
             cfg, progress, rank=rank, world_size=world_size, parallel=par,
             **per_rank, **state,
