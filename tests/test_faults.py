@@ -233,8 +233,8 @@ def test_the_command_line_says_why_a_diverged_run_failed_and_exits_1(monkeypatch
 
     reason = "diverged: the final validation loss is nan"
     args = build_parser().parse_args(["train", "--steps", "5"])
-    monkeypatch.setattr(launch, "launch", lambda cfg, notes: {"diverged": reason})
+    monkeypatch.setattr(launch, "launch", lambda cfg, notes, checkpoint: {"diverged": reason})
     assert cli.run(args) == 1
     assert capsys.readouterr().err.strip() == f"gradzip train: {reason}"
-    monkeypatch.setattr(launch, "launch", lambda cfg, notes: {"diverged": None})
+    monkeypatch.setattr(launch, "launch", lambda cfg, notes, checkpoint: {"diverged": None})
     assert cli.run(args) == 0

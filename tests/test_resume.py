@@ -187,7 +187,7 @@ def _resume_args(*argv: str):
     argv = ["train", *argv]
     args = build_parser().parse_args(argv)
     args.argv = argv
-    return config_and_notes(args)
+    return config_and_notes(args)[:2]
 
 
 def test_resume_takes_the_settings_not_given_from_the_checkpoint(tmp_path, monkeypatch):
@@ -223,7 +223,7 @@ def test_resume_takes_the_settings_not_given_from_the_checkpoint(tmp_path, monke
     from gradzip.lab.train.cli import config_and_notes
 
     args = build_parser().parse_args(["train", "--resume", run])
-    cfg, notes = config_and_notes(args)
+    cfg, notes, _folder = config_and_notes(args)
     assert cfg.compressor == TrainConfig.compressor and cfg.steps == TrainConfig.steps
     assert notes == [f"resuming with --steps {TrainConfig.steps} where the checkpoint's run had 4 (the learning-rate "
                      "schedule follows the new count from here)"]

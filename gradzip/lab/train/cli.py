@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 
 from gradzip.lab.options import add_arguments, as_argument
 from gradzip.lab.train.config import TrainConfig
@@ -52,19 +53,21 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return config_and_notes(args)[0]
 
 
-def config_and_notes(args: argparse.Namespace) -> tuple[TrainConfig, list[str]]:
-    """The run's config, and what to say about it once it is checked (see
-    :func:`with_checkpoint_settings`)."""
+def config_and_notes(args: argparse.Namespace) -> tuple[TrainConfig, list[str], Path | None]:
+    """The run's config, what to say about it once it is checked (see
+    :func:`with_checkpoint_settings`), and under ``--resume`` the checkpoint folder it continues
+    (found and verified once here)."""
     names = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in vars(args).items() if k in names}
     notes: list[str] = []
+    folder = None
     if values.get("resume"):
-        values, notes = with_checkpoint_settings(values, given_options(args))
+        values, notes, folder = with_checkpoint_settings(values, given_options(args))
     if values.get("out") is None:
         from gradzip.lab.train.checkpoint import run_folder
 
         values["out"] = str(run_folder(args.resume)) if args.resume else TrainConfig.out
-    return TrainConfig(**values), notes
+    return TrainConfig(**values), notes, folder
 
 
 def given_options(args: argparse.Namespace) -> set[str]:
@@ -80,13 +83,13 @@ def given_options(args: argparse.Namespace) -> set[str]:
     return {name for name, value in vars(known).items() if value is not None}
 
 
-def with_checkpoint_settings(values: dict, given: set[str]) -> tuple[dict, list[str]]:
+def with_checkpoint_settings(values: dict, given: set[str]) -> tuple[dict, list[str], Path]:
     """``values`` with every setting not in ``given`` taken from the checkpoint ``--resume`` names,
     so that ``gradzip train --resume runs/a`` continues run ``a`` as it was started (its model,
     codec, world size, steps, ...); what is given still wins, within what a resume may change.
     ``--quiet`` is this command's own.
-    Also the notes to print once the run is checked: which settings came from the checkpoint, and
-    a changed ``--steps``.
+    Also the notes to print once the run is checked (which settings came from the checkpoint, and
+    a changed ``--steps``) and the checkpoint folder.
 
     Raises:
         ValueError: when ``--resume`` holds no usable checkpoint.
@@ -105,7 +108,7 @@ def with_checkpoint_settings(values: dict, given: set[str]) -> tuple[dict, list[
     if "steps" in given and saved.get("steps") not in (None, values["steps"]):
         notes.append(f"--steps {values['steps']} where the checkpoint's run had {saved['steps']} (the "
                      "learning-rate schedule follows the new count from here)")
-    return values, [f"resuming with {note}" for note in notes]
+    return values, [f"resuming with {note}" for note in notes], folder
 
 
 def run(args: argparse.Namespace) -> int:
@@ -113,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     from gradzip.lab.train.launch import WorkerFailed, launch
 
     try:
-        summary = launch(*config_and_notes(args))
+        cfg, notes, folder = config_and_notes(args)
+        summary = launch(cfg, notes, checkpoint=folder)
     except PeerLost as exc:  # this process is a rank under torchrun
         leave(str(exc))
     except WorkerFailed as exc:

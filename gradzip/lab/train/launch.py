@@ -22,6 +22,7 @@ import tempfile
 import threading
 import time
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -113,9 +114,10 @@ def _read_status(status_dir: str, rank: int) -> dict:
         return {}
 
 
-def launch(cfg: TrainConfig, notes: list[str] | None = None) -> dict[str, Any] | None:
+def launch(cfg: TrainConfig, notes: list[str] | None = None, *, checkpoint: Path | None = None) -> dict[str, Any] | None:
     """Validate, then train. Returns rank 0's summary where this process ran or spawned rank 0.
-    ``notes``: lines to print on stderr once every check has passed (rank 0).
+    ``notes``: lines to print on stderr once every check has passed (rank 0). ``checkpoint``: the
+    folder ``cfg.resume`` names, where the caller has found (and verified) it already.
 
     Raises:
         ValueError: for bad settings (before any worker starts).
@@ -133,7 +135,7 @@ def launch(cfg: TrainConfig, notes: list[str] | None = None) -> dict[str, Any] |
         from gradzip.lab.train.checkpoint import check_compatible, find_checkpoint
 
         world_size = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.world_size
-        check_compatible(find_checkpoint(cfg.resume)[0], cfg.to_dict(), world_size)
+        check_compatible(checkpoint or find_checkpoint(cfg.resume)[0], cfg.to_dict(), world_size)
     from gradzip.lab.cli import warn
 
     for line in idle if os.environ.get("RANK", "0") == "0" else []:
@@ -152,8 +154,6 @@ def launch(cfg: TrainConfig, notes: list[str] | None = None) -> dict[str, Any] |
 
         return train_worker(cfg)
     spawn_workers(cfg)
-    from pathlib import Path
-
     summary_path = Path(cfg.out) / "summary.json"
     return json.loads(summary_path.read_text()) if summary_path.exists() else None
 
