@@ -50,6 +50,7 @@ import torch.distributed as dist
 from gradzip.comm import Reducer, make_reducer
 from gradzip.comm.queue import CollectiveQueue, completed
 from gradzip.compressors import Compressor, build
+from gradzip.feedback import check_error_feedback
 from gradzip.metrics import StepMetrics
 from gradzip.outer.exchange import Exchange, launch, make_buckets, share_in_replica, unflatten
 from gradzip.outer.nesterov import OuterNesterov
@@ -204,8 +205,7 @@ class DiLoCo:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("model has no trainable parameters (none with requires_grad) for DiLoCo to synchronise")
-        if error_feedback is not None and not isinstance(error_feedback, bool):
-            raise ValueError(f"error_feedback must be True, False or None (the codec's default); got {error_feedback!r}")
+        check_error_feedback(error_feedback)
         self.schedule = Schedule(sync_every=sync_every, fragments=fragments, delay=delay, n_tensors=len(self.params))
         self.outer_lr = _check_number(outer_lr, name="outer_lr", low=0, high=math.inf, low_open=True, high_open=True)
         # the outer step multiplies in the parameters' dtype: a rate past its range cannot be applied
