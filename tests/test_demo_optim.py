@@ -8,7 +8,15 @@ import math
 
 import pytest
 import torch
-from helpers.optim_runs import backward, params_unchanged, skip_and_retake, tiny_model, train
+from helpers.optim_runs import (
+    backward,
+    nan_in_rank0_bias,
+    params_unchanged,
+    resumed,
+    skip_and_retake,
+    tiny_model,
+    train,
+)
 
 from gradzip.optim import DeMo, dct
 from gradzip.testing import run_ranks
@@ -98,16 +106,8 @@ def _ranks(rank: int, world_size: int) -> dict:
     out["bytes"] = bytes_log
     out["momentum"] = opt.state[model[0].weight]["delta"].clone()
 
-    resumed = tiny_model(4)
-    resumed.load_state_dict(saves[0][0])
-    opt2 = DeMo(resumed.parameters(), **HYPER)
-    opt2.load_state_dict(saves[0][1])
-    train(rank, resumed, opt2, range(RESUME_AT, STEPS))
-    out["resumed"] = [p.detach().clone() for p in resumed.parameters()]
-
-    def spoil(model, rank):
-        if rank == 0:
-            model[2].bias.grad[1] = float("nan")
+    fresh = tiny_model(4)
+    out["resumed"] = resumed(rank, saves[0], fresh, DeMo(fresh.parameters(), **HYPER), range(RESUME_AT, STEPS))
 
     def check(before, model, opt):
         same_state = all(torch.equal(before[1]["state"][k]["delta"], v["delta"]) for k, v in opt.state_dict()["state"].items())
@@ -115,7 +115,8 @@ def _ranks(rank: int, world_size: int) -> dict:
 
     model = tiny_model(0)
     opt = DeMo(model.parameters(), **HYPER)
-    skips = skip_and_retake(rank, model, opt, range(STEPS), bad_steps=(2,), spoil=spoil, check=check)
+    skips = skip_and_retake(rank, model, opt, range(STEPS), bad_steps=(2,), spoil=nan_in_rank0_bias,
+                            check=check)
     out["skips"] = skips
     out["after_skips"] = [p.detach().clone() for p in model.parameters()]
     return out

@@ -10,7 +10,15 @@ import copy
 
 import pytest
 import torch
-from helpers.optim_runs import backward, params_unchanged, skip_and_retake, tiny_model, train
+from helpers.optim_runs import (
+    backward,
+    nan_in_rank0_bias,
+    params_unchanged,
+    resumed,
+    skip_and_retake,
+    tiny_model,
+    train,
+)
 
 from gradzip.optim import LocalAdamW
 from gradzip.testing import run_ranks
@@ -87,18 +95,10 @@ def _ranks(rank: int, world_size: int) -> dict:
     out["bytes"] = bytes_log
     out["moment"] = opt.state[model[0].weight]["exp_avg"].clone()
 
-    resumed = tiny_model(4)
-    resumed.load_state_dict(saves[0][0])
-    opt2 = _optimizer(resumed)
-    opt2.load_state_dict(saves[0][1])
-    train(rank, resumed, opt2, range(RESUME_AT, STEPS))
-    out["resumed"] = [p.detach().clone() for p in resumed.parameters()]
+    fresh = tiny_model(4)
+    out["resumed"] = resumed(rank, saves[0], fresh, _optimizer(fresh), range(RESUME_AT, STEPS))
 
     # a NaN on rank 0 at step 2: every rank skips it and keeps nothing of it, then retakes the step
-    def spoil(model, rank):
-        if rank == 0:
-            model[2].bias.grad[1] = float("nan")
-
     def check(before, model, opt):
         after = opt.state_dict()
         same_state = all(torch.equal(before[1]["state"][k][name], after["state"][k][name])
@@ -108,7 +108,8 @@ def _ranks(rank: int, world_size: int) -> dict:
 
     model = tiny_model(0)
     opt = _optimizer(model)
-    skips = skip_and_retake(rank, model, opt, range(STEPS), bad_steps=(2,), spoil=spoil, check=check)
+    skips = skip_and_retake(rank, model, opt, range(STEPS), bad_steps=(2,), spoil=nan_in_rank0_bias,
+                            check=check)
     out["skips"] = skips
     out["after_skips"] = [p.detach().clone() for p in model.parameters()]
     return out

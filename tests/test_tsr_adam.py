@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from helpers.optim_runs import params_unchanged, skip_and_retake, train
+from helpers.optim_runs import params_unchanged, resumed, skip_and_retake, train
 
 from gradzip.compressors.base import seeded_generator
 from gradzip.optim import TSRAdam
@@ -113,12 +113,9 @@ def _ranks(rank: int, world_size: int) -> dict:
     out["bytes"] = bytes_log
     out["mean_bytes"] = opt.mean_payload_nbytes()
 
-    resumed = tiny_model(9)
-    resumed.load_state_dict(saves[0][0])
-    opt2 = TSRAdam(resumed.parameters(), **{**HYPER, "seed": 0, "power_iters": 0})  # restored from the state_dict
-    opt2.load_state_dict(saves[0][1])
-    train(rank, resumed, opt2, range(RESUME_AT, STEPS), grad=backward)
-    out["resumed"] = [p.detach().clone() for p in resumed.parameters()]
+    fresh = tiny_model(9)
+    opt2 = TSRAdam(fresh.parameters(), **{**HYPER, "seed": 0, "power_iters": 0})  # restored from the state_dict
+    out["resumed"] = resumed(rank, saves[0], fresh, opt2, range(RESUME_AT, STEPS), grad=backward)
 
     # A non-finite gradient on rank 1 at a plain step (4) and at a refresh step (6): every rank
     # skips the step and keeps parameters and state as they were.
@@ -231,13 +228,13 @@ def test_state_dict_resumes_bit_exactly_across_a_refresh_single_rank():
     run(model, opt, range(2))
     saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     run(model, opt, range(2, 8))
-    resumed = tiny_model(2)
-    resumed.load_state_dict(saved[0])
-    opt2 = TSRAdam(resumed.parameters(), **HYPER)
+    again = tiny_model(2)
+    again.load_state_dict(saved[0])
+    opt2 = TSRAdam(again.parameters(), **HYPER)
     opt2.load_state_dict(saved[1])
-    assert opt2.state[next(iter(resumed.parameters()))]["refreshed_at"] == 0
-    run(resumed, opt2, range(2, 8))
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
+    assert opt2.state[next(iter(again.parameters()))]["refreshed_at"] == 0
+    run(again, opt2, range(2, 8))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
 
 
 @pytest.mark.parametrize(

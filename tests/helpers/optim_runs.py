@@ -66,3 +66,18 @@ def skip_and_retake(rank: int, model, opt, steps, *, bad_steps, spoil, check, gr
             grad(model, rank, step)
         opt.step()
     return records
+
+
+def resumed(rank: int, saved: tuple, model, opt, steps, *, grad=None) -> list[torch.Tensor]:
+    """``model`` and ``opt`` (fresh) loaded from ``saved`` (a ``(model, optimizer)`` state pair
+    :func:`train` saved), trained on over ``steps``; returns the parameters reached."""
+    model.load_state_dict(saved[0])
+    opt.load_state_dict(saved[1])
+    train(rank, model, opt, steps, grad=grad)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def nan_in_rank0_bias(model: torch.nn.Module, rank: int) -> None:
+    """A ``spoil`` for :func:`skip_and_retake`: rank 0's last bias gradient gets a NaN."""
+    if rank == 0:
+        model[2].bias.grad[1] = float("nan")
