@@ -231,6 +231,28 @@ def test_a_bad_entry_of_a_list_option_is_named_with_its_option(no_workers, spec,
     _assert_one_line_exit_2(["bench", "--codecs", f"none,{spec}"], f"--codecs entry '{spec}': {why}")
 
 
+@pytest.mark.parametrize("command", [["train", "--out", "run"], ["compare", "--network", "loopback", "--out", "cmp"]])
+@pytest.mark.parametrize("lr, shown", [("1e39", "1e+39"), ("10.5", "10.5")])
+def test_a_learning_rate_no_fp32_step_survives_is_refused_before_workers(no_workers, command, lr, shown):
+    # 1e39 is a finite Python float that fp32 cannot hold: the workers failed converting it
+    _assert_one_line_exit_2([*command, "--lr", lr], "--lr must be a number in (0, 10]", f"got {shown}")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("stderr, start", [(io.StringIO, ""), (_Terminal, "\n")])
+def test_an_interrupt_is_said_on_a_line_of_its_own(no_workers, monkeypatch, stderr, start):
+    # on a terminal, the progress bar's line has no newline yet: the message must not join it
+    launch.spawn_workers.side_effect = KeyboardInterrupt
+    err = stderr()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = main(["train", "--steps", "2", "--out", "run"])
+    assert (code, err.getvalue()) == (130, f"{start}gradzip: interrupted\n")
+
+
 def test_spec_with_other_digits_is_one_line(no_workers):
     _assert_one_line_exit_2(["train", "--compressor", "uniform:bits=١", "--out", "run"], "bits")
 

@@ -229,6 +229,32 @@ def test_resume_takes_the_settings_not_given_from_the_checkpoint(tmp_path, monke
                      "schedule follows the new count from here)"]
 
 
+def test_relative_data_and_model_paths_are_kept_absolute_for_a_resume_from_elsewhere(tmp_path, monkeypatch):
+    monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    write_corpus(tmp_path / "a" / "corpus.txt")
+    monkeypatch.chdir(tmp_path / "a")
+    cfg, _notes = _resume_args("--data", "corpus.txt", "--out", "run")
+    assert cfg.data == str(tmp_path / "a" / "corpus.txt")
+    assert cfg.out == "run"  # the output folder stays as given
+    run = tmp_path / "a" / "run"
+    save_checkpoint(run, 2, shared={}, per_rank={}, rank=0, world_size=1, config=cfg.to_dict())
+
+    monkeypatch.chdir(tmp_path / "b")  # no corpus.txt here: a relative path would name nothing
+    cfg, notes = _resume_args("--resume", str(run))
+    assert cfg.data == str(tmp_path / "a" / "corpus.txt")
+    cfg.validate()  # the file is found
+    # the same file given again, relative to the new directory, is the checkpoint's: nothing to say
+    cfg, notes = _resume_args("--resume", str(run), "--data", "../a/corpus.txt")
+    assert cfg.data == str(tmp_path / "a" / "corpus.txt") and notes == []
+    # the packaged model's name is a name even beside a folder of that name
+    (tmp_path / "b" / "smollm2-135m").mkdir()
+    from gradzip.lab.train.cli import with_absolute_paths
+
+    assert with_absolute_paths({"model": "smollm2-135m", "data": None}) == {"model": "smollm2-135m", "data": None}
+
+
 @pytest.mark.e2e
 def test_zeroone_adam_resumes_exactly_between_synchronisations(tmp_path):
     """0/1 Adam's ranks take local steps between synchronisations, so their parameters differ

@@ -142,10 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as exc:
         from gradzip.lab.train.launch import Terminated
 
+        # on a terminal the line starts fresh: a progress bar (drawn with no newline) may hold it
+        start = "\n" if sys.stderr.isatty() else ""
         if isinstance(exc, Terminated):
-            print("gradzip: terminated (SIGTERM); the workers were stopped", file=sys.stderr)
+            print(f"{start}gradzip: terminated (SIGTERM); the workers were stopped", file=sys.stderr)
             return 128 + signal.SIGTERM
-        print("gradzip: interrupted", file=sys.stderr)
+        print(f"{start}gradzip: interrupted", file=sys.stderr)
         return 130
 
 

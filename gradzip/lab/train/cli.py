@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 from pathlib import Path
 
@@ -58,7 +59,7 @@ def config_and_notes(args: argparse.Namespace) -> tuple[TrainConfig, list[str], 
     :func:`with_checkpoint_settings`), and under ``--resume`` the checkpoint folder it continues
     (found and verified once here)."""
     names = {f.name for f in dataclasses.fields(TrainConfig)}
-    values = {k: v for k, v in vars(args).items() if k in names}
+    values = with_absolute_paths({k: v for k, v in vars(args).items() if k in names})
     notes: list[str] = []
     folder = None
     if values.get("resume"):
@@ -68,6 +69,19 @@ def config_and_notes(args: argparse.Namespace) -> tuple[TrainConfig, list[str], 
 
         values["out"] = str(run_folder(args.resume)) if args.resume else TrainConfig.out
     return TrainConfig(**values), notes, folder
+
+
+def with_absolute_paths(values: dict) -> dict:
+    """``values`` with ``data`` and a ``model`` folder made absolute: the checkpoint keeps the
+    run's settings, and ``--resume`` from another working directory must find the same files."""
+    from gradzip.lab.train.pretrained import SMOLLM2
+
+    values = dict(values)
+    for name in ("data", "model"):
+        path = values.get(name)
+        if isinstance(path, str) and path != SMOLLM2 and os.path.exists(path):
+            values[name] = os.path.abspath(path)
+    return values
 
 
 def given_options(args: argparse.Namespace) -> set[str]:

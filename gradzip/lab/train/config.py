@@ -69,8 +69,9 @@ class TrainConfig:
     steps: int = option(300, "optimizer steps", check=Int(1))
     batch_size: int = option(8, "sequences per worker per step", check=Int(1), must_match=True, compare=True)
     seq_len: int = option(128, "tokens per sequence", check=Int(8, 4096), must_match=True, compare=True)
+    # bounded above because a step of lr times an fp32 update must stay finite (1e39 overflowed in the workers)
     lr: float = option(1e-3, "peak AdamW learning rate (linear warm-up over --warmup-steps, then cosine decay to 10%)",
-                       check=Num(0), compare=True, must_match=True)
+                       check=Num(0, 10), compare=True, must_match=True)
     warmup_steps: int = option(20, "steps of linear learning-rate warm-up", check=Int(0), compare=True)
     weight_decay: float = option(0.1, "AdamW weight decay", check=Num(0, 1, closed_low=True, open_high=True),
                                  must_match=True)
