@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -238,3 +239,29 @@ def test_the_command_line_says_why_a_diverged_run_failed_and_exits_1(monkeypatch
     assert capsys.readouterr().err.strip() == f"gradzip train: {reason}"
     monkeypatch.setattr(launch, "launch", lambda cfg, notes, checkpoint: {"diverged": None})
     assert cli.run(args) == 0
+
+
+def _own_skips_worker(rank: int, world_size: int, base: str, data: str) -> dict:
+    without_plots()
+    os.environ[ENV] = "nonfinite:rank=1,step=1,value=inf+nonfinite:rank=1,step=2,value=nan+nonfinite:rank=2,step=1,value=inf"
+    results = {}
+    for name, options in {"outer": {"outer": "diloco:sync_every=2"}, "no-exchange": {"no_exchange": True}}.items():
+        out = Path(base) / name
+        train_worker(tiny_config(data, str(out), world_size=world_size, steps=4, **options))
+        if rank == 0:
+            results[name] = json.loads((out / "summary.json").read_text())
+    return results
+
+
+@pytest.mark.dist
+def test_steps_each_replica_skipped_alone_are_all_counted_in_the_summary(tmp_path, monkeypatch):
+    """Under --outer and --no-exchange each rank skips its own non-finite steps: the summary,
+    written by rank 0, counts those of every replica (rank 1 skipped two, rank 2 one, rank 0 none)."""
+    from gradzip.lab.train.report import summary_table
+
+    monkeypatch.setenv("GRADZIP_CACHE", str(tmp_path / "cache"))
+    data = write_corpus(tmp_path / "corpus.txt")
+    summaries = run_ranks(_own_skips_worker, 3, str(tmp_path), data, timeout_s=300)[0]
+    for name, summary in summaries.items():
+        assert (summary["skipped_steps"], summary["skipped_steps_by_replica"]) == (3, [0, 2, 1]), name
+        assert re.search(r"\nskipped steps +3 \(each replica its own: 0, 2, 1\)", summary_table(summary)), name

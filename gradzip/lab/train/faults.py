@@ -77,6 +77,16 @@ def everywhere(flag: bool, device: torch.device | str = "cpu") -> bool:
     return bool(value.item() == 1.0)
 
 
+def gathered(count: int, device: torch.device | str = "cpu") -> list[int]:
+    """``count`` of every rank, in rank order (one small all_gather on ``device``; ``[count]``
+    without a group)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return [count]
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(counts, torch.tensor([count], dtype=torch.int64, device=device))
+    return [int(c.item()) for c in counts]
+
+
 @dataclass(frozen=True)
 class Fault:
     """One injected fault (see the module docstring)."""

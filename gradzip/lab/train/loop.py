@@ -301,6 +301,10 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
             cfg, progress, rank=rank, world_size=world_size, parallel=par,
             **per_rank, **state,
         )
+    skipped_by_replica = None
+    if not agreed_skips and world_size > 1:  # each replica (each rank under --no-exchange) skipped its own
+        replica_size = cfg.replica_size if outer_metrics is not None else 1
+        skipped_by_replica = faults.gathered(progress.skipped_steps, device)[::replica_size]
     if log is None:
         return None
     log.close()
@@ -328,7 +332,9 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
         compute_s=compute_s,
     )
     summary["tokens_per_s"] = tokens_per_step / summary["step_s_median"] if summary["step_s_median"] else 0.0
-    summary["skipped_steps"] = progress.skipped_steps
+    summary["skipped_steps"] = progress.skipped_steps if skipped_by_replica is None else sum(skipped_by_replica)
+    if skipped_by_replica is not None:
+        summary["skipped_steps_by_replica"] = skipped_by_replica
     summary["diverged"] = report.divergence(log.records, final_val, diverged_at=diverged_at,
                                             skipped_in_a_row=skipped_in_a_row)
     summary["monitor"] = monitor.summary()

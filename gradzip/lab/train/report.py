@@ -164,7 +164,10 @@ def summary_table(s: dict[str, Any]) -> str:
         ("training time", f"{s['wall_s']:.1f} s (validation and checkpoints left out)"),
     ]
     if s.get("skipped_steps"):
-        rows.append(("skipped steps", f"{s['skipped_steps']} (a non-finite gradient on some rank)"))
+        by_replica = s.get("skipped_steps_by_replica")
+        where = ("each replica its own: " + ", ".join(map(str, by_replica)) if by_replica is not None
+                 else "a non-finite gradient on some rank")
+        rows.append(("skipped steps", f"{s['skipped_steps']} ({where})"))
     if s.get("diverged"):
         rows.append(("stopped", s["diverged"].split(":")[0]))
     width = max(len(k) for k, _ in rows)
