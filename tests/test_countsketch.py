@@ -23,7 +23,7 @@ STEPS, RESUME_AT = 4, 2
 @pytest.mark.parametrize(
     "params",
     [{"ratio": 0}, {"ratio": 1.5}, {"rows": 0}, {"rows": 16}, {"width": 0}, {"width": -1.0}, {"seed": -1}, {"start_step": -1}, {"min_numel": -1}, {"width": 1e308},
-     {"width": float("nan")}],
+     {"width": float("nan")}, {"fill": "both"}, {"fill": None}],
 )
 def test_bad_parameters_raise_value_error_naming_them(params):
     with pytest.raises(ValueError, match=next(iter(params))):
@@ -110,26 +110,30 @@ def test_sum_of_payloads_decodes_to_sum_of_sparsified_inputs_and_bytes_match():
 
 
 def reference(world_size, codec, shapes, steps):
-    """Every rank's output per step from the definition: the mean of the sparsified
-    error-compensated buckets (the sketch is large enough to peel completely)."""
+    """Every rank's output per step from the definition (the sketch is large enough to peel
+    completely): with ``fill="own"`` the mean of the sparsified error-compensated buckets, each
+    residual what its own thresholding dropped; with ``fill="union"`` the mean of the
+    compensated buckets on the union of the kept sets, each residual what lies off the union."""
     numel = sum(math.prod(s) for s in shapes)
     errors = [torch.zeros(numel) for _ in range(world_size)]
     outs = []
     for step in range(steps):
-        total = torch.zeros(numel)
-        for rank in range(world_size):
-            c = bucket_grad(rank, step, numel) + errors[rank]
-            kept = _sparsified(c, codec.ratio)
-            errors[rank] = c - kept
-            total += kept / world_size
-        outs.append(total)
+        compensated = [bucket_grad(rank, step, numel) + errors[rank] for rank in range(world_size)]
+        kept = [_sparsified(c, codec.ratio) for c in compensated]
+        if codec.fill == "union":
+            union = torch.stack([k != 0 for k in kept]).any(dim=0)
+            kept = [torch.where(union, c, torch.zeros_like(c)) for c in compensated]
+        errors = [c - k for c, k in zip(compensated, kept)]
+        outs.append(sum(k / world_size for k in kept))
     return outs
 
 
+@pytest.mark.parametrize("fill", ["union", "own"])
 @pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_ranks_bit_identical_equal_reference_bytes_and_resume(world_size):
-    results = run_ranks(reduce_steps, world_size, SPEC, SHAPES, STEPS, RESUME_AT)
-    codec = build(SPEC)
+def test_ranks_bit_identical_equal_reference_bytes_and_resume(world_size, fill):
+    spec = f"{SPEC},fill={fill}"
+    results = run_ranks(reduce_steps, world_size, spec, SHAPES, STEPS, RESUME_AT)
+    codec = build(spec)
     numel = sum(math.prod(s) for s in SHAPES)
     expected = reference(world_size, codec, SHAPES, STEPS)
     assert codec.payload_nbytes(numel) < numel * 4
@@ -153,19 +157,22 @@ def _narrow_sketch_steps(rank: int, world_size: int, spec: str, numel: int, step
     return {"outs": outs, "unpeeled": unpeeled, "residual": reducer.state_dict()["feedback"]["residuals"][0]}
 
 
-def test_what_does_not_peel_is_counted_and_the_residual_keeps_only_what_thresholding_dropped():
+@pytest.mark.parametrize("fill", ["union", "own"])
+def test_what_does_not_peel_is_counted_and_the_residual_keeps_only_what_was_not_sent(fill):
     """A sketch of 0.5 cells per kept entry cannot peel the union of 3 ranks' kept sets. Every
     rank counts the same unpeeled coordinates and returns the same bits, and its residual is
-    what thresholding dropped, step after step, as the definition computes it (the estimates'
-    errors are not fed back)."""
+    what it did not sketch (off the union, or what its thresholding dropped), step after step,
+    as the definition computes it (the estimates' errors are not fed back)."""
     numel, steps, world_size = 600, 5, 3
-    spec = "countsketch:ratio=0.2,width=0.5"
+    spec = f"countsketch:ratio=0.2,width=0.5,fill={fill}"
     results = run_ranks(_narrow_sketch_steps, world_size, spec, numel, steps)
     errors = [torch.zeros(numel) for _ in range(world_size)]
     for step in range(steps):
-        for rank in range(world_size):
-            c = bucket_grad(rank, step, numel) + errors[rank]
-            errors[rank] = c - _sparsified(c, 0.2)
+        compensated = [bucket_grad(rank, step, numel) + errors[rank] for rank in range(world_size)]
+        kept = [_sparsified(c, 0.2) != 0 for c in compensated]
+        if fill == "union":
+            kept = [torch.stack(kept).any(dim=0)] * world_size
+        errors = [torch.where(k, torch.zeros_like(c), c) for c, k in zip(compensated, kept)]
     for rank, res in enumerate(results):
         assert all(n > 0 for n in res["unpeeled"]), res["unpeeled"]
         assert res["unpeeled"] == results[0]["unpeeled"]
@@ -175,7 +182,7 @@ def test_what_does_not_peel_is_counted_and_the_residual_keeps_only_what_threshol
 
 
 def test_nonfinite_input_marks_every_rank_and_leaves_no_state():
-    check_nonfinite(["countsketch:ratio=0.2,width=3"])
+    check_nonfinite(["countsketch:ratio=0.2,width=3", "countsketch:ratio=0.2,width=3,fill=own"])
 
 
 def test_ddp_hook_two_ranks_bit_identical():
@@ -197,12 +204,14 @@ def _small_and_large(rank: int, world_size: int, spec: str, small: int, large: i
 
 def test_buckets_below_min_numel_travel_dense_and_larger_ones_are_sketched():
     """TAGC's policy by size: the 60-element bucket is averaged exactly and sends its raw bytes;
-    the 300-element one is sketched and equals the mean of the sparsified inputs."""
+    the 300-element one is sketched and equals the mean of the inputs on the union of their kept
+    sets."""
     spec = "countsketch:ratio=0.1,width=3,min_numel=100"
     results = run_ranks(_small_and_large, 3, spec, 60, 300)
     codec = build(spec)
     dense_mean = sum(bucket_grad(r, 0, 60) for r in range(3)) / 3
-    sketched_mean = sum(_sparsified(bucket_grad(r, 0, 300), 0.1) for r in range(3)) / 3
+    union = torch.stack([_sparsified(bucket_grad(r, 0, 300), 0.1) != 0 for r in range(3)]).any(dim=0)
+    sketched_mean = torch.where(union, sum(bucket_grad(r, 0, 300) for r in range(3)) / 3, torch.zeros(300))
     for res in results:
         got, nbytes, collective = res["small"]
         torch.testing.assert_close(got, dense_mean, rtol=1e-6, atol=1e-7)

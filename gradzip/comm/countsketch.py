@@ -4,15 +4,17 @@ For one bucket at a step past ``start_step`` with at least ``min_numel`` element
 and those whose payload would not be smaller than their raw bytes, take a plain all_reduce), in
 one launch of the group's queue:
 
-1. Error-compensate the flat bucket in fp32; keep its top entries (``ratio``); encode the packed
-   bitmap of the kept coordinates and a count sketch of the kept values divided by world_size.
-2. Two collectives issued together: an all_reduce of the bitmaps with ``ReduceOp.BOR`` (gloo and
-   MPI), or, on backends without it (NCCL), with ``ReduceOp.MAX`` on one byte per element (MAX of
-   packed bytes is not an OR); and an all_reduce (sum) of the sketches.
-3. Decode the summed sketch on the OR-ed support by peeling, then median estimates for the
+1. Error-compensate the flat bucket in fp32; keep its top entries (``ratio``); the packed
+   bitmap of the kept coordinates.
+2. An all_reduce of the bitmaps with ``ReduceOp.BOR`` (gloo and MPI), or, on backends without it
+   (NCCL), with ``ReduceOp.MAX`` on one byte per element (MAX of packed bytes is not an OR): the
+   support. And an all_reduce (sum) of the count sketches of the compensated values divided by
+   world_size: with ``fill="union"`` queued after the bitmaps' (each rank sketches its values on
+   the support, and its residual keeps what lies off it); with ``fill="own"`` issued with them
+   (each rank sketches its kept values, and its residual keeps what thresholding dropped).
+3. Decode the summed sketch on the support by peeling, then median estimates for the
    coordinates that did not peel (the same on every rank; the bucket's metrics count them,
-   ``unpeeled``); the residual keeps what thresholding dropped (``compensated - kept``). The
-   estimates' errors are not fed back: feeding ``kept - estimate`` back made the residuals grow
+   ``unpeeled``). The estimates' errors are not fed back: feeding ``kept - estimate`` back made the residuals grow
    without bound on a sketch too small for its support, and sending those coordinates again
    later instead of estimating them ended further from ``none`` on the demo job
    (``benchmarks/results/remedies_main_job``).
@@ -101,7 +103,10 @@ class CountSketchReducer(SettlingReducer):
             received_bytes=allreduce_bytes(bitmap_bytes, world_size) + allreduce_bytes(payload_bytes - bitmap_bytes, world_size),
             codec=codec.spec,
         )
+        if codec.fill == "union":
+            return self._reduce_on_union(key, grad, step, world_size, packed, payload_bytes)
         box: dict[str, Any] = {}
+        op = dist.ReduceOp.BOR if packed else dist.ReduceOp.MAX
 
         def launch() -> Future:
             with self.metrics.timed("compress_s", key):
@@ -117,23 +122,67 @@ class CountSketchReducer(SettlingReducer):
                 box["bitmap"] = bitmap if packed else mask.to(torch.uint8)
                 box["table"] = table
             assert wire.nbytes([box["bitmap"], table]) == payload_bytes, "payload differs from its formula"
-            op = dist.ReduceOp.BOR if packed else dist.ReduceOp.MAX
             works = [
                 dist.all_reduce(box["bitmap"], op=op, group=self.group, async_op=True).get_future(),
                 dist.all_reduce(box["table"], group=self.group, async_op=True).get_future(),
             ]
             return self.metrics.track(torch.futures.collect_all(works), (key,))
 
+        return self.queue.submit(launch, device=grad.device).then(self._finish(key, grad, step, box, packed))
+
+    def _reduce_on_union(self, key: Hashable, grad: Tensor, step: int, world_size: int, packed: bool,
+                         payload_bytes: int) -> Future:
+        """``fill="union"``: the bitmaps' OR first, then each rank's sketch of its values on it."""
+        codec = self.compressor
+        box: dict[str, Any] = {}
+
+        def launch_bitmap() -> Future:
+            with self.metrics.timed("compress_s", key):
+                flat = grad.reshape(-1)
+                compensated, sendable = nonfinite.checked_input(flat, self.feedback.compensate(key, flat, step=step))
+                box["sendable"] = sendable
+                box["compensated"] = compensated if sendable else torch.zeros_like(compensated)
+                mask = codec.keep(box["compensated"])
+                box["bitmap"] = wire.pack_bits(mask, 1) if packed else mask.to(torch.uint8)
+            op = dist.ReduceOp.BOR if packed else dist.ReduceOp.MAX
+            work = dist.all_reduce(box["bitmap"], op=op, group=self.group, async_op=True).get_future()
+            return self.metrics.track(work, (key,))
+
+        def launch_sketch() -> Future:
+            with self.metrics.timed("compress_s", key):
+                compensated = box.pop("compensated")
+                support = _support(box["bitmap"], grad.numel(), packed)
+                table = codec.sketch_on(compensated, support, step=step, key=key, scale=1.0 / world_size)
+                if not box["sendable"]:
+                    table.fill_(float("nan"))  # the marker: every rank's sum turns NaN
+                else:
+                    self.feedback.update(key, compensated, compensated * support, step=step)
+                box["table"] = table
+            assert wire.nbytes([box["bitmap"], table]) == payload_bytes, "payload differs from its formula"
+            return self.metrics.track(dist.all_reduce(table, group=self.group, async_op=True).get_future(), (key,))
+
+        first = self.queue.submit(launch_bitmap, device=grad.device)
+        second = self.queue.submit(launch_sketch, after=first, device=grad.device)
+        return second.then(self._finish(key, grad, step, box, packed))
+
+    def _finish(self, key: Hashable, grad: Tensor, step: int, box: dict[str, Any], packed: bool):
+        """The callback that decodes the summed sketch in ``box`` on the support in ``box``."""
+        codec = self.compressor
+
         def finish(fut: Future) -> Tensor:
             fut.value()  # re-raises a failed collective
             if nonfinite.received_marker([box["table"]]):
                 return self.ledger.marked_result(step, grad)
             with self.metrics.timed("decompress_s", key):
-                bitmap = box["bitmap"]
-                support = wire.unpack_bits(bitmap, 1, numel).bool() if packed else bitmap.bool()
+                support = _support(box["bitmap"], grad.numel(), packed)
                 out, unpeeled = codec.decode_peeled(support, box["table"], step=step, key=key, like=grad)
                 self.metrics.add_figures(key, unpeeled=unpeeled)
                 return out
 
-        return self.queue.submit(launch, device=grad.device).then(finish)
+        return finish
+
+
+def _support(bitmap: Tensor, numel: int, packed: bool) -> Tensor:
+    """The bool mask of an OR-ed bitmap (packed bits, or one byte per element)."""
+    return wire.unpack_bits(bitmap, 1, numel).bool() if packed else bitmap.bool()
 

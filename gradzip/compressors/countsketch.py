@@ -27,6 +27,9 @@ _PRIME = (1 << 31) - 1
 #: the most sketch columns per kept entry (far past where peeling stops needing more)
 MAX_WIDTH = 1e4
 
+#: what each rank's sketch holds: its values on the OR-ed support, or only its own kept ones
+FILLS = ("union", "own")
+
 #: coefficients per hash polynomial: degree 3, so the family is 4-wise independent
 _TERMS = 4
 
@@ -154,19 +157,31 @@ class CountSketch(Compressor):
     Each rank keeps the ``k = clamp(round(ratio * numel), 1, numel)`` largest-magnitude nonzero
     entries of its (error-compensated) flat tensor (exactly ``k``, ties broken by
     ``torch.topk``; fewer where fewer are nonzero). It sends (1) the bitmap of the kept coordinates,
-    packed one bit per element, combined across ranks by a bitwise OR, and (2) a count sketch
-    (``rows x cols`` fp32, ``cols = ceil(width * k)``) of the kept values divided by world_size,
-    summed across ranks; the hashes (:class:`Hashes`) are drawn from ``(seed, step, key)``.
-    Every rank decodes the OR-ed support from the summed sketch by peeling (:func:`peel`) and
-    gets bit-identical results.
+    packed one bit per element, combined across ranks by a bitwise OR into the support, and (2) a
+    count sketch (``rows x cols`` fp32, ``cols = ceil(width * k)``) of its values divided by
+    world_size, summed across ranks; the hashes (:class:`Hashes`) are drawn from
+    ``(seed, step, key)``. Which values the sketch holds is ``fill``:
+
+    - ``fill="union"`` (the default): the bitmaps are OR-ed first, as TAGC's code does, and each
+      rank sketches its values at every coordinate of the support, not only at its own kept ones
+      (at those of another rank's, TAGC's sparsified gradient holds zeros). The decode is the
+      mean of the compensated tensors on the support, and each residual keeps only what lies
+      off the support. The same bytes, two rounds in sequence.
+    - ``fill="own"``: each rank sketches only its own kept values (TAGC's values), and the bitmap
+      and the sketch travel together in one round. The decode is the mean of the sparsified
+      tensors; each residual keeps what its own thresholding dropped.
+
+    Every rank decodes the support from the summed sketch by peeling (:func:`peel`) and gets
+    bit-identical results. :meth:`compress` and :meth:`decompress` (one payload, no exchange)
+    sketch the rank's own kept values.
 
     Exact recovery: where the support's hash graph peels completely (with 3 rows, about when
     ``rows * cols > 1.23 * |support|``; the support is the union over ranks, up to
-    ``world_size * k``) the decode is the mean of the sparsified tensors up to float rounding.
-    Otherwise the coordinates left (all ranks see the same ones; the reducer's metrics count
-    them as ``unpeeled``) get median estimates, which collisions bias. Aggregatable (the sketch
-    is linear and the bitmap an OR); biased (thresholding), with error feedback of what
-    thresholding drops; collision errors after aggregation are not fed back.
+    ``world_size * k``) the decode is exact up to float rounding. Otherwise the coordinates left
+    (all ranks see the same ones; the reducer's metrics count them as ``unpeeled``) get median
+    estimates, which collisions bias. Aggregatable (the sketch is linear and the bitmap an OR);
+    biased (thresholding), with error feedback of what is not sent; collision errors after
+    aggregation are not fed back.
 
     TAGC's defaults (its reference training script): 80% of the entries dropped (``ratio=0.2``
     here), a sketch of ``numel / 2`` cells (its ``compress_ratio=2``; here ``rows * cols`` with
@@ -177,8 +192,9 @@ class CountSketch(Compressor):
     codec per module (each module's buffer goes through this codec's reducer whole, and each
     rank keeps its rows). The default ``min_numel=0`` compresses every bucket.
 
-    What differs from TAGC: its code sums packed uint8 bitmaps, which carries into neighbouring
-    bits; here the bitmaps are OR-ed (``ReduceOp.BOR`` on gloo; MAX on one byte per element on
+    What differs from TAGC: ``fill="union"`` (above; both are measured on the demo job in
+    ``benchmarks/results/remedies_main_job``). TAGC's code sums packed uint8 bitmaps, which
+    carries into neighbouring bits; here the bitmaps are OR-ed (``ReduceOp.BOR`` on gloo; MAX on one byte per element on
     backends without BOR). The kept set is exactly the top ``k`` by magnitude. TAGC's threshold
     is the largest value on a fixed ladder (1e-20 to 0.5) that drops less than the fraction, so
     it keeps more: a third of the demo model's gradient at 0.8 dropped, whose union over 3
@@ -196,17 +212,18 @@ class CountSketch(Compressor):
         min_numel: flat tensors (buckets) with fewer elements are sent dense, an integer >= 0.
         seed: seed of the hashes (the same on every rank), an integer >= 0.
         start_step: steps of plain all_reduce before compression starts (>= 0).
+        fill: ``"union"`` or ``"own"``: which values each rank sketches (above).
 
     Payload per flat tensor of ``numel`` elements: ``ceil(numel / 8) + rows * cols * 4`` bytes
-    (bitmap and fp32 sketch); on backends without BOR the bitmap is ``numel`` bytes. A tensor
+    (bitmap and fp32 sketch), whatever ``fill``; on backends without BOR the bitmap is ``numel`` bytes. A tensor
     below ``min_numel``, before ``start_step``, or whose payload would not be smaller than its
     raw bytes travels dense (``numel * itemsize``): at the defaults (2.125 bytes per element)
     every fp16 or bf16 tensor does; give those a smaller ``ratio`` or ``width``.
 
     Raises:
         ValueError: naming the parameter, for ``ratio`` outside (0, 1], ``rows`` outside
-            [1, 15], ``width`` outside (0, 1e4], ``seed < 0``, ``start_step < 0`` or
-            ``min_numel < 0``.
+            [1, 15], ``width`` outside (0, 1e4], ``seed < 0``, ``start_step < 0``,
+            ``min_numel < 0`` or ``fill`` not ``"union"`` or ``"own"``.
     """
 
     name = "countsketch"
@@ -226,8 +243,10 @@ class CountSketch(Compressor):
         seed: int = 0,
         start_step: int = 0,
         min_numel: int = 0,
+        fill: str = "union",
     ) -> None:
-        super().__init__(ratio=ratio, rows=rows, width=width, seed=seed, start_step=start_step, min_numel=min_numel)
+        super().__init__(ratio=ratio, rows=rows, width=width, seed=seed, start_step=start_step, min_numel=min_numel,
+                         fill=fill)
         self.ratio = check_ratio(ratio)
         self.rows = check_int(rows, name="rows", low=1, high=15)
         if isinstance(width, bool) or not isinstance(width, (int, float)) or not 0 < width <= MAX_WIDTH:
@@ -236,6 +255,9 @@ class CountSketch(Compressor):
         self.seed = check_int(seed, name="seed", low=0)
         self.start_step = check_int(start_step, name="start_step", low=0)
         self.min_numel = check_int(min_numel, name="min_numel", low=0)
+        if fill not in FILLS:
+            raise ValueError(f"fill must be one of {', '.join(FILLS)}; got {fill!r}")
+        self.fill = fill
 
     def cols(self, numel: int) -> int:
         """Sketch columns for a tensor of ``numel`` elements: ``ceil(width * k)``."""
@@ -268,11 +290,15 @@ class CountSketch(Compressor):
     def encode(self, x: Tensor, *, step: int, key: Hashable, scale: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
         """``(mask, bitmap, table)`` of flat ``x``: the kept mask, its packed bitmap (uint8) and
         the sketch (``rows x cols`` fp32) of the kept values times ``scale``."""
+        mask = self.keep(x.reshape(-1))
+        return mask, wire.pack_bits(mask, 1), self.sketch_on(x, mask, step=step, key=key, scale=scale)
+
+    def sketch_on(self, x: Tensor, support: Tensor, *, step: int, key: Hashable, scale: float = 1.0) -> Tensor:
+        """The sketch (``rows x cols`` fp32) of flat ``x``'s values times ``scale`` at the
+        coordinates of ``support`` (a bool mask, ``x``'s numel), sized for ``x``'s numel."""
         flat = x.reshape(-1)
-        mask = self.keep(flat)
-        index = mask.nonzero().reshape(-1)
-        table = sketch(flat[index].float() * scale, index, self.hashes(flat.numel(), step=step, key=key))
-        return mask, wire.pack_bits(mask, 1), table
+        index = support.reshape(-1).nonzero().reshape(-1)
+        return sketch(flat[index].float() * scale, index, self.hashes(flat.numel(), step=step, key=key))
 
     def decode(self, support: Tensor, table: Tensor, *, step: int, key: Hashable, like: Tensor) -> Tensor:
         """The vector with support ``support`` (a bool mask, ``like``'s numel) whose sketch is
