@@ -139,6 +139,8 @@ def check_loadable(optimizer: torch.optim.Optimizer, state_dict: Any, *, kind: s
     for state in state_dict["state"].values():
         if not isinstance(state, dict):
             raise ValueError(f"state_dict's per-parameter states must be dicts; got {type(state).__name__}")
+        if not state:
+            continue  # a parameter not stepped yet: torch's state_dict keeps the empty entry that looking it up made
         missing = [k for k in state_keys if k not in state]
         if missing:
             raise ValueError(f"state_dict is not a {kind} optimizer's: a parameter's state lacks {', '.join(missing)}")
@@ -482,7 +484,8 @@ class CompressedAdamBase(torch.optim.Optimizer):
         super().load_state_dict(state_dict)
         restore_missing(self, settings)
         for state in self.state.values():
-            state.setdefault("variance_steps", int(float(state["step"])))
+            if state:  # empty: a parameter not stepped yet
+                state.setdefault("variance_steps", int(float(state["step"])))
         if extra is None:
             steps = [int(float(s["step"])) for s in self.state.values()]
             self.steps_taken = max(steps, default=0)
