@@ -328,7 +328,9 @@ class DGCMemory(ErrorFeedback):
         self.momentum = float(momentum)
         self.clip_norm = clip_norm
         self.world_size = world_size
-        self.masking = bool(masking)
+        if not isinstance(masking, bool):  # a string such as "no" would read as true
+            raise ValueError(f"masking must be True or False; got {masking!r}")
+        self.masking = masking
         self.velocities: dict[Hashable, Tensor] = {}
 
     def compensate(self, key: Hashable, grad: Tensor, *, step: int) -> Tensor:

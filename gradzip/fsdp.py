@@ -173,6 +173,10 @@ def compress_reduce_scatter(
         ValueError: for a bad spec (naming the module whose spec it is, for a function), a
             model without ``fully_shard`` modules, or a module with several parameter groups.
     """
+    if reduce_scatter_unused_params is not None and not isinstance(reduce_scatter_unused_params, bool):
+        # a string such as "no" would read as true
+        raise ValueError(f"reduce_scatter_unused_params must be True, False or None (on exactly when residuals are "
+                         f"kept); got {reduce_scatter_unused_params!r}")
     policy = compressor if callable(compressor) and not isinstance(compressor, Compressor) else None
     spec = build(compressor).spec if policy is None else None
     specs: dict[str, str] = {}

@@ -9,8 +9,13 @@ import io
 import pytest
 import torch
 from helpers.optim_runs import backward, tiny_model
+from torch.distributed.fsdp import fully_shard
+from torch.optim.lr_scheduler import LambdaLR
 
-from gradzip.optim import DeMo, LocalAdamW, TSRAdam, ZeroOneAdam
+import gradzip.fsdp
+from gradzip.feedback import DGCMemory
+from gradzip.optim import DeMo, LocalAdamW, OneBitAdam, TSRAdam, ZeroOneAdam
+from gradzip.testing import run_ranks
 
 
 def _reloaded(state_dict: dict) -> dict:
@@ -64,3 +69,71 @@ def test_a_state_dict_with_parameters_not_stepped_yet_loads_and_resumes_exactly(
             o.step()
     for a, b in zip(model.parameters(), fresh.parameters()):
         assert torch.equal(a, b)
+
+
+ALL = {
+    "demo": lambda p: DeMo(p, lr=1e-2, compression_topk=2, compression_chunk=4),
+    "local-adamw": lambda p: LocalAdamW(p, lr=1e-2, compressor="topk:ratio=0.5"),
+    "onebit-adam": lambda p: OneBitAdam(p, lr=1e-2, warmup_steps=1),
+    "tsr-adam": lambda p: TSRAdam(p, lr=1e-2, approx_rank=2),
+    "zeroone-adam": lambda p: ZeroOneAdam(p, lr=1e-2, var_freeze_step=1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ALL))
+def test_a_state_dict_saved_where_a_schedule_put_lr_at_0_loads_and_resumes(name):
+    # Warm-up from 0 (transformers' linear and cosine schedules) sets every group's lr to 0 at
+    # step 0 and decays it to 0 at the end; the optimizers refused such a state_dict of their own
+    # ("lr must be a number > 0").
+    def warmup(s):
+        return s / 2
+
+    model, fresh = tiny_model(), tiny_model()
+    opt, other = ALL[name](model.parameters()), ALL[name](fresh.parameters())
+    schedule, other_schedule = LambdaLR(opt, warmup), LambdaLR(other, warmup)
+    assert opt.param_groups[0]["lr"] == 0
+    other.load_state_dict(_reloaded(opt.state_dict()))
+    other_schedule.load_state_dict(schedule.state_dict())
+    for step in range(3):
+        for m, o, s in ((model, opt, schedule), (fresh, other, other_schedule)):
+            o.zero_grad()
+            backward(m, 0, step)
+            o.step()
+            s.step()
+    for a, b in zip(model.parameters(), fresh.parameters()):
+        assert torch.equal(a, b)
+
+
+def _group(params, **settings):
+    return [{"params": list(params), **settings}]
+
+
+NOT_A_FLAG = {
+    "average_grads": lambda p: OneBitAdam(p, average_grads="no"),
+    "average_grads ": lambda p: ZeroOneAdam(p, average_grads="no"),
+    "moment_transfer": lambda p: TSRAdam(p, approx_rank=2, moment_transfer="False"),
+    "compress": lambda p: OneBitAdam(_group(p, compress="no")),
+    "compress ": lambda p: TSRAdam(_group(p, compress="False"), approx_rank=2),
+    "masking": lambda p: DGCMemory(masking="no"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NOT_A_FLAG))
+def test_a_true_false_setting_given_a_string_is_refused(name):
+    # bool("no") is True: "no" turned the setting on without a word
+    with pytest.raises(ValueError, match=rf"^{name.strip()} must be True or False; got '"):
+        NOT_A_FLAG[name](tiny_model().parameters())
+
+
+def _fsdp_flag_ranks(rank, world_size):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    fully_shard(model)
+    try:
+        gradzip.fsdp.compress_reduce_scatter(model, "topk:ratio=0.5", reduce_scatter_unused_params="no")
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def test_fsdp_reduce_scatter_unused_params_given_a_string_is_refused():
+    assert run_ranks(_fsdp_flag_ranks, 1)[0].startswith("reduce_scatter_unused_params must be True, False or None")

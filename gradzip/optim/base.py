@@ -59,6 +59,17 @@ def check_nonnegative(value: Any, *, name: str, strict: bool = False) -> float:
     return check_number(value, name=name, low=0, low_open=strict)
 
 
+def check_flag(value: Any, *, name: str) -> bool:
+    """Validate a True/False setting (a string such as ``"no"`` would read as true).
+
+    Raises:
+        ValueError: naming ``name``.
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False; got {value!r}")
+    return value
+
+
 def group_world_size(group: dist.ProcessGroup | None) -> int:
     """Ranks in ``group``; 1 when no process group is initialised."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -237,7 +248,7 @@ class CompressedAdamBase(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self.bucket_cap_mb = check_nonnegative(bucket_cap_mb, name="bucket_cap_mb")
         self.process_group = process_group
-        self.average_grads = bool(average_grads)
+        self.average_grads = check_flag(average_grads, name="average_grads")
         self.metrics = metrics if metrics is not None else StepMetrics()
         self.queue = CollectiveQueue()
         self.steps_taken = 0
@@ -259,9 +270,12 @@ class CompressedAdamBase(torch.optim.Optimizer):
 
     def _check_group(self, group: dict[str, Any]) -> None:
         group["betas"] = check_betas(group["betas"])
-        check_nonnegative(group["lr"], name="lr", strict=True)
+        # >= 0, not > 0: a learning-rate schedule puts a group's lr at 0 (warm-up from 0, decay to
+        # 0), and the state_dict saved then must load; the constructor's lr stays > 0
+        check_nonnegative(group["lr"], name="lr")
         check_nonnegative(group["eps"], name="eps", strict=True)
         check_nonnegative(group["weight_decay"], name="weight_decay")
+        check_flag(group.get("compress", True), name="compress")
 
     # ----- what subclasses decide -------------------------------------------------------------
 

@@ -144,8 +144,6 @@ class LocalAdamW(CompressedAdamBase):
         for flag in ("maximize", "amsgrad"):
             if group.get(flag):
                 raise ValueError(f"{flag} is not supported by LocalAdamW; got {flag}={group[flag]!r}")
-        if not isinstance(group.get("compress", True), bool):
-            raise ValueError(f"compress must be True or False; got {group['compress']!r}")
         if any(p.is_complex() for p in group["params"]):
             raise ValueError("LocalAdamW takes real parameters; a complex one was given (view it as real)")
 

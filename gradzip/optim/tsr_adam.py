@@ -18,7 +18,7 @@ from gradzip.comm import nonfinite
 from gradzip.compressors import check_int
 from gradzip.compressors.base import seeded_generator
 from gradzip.metrics import StepMetrics
-from gradzip.optim.base import CompressedAdamBase, check_nonnegative, closure_loss
+from gradzip.optim.base import CompressedAdamBase, check_flag, check_nonnegative, closure_loss
 from gradzip.optim.collectives import mean_all_reduce
 
 #: the name its buckets carry in StepMetrics
@@ -120,7 +120,7 @@ class TSRAdam(CompressedAdamBase):
         process_group: dist.ProcessGroup | None = None,
         metrics: StepMetrics | None = None,
     ) -> None:
-        self.moment_transfer = bool(moment_transfer)
+        self.moment_transfer = check_flag(moment_transfer, name="moment_transfer")
         self.oversampling = check_int(oversampling, name="oversampling", low=0)
         self.power_iters = check_int(power_iters, name="power_iters", low=0)
         self.seed = check_int(seed, name="seed", low=0)
