@@ -8,10 +8,12 @@ import io
 
 import pytest
 import torch
+from helpers import diloco_runs
 from helpers.optim_runs import backward, tiny_model
 from torch.distributed.fsdp import fully_shard
 from torch.optim.lr_scheduler import LambdaLR
 
+import gradzip
 import gradzip.fsdp
 from gradzip.feedback import DGCMemory
 from gradzip.optim import DeMo, LocalAdamW, OneBitAdam, TSRAdam, ZeroOneAdam
@@ -137,3 +139,29 @@ def _fsdp_flag_ranks(rank, world_size):
 
 def test_fsdp_reduce_scatter_unused_params_given_a_string_is_refused():
     assert run_ranks(_fsdp_flag_ranks, 1)[0].startswith("reduce_scatter_unused_params must be True, False or None")
+
+
+def _diloco_beside_own_collectives(rank, world_size):
+    out = []
+    for log in (False, True):
+        model = diloco_runs.tiny_model()
+        opt = gradzip.DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=0.01), "countsketch", sync_every=4, delay=2)
+        for step in range(1, 25):
+            opt.zero_grad()
+            loss = diloco_runs.loss_of(model, rank, step)
+            loss.backward()
+            opt.step()
+            if log:  # the user's own collective on the default group, an exchange in flight
+                torch.distributed.all_reduce(loss.detach().clone())
+        opt.synchronize()
+        out.append(diloco_runs.flat(model.parameters()))
+    return out
+
+
+def test_diloco_on_the_default_group_beside_the_callers_own_collectives():
+    # A later round of the count sketch's exchange was launched from a callback: on one rank
+    # before the caller's all_reduce, on the other after it; gloo aborted the ranks ("Received
+    # data size doesn't match expected size") or they hung.
+    results = run_ranks(_diloco_beside_own_collectives, 2, timeout_s=60)
+    for quiet, logged in results:
+        assert torch.equal(quiet, logged)

@@ -138,7 +138,11 @@ class DiLoCo:
             0: one tensor per bucket).
         group: process group of the outer exchange, between replicas (None: the default
             group); see :func:`gradzip.outer.groups.replica_groups`. Its timeout bounds how long
-            an exchange with a replica that stopped waits before :meth:`step` raises.
+            an exchange with a replica that stopped waits before :meth:`step` raises. On the
+            default group, where the caller's own collectives go too, every round of an exchange
+            is issued before :meth:`step` returns: a codec of several rounds (PowerSGD, the
+            count sketch, two phases) waits at the launch for all but its last round. A group of
+            its own keeps every round in the background.
         replica_group: the ranks of this replica (None: a replica is one rank). Given, the
             replica's ranks share the exchange out: each bucket is exchanged by one of them
             (bucket ``b`` of a fragment by the replica's rank ``b % replica_size``; fragments
@@ -241,7 +245,7 @@ class DiLoCo:
         # One reducer per fragment: a reducer keeps one step open until its outcome is known
         # (its non-finite guard), while several fragments may be in flight; one queue keeps
         # their collectives in launch order, the same on every rank.
-        queue = CollectiveQueue()
+        queue = self.queue = CollectiveQueue()
         self.reducers: list[Reducer] = [
             make_reducer(
                 copy.deepcopy(codec) if p else codec, group=group, error_feedback=True if sparseloco else error_feedback,
@@ -331,6 +335,14 @@ class DiLoCo:
         )
         if self.carry:
             exchange.start = [self.params[i].detach().clone() for i in self.fragments[fragment]]
+        if self.group is None or self.group is dist.group.WORLD:
+            # The caller's own collectives (a loss all_reduced for logging) go to the default group
+            # too. A later round of this exchange (two phases, the count sketch, PowerSGD) is
+            # launched from a callback when the round before completes, so it would reach gloo
+            # before them on one rank and after them on another: a size mismatch that aborts, or
+            # a hang. Every round is issued before the step returns; on a group of its own
+            # (replica_groups, as gradzip train passes) the later rounds stay in the background.
+            self.queue.wait_launched()
         self.exchanges += 1
         return exchange
 
