@@ -165,3 +165,57 @@ def test_diloco_on_the_default_group_beside_the_callers_own_collectives():
     results = run_ranks(_diloco_beside_own_collectives, 2, timeout_s=60)
     for quiet, logged in results:
         assert torch.equal(quiet, logged)
+
+
+def _other_model() -> torch.nn.Module:
+    """As many parameters as tiny_model's, of other shapes."""
+    return torch.nn.Sequential(torch.nn.Linear(5, 6), torch.nn.Tanh(), torch.nn.Linear(6, 7))
+
+
+@pytest.mark.parametrize("name", [*sorted(ALL), "adamw"])
+def test_another_models_state_dict_is_refused_before_anything_loads(name):
+    # It loaded (1-bit, 0/1 and TSR-Adam, DeMo; LocalAdamW had a check of its own, now the shared
+    # one) and the next step failed inside torch ("The size of tensor a (5) must match the size of
+    # tensor b (8)"), the optimizer's own state already replaced.
+    other = _other_model()
+    writer = torch.optim.AdamW(other.parameters()) if name == "adamw" else ALL[name](other.parameters())
+    other(torch.randn(2, 5)).square().sum().backward()
+    writer.step()
+    model = tiny_model()
+    opt = ALL["onebit-adam" if name == "adamw" else name](model.parameters())
+    backward(model, 0, 0)
+    opt.step()
+    before = _reloaded(opt.state_dict())
+    with pytest.raises(ValueError, match=r"of parameter 0 is \(\d, \d\) where this optimizer's parameter needs .* do not fit"):
+        opt.load_state_dict(writer.state_dict())
+    after = opt.state_dict()
+    for index, state in before["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(after["state"][index][key]), torch.as_tensor(value))
+    opt.zero_grad()
+    backward(model, 0, 1)
+    opt.step()
+
+
+@pytest.mark.parametrize("make", [lambda p: OneBitAdam(p, warmup_steps=1), lambda p: ZeroOneAdam(p, var_freeze_step=1)],
+                         ids=["onebit-adam", "zeroone-adam"])
+def test_a_parameter_without_variance_is_refused_before_the_step_changes_anything(make):
+    # The error came from the update of that parameter, after every momentum had been updated and
+    # the parameters before it stepped: the step was half taken, and retaking it stepped twice.
+    used, late = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    twin = torch.nn.Parameter(torch.zeros(2))
+    opt, reference = make([used, late]), make([twin])
+    for p, o in ((used, opt), (twin, reference)):
+        p.grad = torch.ones(2)
+        o.step()
+    before = _reloaded(opt.state_dict())
+    used.grad, late.grad = torch.full((2,), 0.5), torch.ones(2)  # late: its first gradient, after warm-up
+    with pytest.raises(RuntimeError, match=r"shape \(2,\) had no gradient during the full-precision steps"):
+        opt.step()
+    assert 1 not in opt.state_dict()["state"] or opt.state_dict()["state"][1] == {}
+    assert torch.equal(opt.state_dict()["state"][0]["exp_avg"], before["state"][0]["exp_avg"])
+    late.grad = None  # the user leaves it out and takes the step again
+    twin.grad = torch.full((2,), 0.5)
+    opt.step()
+    reference.step()
+    assert torch.equal(used, twin)

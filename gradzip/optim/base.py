@@ -106,7 +106,7 @@ def closure_loss(closure: Callable[[], Any] | None) -> Any:
 
 
 def check_loadable(optimizer: torch.optim.Optimizer, state_dict: Any, *, kind: str, extra_keys: tuple[str, ...],
-                   state_keys: tuple[str, ...], plain_ok: bool, check_group) -> None:
+                   state_keys: tuple[str, ...], plain_ok: bool, check_group, state_shapes) -> None:
     """Refuse, before anything is loaded, a ``state_dict`` that another optimizer wrote or whose
     settings are out of range.
 
@@ -121,6 +121,8 @@ def check_loadable(optimizer: torch.optim.Optimizer, state_dict: Any, *, kind: s
             ``torch.optim.AdamW``'s: its groups must hold AdamW's settings) loads.
         check_group: the optimizer's range check of one parameter group, run on each loaded
             group's settings over the optimizer's own group (same parameters).
+        state_shapes: ``(param, settings) -> {key: shape}``, the shape each state tensor of
+            ``param`` must have under its group's loaded ``settings``.
 
     Raises:
         ValueError: naming what the ``state_dict`` is and what this optimizer is, or the setting
@@ -161,7 +163,17 @@ def check_loadable(optimizer: torch.optim.Optimizer, state_dict: Any, *, kind: s
     for own, group in zip(optimizer.param_groups, saved):
         if not isinstance(group, dict):
             raise ValueError(f"state_dict's param_groups must be dicts; got {type(group).__name__}")
-        check_group({**own, **{k: v for k, v in group.items() if k != "params"}})
+        settings = {**own, **{k: v for k, v in group.items() if k != "params"}}
+        check_group(settings)
+        # another model's states (as many parameters, other shapes) would load, and the next step
+        # fail deep inside torch with the optimizer's own state already replaced
+        for index, param in zip(group.get("params", []), own["params"]):
+            state = state_dict["state"].get(index) or {}
+            for key, shape in state_shapes(param, settings).items():
+                if key in state and not (isinstance(state[key], Tensor) and tuple(state[key].shape) == tuple(shape)):
+                    got = tuple(state[key].shape) if isinstance(state[key], Tensor) else type(state[key]).__name__
+                    raise ValueError(f"state_dict's {key} of parameter {index!r} is {got} where this optimizer's "
+                                     f"parameter needs {tuple(shape)}: the states do not fit (another model's state_dict?)")
 
 
 def kept_settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -186,6 +198,11 @@ def added_checked(optimizer: torch.optim.Optimizer, param_group: dict[str, Any],
     except ValueError:
         optimizer.param_groups.pop()
         raise
+
+
+def _no_variance(p: Tensor) -> RuntimeError:
+    return RuntimeError(f"a parameter of shape {tuple(p.shape)} had no gradient during the full-precision steps, so "
+                        "it has no variance to freeze; give every parameter a gradient in warm-up")
 
 
 class CompressedAdamBase(torch.optim.Optimizer):
@@ -427,12 +444,21 @@ class CompressedAdamBase(torch.optim.Optimizer):
                 warm-up), which would divide by zero.
         """
         if state["variance_steps"] == 0:
-            raise RuntimeError(
-                f"a parameter of shape {tuple(p.shape)} had no gradient during the full-precision "
-                "steps, so it has no variance to freeze; give every parameter a gradient in warm-up"
-            )
+            raise _no_variance(p)
         bias_correction2 = 1 - group["betas"][1] ** state["variance_steps"]
         return (state["exp_avg_sq"].sqrt() / bias_correction2**0.5).add_(group["eps"])
+
+    def require_variance(self, items: list[tuple[Hashable, Tensor, dict[str, Any]]]) -> None:
+        """Raise :meth:`denominator`'s error for the first of ``items`` (``(key, param, group)``)
+        whose variance was never updated; called before a step changes anything, so that the error
+        leaves every parameter and state as it was.
+
+        Raises:
+            RuntimeError: naming the parameter's shape.
+        """
+        for _key, p, _group in items:
+            if not self.state.get(p, {}).get("variance_steps"):
+                raise _no_variance(p)
 
     def apply_update_(self, p: Tensor, state: dict[str, Any], group: dict[str, Any], denom: Tensor) -> None:
         """``p -= lr / (1 - beta1 ** step) * exp_avg / denom`` (weight decay applied before)."""
@@ -465,6 +491,10 @@ class CompressedAdamBase(torch.optim.Optimizer):
 
     # ----- checkpoints ------------------------------------------------------------------------
 
+    def _state_shapes(self, p: Tensor, group: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        """The shape of each state tensor of ``p`` (0/1 Adam's anchor and update sum included)."""
+        return dict.fromkeys(("exp_avg", "exp_avg_sq", "anchor", "update_sum"), tuple(p.shape))
+
     def extra_state(self) -> dict[str, Any]:
         """Optimizer-level state beyond the step counter (subclasses add theirs)."""
         return {}
@@ -491,7 +521,7 @@ class CompressedAdamBase(torch.optim.Optimizer):
         """
         check_loadable(self, state_dict, kind=self.kind, extra_keys=("steps_taken", "exchange", *self.extra_state()),
                        state_keys=("step", "exp_avg", "exp_avg_sq"), plain_ok=self.loads_plain_adamw,
-                       check_group=self._check_group)
+                       check_group=self._check_group, state_shapes=self._state_shapes)
         state_dict = dict(state_dict)
         extra = state_dict.pop("gradzip", None)
         settings = kept_settings(self)

@@ -258,7 +258,7 @@ class DeMo(torch.optim.Optimizer):
             ValueError: for another optimizer's state_dict (checked before anything is loaded).
         """
         check_loadable(self, state_dict, kind=KIND, extra_keys=("steps_taken", "skipped_steps"), state_keys=("delta",),
-                       plain_ok=False, check_group=_check_group)
+                       plain_ok=False, check_group=_check_group, state_shapes=lambda p, _group: {"delta": tuple(p.shape)})
         state_dict = dict(state_dict)
         extra = state_dict.pop("gradzip")
         settings = kept_settings(self)

@@ -283,16 +283,6 @@ class LocalAdamW(CompressedAdamBase):
             for key, name, mine in (("codec", "compressor", self.codec.spec), ("collective", "collective", self.collective)):
                 if extra.get(key) != mine:
                     raise ValueError(f"state_dict was saved with {name} {extra.get(key)!r}; this optimizer has {mine!r}")
-            params = [p for group in self.param_groups for p in group["params"]]
-            for index, saved in (state_dict.get("state") or {}).items():
-                if saved == {}:
-                    continue  # a parameter not stepped yet (a skipped first step, no gradient so far)
-                for name in ("exp_avg", "exp_avg_sq"):
-                    moment = saved.get(name) if isinstance(saved, dict) else None
-                    if not (isinstance(index, int) and 0 <= index < len(params) and isinstance(moment, Tensor)
-                            and moment.shape == params[index].shape):
-                        raise ValueError(f"state_dict's moments of parameter {index!r} do not fit this optimizer's "
-                                         "parameters (another model's state_dict?)")
         super().load_state_dict(state_dict)
 
 

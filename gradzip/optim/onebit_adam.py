@@ -117,6 +117,7 @@ class OneBitAdam(CompressedAdamBase):
             for _key, p, group in items:
                 self.adamw_step_(p, p.grad, group)
         else:
+            self.require_variance(items)  # before the momenta change: the error leaves no half step
             momenta = {}
             for key, p, group in items:
                 state = self._state(p)

@@ -349,6 +349,13 @@ class TSRAdam(CompressedAdamBase):
 
     # ----- checkpoints ------------------------------------------------------------------------
 
+    def _state_shapes(self, p: Tensor, group: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        if not self.is_low_rank(p, group):
+            return super()._state_shapes(p, group)
+        rank = group["approx_rank"]
+        return {"exp_avg": (rank, rank), "exp_avg_sq": (rank, rank), "left": (p.shape[0], rank),
+                "right": (p.shape[1], rank)}
+
     def extra_state(self) -> dict[str, Any]:
         return {"skipped_steps": self.skipped_steps, "seed": self.seed, "oversampling": self.oversampling,
                 "power_iters": self.power_iters}

@@ -162,6 +162,8 @@ class ZeroOneAdam(CompressedAdamBase):
         loss = closure_loss(closure)
         t = self.next_step
         items = self.params_with_grad()
+        if not self.is_variance_step(t):
+            self.require_variance(items)  # before anything changes: the error leaves no half step
         if self.is_variance_step(t):
             self.average_gradients_([p for _, p, _ in items], step=t)
             for _key, p, group in items:
