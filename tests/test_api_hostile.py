@@ -219,3 +219,20 @@ def test_a_parameter_without_variance_is_refused_before_the_step_changes_anythin
     opt.step()
     reference.step()
     assert torch.equal(used, twin)
+
+
+def test_diloco_without_a_process_group_is_refused_at_its_first_step_before_it_changes_anything():
+    # built without a group it is (the trainer checks its settings so); stepped, there is no
+    # outer exchange to run, so the first step says so instead of failing sync_every steps later
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    model = torch.nn.Linear(2, 2)
+    outer = gradzip.DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2)
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.ones(1, 2)).sum().backward()
+    for call in (outer.step, outer.skip_step):
+        with pytest.raises(RuntimeError, match="dist.init_process_group"):
+            call()
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert outer.inner_steps == 0

@@ -285,11 +285,21 @@ class DiLoCo:
         start now (identical on every rank). Returns what the inner step returned.
 
         Raises:
-            RuntimeError: if an outer exchange failed (a replica stopped, the link timed out).
+            RuntimeError: if an outer exchange failed (a replica stopped, the link timed out), or
+                torch.distributed is not initialised (checked before the inner step: without a
+                process group there is no outer exchange to run).
         """
+        self._check_initialized()
         loss = self.inner_optimizer.step() if closure is None else self.inner_optimizer.step(closure)
         self._advance()
         return loss
+
+    @staticmethod
+    def _check_initialized() -> None:
+        # at the first step, not in __init__: a DiLoCo is also built without a group to check settings
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("DiLoCo exchanges between replicas through torch.distributed: call "
+                               "dist.init_process_group first (one process per replica at least)")
 
     def skip_step(self) -> None:
         """Count an inner step that this replica skips (say its gradient was not finite) without
@@ -298,8 +308,9 @@ class DiLoCo:
         no replica waits on another between exchanges. Each replica may skip its own steps.
 
         Raises:
-            RuntimeError: if an outer exchange failed (as :meth:`step`).
+            RuntimeError: as :meth:`step`.
         """
+        self._check_initialized()
         self._advance()
 
     def _advance(self) -> None:
