@@ -9,7 +9,7 @@ import io
 import pytest
 import torch
 from helpers import diloco_runs
-from helpers.optim_runs import backward, tiny_model
+from helpers.optim_runs import backward, small_optimizers, tiny_model
 from torch.distributed.fsdp import fully_shard
 from torch.optim.lr_scheduler import LambdaLR
 
@@ -73,13 +73,7 @@ def test_a_state_dict_with_parameters_not_stepped_yet_loads_and_resumes_exactly(
         assert torch.equal(a, b)
 
 
-ALL = {
-    "demo": lambda p: DeMo(p, lr=1e-2, compression_topk=2, compression_chunk=4),
-    "local-adamw": lambda p: LocalAdamW(p, lr=1e-2, compressor="topk:ratio=0.5"),
-    "onebit-adam": lambda p: OneBitAdam(p, lr=1e-2, warmup_steps=1),
-    "tsr-adam": lambda p: TSRAdam(p, lr=1e-2, approx_rank=2),
-    "zeroone-adam": lambda p: ZeroOneAdam(p, lr=1e-2, var_freeze_step=1),
-}
+ALL = small_optimizers()
 
 
 @pytest.mark.parametrize("name", sorted(ALL))

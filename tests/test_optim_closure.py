@@ -6,17 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.optim_runs import tiny_model
+from helpers.optim_runs import small_optimizers, tiny_model
 
-from gradzip.optim import DeMo, LocalAdamW, OneBitAdam, TSRAdam, ZeroOneAdam
-
-OPTIMIZERS = {
-    "demo": lambda params: DeMo(params, lr=1e-2, compression_topk=2, compression_chunk=4),
-    "local-adamw": lambda params: LocalAdamW(params, lr=1e-2, compressor="topk:ratio=0.5"),
-    "onebit-adam": lambda params: OneBitAdam(params, lr=1e-2, warmup_steps=1),
-    "tsr-adam": lambda params: TSRAdam(params, lr=1e-2, approx_rank=2),
-    "zeroone-adam": lambda params: ZeroOneAdam(params, lr=1e-2, var_freeze_step=1),
-}
+OPTIMIZERS = small_optimizers()
 
 
 def _loss(model: torch.nn.Module, step: int) -> torch.Tensor:

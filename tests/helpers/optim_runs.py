@@ -81,3 +81,17 @@ def nan_in_rank0_bias(model: torch.nn.Module, rank: int) -> None:
     """A ``spoil`` for :func:`skip_and_retake`: rank 0's last bias gradient gets a NaN."""
     if rank == 0:
         model[2].bias.grad[1] = float("nan")
+
+
+def small_optimizers() -> dict:
+    """Each gradzip optimizer, by its lab name, as a function of the parameters: small settings
+    that take effect at once on a tiny model (a two-element top-k, rank 2, one warm-up step)."""
+    from gradzip.optim import DeMo, LocalAdamW, OneBitAdam, TSRAdam, ZeroOneAdam
+
+    return {
+        "demo": lambda params: DeMo(params, lr=1e-2, compression_topk=2, compression_chunk=4),
+        "local-adamw": lambda params: LocalAdamW(params, lr=1e-2, compressor="topk:ratio=0.5"),
+        "onebit-adam": lambda params: OneBitAdam(params, lr=1e-2, warmup_steps=1),
+        "tsr-adam": lambda params: TSRAdam(params, lr=1e-2, approx_rank=2),
+        "zeroone-adam": lambda params: ZeroOneAdam(params, lr=1e-2, var_freeze_step=1),
+    }
