@@ -41,7 +41,7 @@ sys.exit(cli.main(sys.argv[1:]))
 """
 
 
-@pytest.mark.parametrize("source, code", [("auto", 0), ("synthetic", 0), ("model", 2)])
+@pytest.mark.parametrize("source, code", [("auto", 0), ("model", 2)])
 def test_bench_falls_back_to_synthetic_input_without_the_lab_extra(tmp_path, source, code):
     """``--input auto`` (the default) takes the model's gradient where it can, and without the
     lab extra there is none: it times the synthetic gradient instead; ``--input model`` cannot."""
