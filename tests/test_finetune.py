@@ -104,7 +104,7 @@ def test_finetune_on_a_model_folder(tmp_path, monkeypatch):
     assert fsdp["parallel"] == "fsdp" and fsdp["payload_bytes_per_step"] < fsdp["dense_bytes_per_step"]
 
 
-def test_finetune_command_is_train_with_its_defaults(tmp_path):
+def test_finetune_command_is_train_with_its_defaults(tmp_path, monkeypatch):
     """``gradzip finetune`` parses into the main job's config with finetune's defaults; the
     GPT-2 shape options are flagged as unused with --model (the job itself: the test above)."""
     from gradzip.lab.cli import build_parser
@@ -117,7 +117,13 @@ def test_finetune_command_is_train_with_its_defaults(tmp_path):
     args = build_parser().parse_args(["finetune", "--model", folder, "--n-layer", "3", "--seq-len", "32",
                                       "--out", str(tmp_path / "run")])
     cfg = config_from_args(args).validate()
-    assert args.func is build_parser().parse_args(["train"]).func  # the same job
+    # the same job, its lines (and its workers') starting "gradzip finetune"
+    from gradzip.lab.train import finetune, report
+
+    said = []
+    monkeypatch.setattr(finetune, "run", lambda a: said.append((a, report.command())) or 0)
+    assert args.func(args) == 0 and said == [(args, "gradzip finetune")]
+    assert report.command() == "gradzip train"  # and back to train's after it
     assert (cfg.model, cfg.lr, cfg.warmup_steps, cfg.steps) == (folder, 1e-4, 10, 100)
     assert (TrainConfig.lr, TrainConfig.model) == (1e-3, None)
     assert preflight(cfg) == ["--n-layer has no effect with --model (its own config sets it)"]

@@ -140,6 +140,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"gradzip: {one_line(exc)}", file=sys.stderr)
         return 1
     if summary and summary.get("diverged"):  # the run ended, its files are written: say why it failed
-        print(f"gradzip train: {summary['diverged']}", file=sys.stderr)
+        from gradzip.lab.train.report import command
+
+        print(f"{command()}: {summary['diverged']}", file=sys.stderr)
         return 1
     return 0

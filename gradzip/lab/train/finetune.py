@@ -7,6 +7,7 @@ with ``--model`` set and the defaults of :data:`~gradzip.lab.train.config.FINETU
 from __future__ import annotations
 
 import argparse
+import os
 
 from gradzip.lab.options import add_arguments
 from gradzip.lab.train.cli import add_out_argument, run
@@ -38,4 +39,19 @@ def add_parser(sub) -> None:
     )
     add_arguments(p, TrainConfig, overrides=FINETUNE_DEFAULTS)
     add_out_argument(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run_finetune)
+
+
+def run_finetune(args: argparse.Namespace) -> int:
+    """``gradzip train``'s run, its lines (and its workers') starting ``gradzip finetune``."""
+    from gradzip.lab.train.report import COMMAND_ENV
+
+    previous = os.environ.get(COMMAND_ENV)
+    os.environ[COMMAND_ENV] = "gradzip finetune"  # spawned workers inherit it
+    try:
+        return run(args)
+    finally:
+        if previous is None:
+            del os.environ[COMMAND_ENV]
+        else:
+            os.environ[COMMAND_ENV] = previous

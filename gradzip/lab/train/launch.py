@@ -141,7 +141,7 @@ def launch(cfg: TrainConfig, notes: list[str] | None = None, *, checkpoint: Path
     for line in idle if os.environ.get("RANK", "0") == "0" else []:
         warn(line)  # after every check, so that a refused run prints its one error line alone
     for line in notes or [] if os.environ.get("RANK", "0") == "0" else []:
-        print(f"gradzip train: {line}", file=sys.stderr)
+        print(f"{report.command()}: {line}", file=sys.stderr)
     notes = [gap_note(cfg.choice), dense_steps_note(cfg)]
     if cfg.warmup_steps >= cfg.steps > 0 and not cfg.resume:
         notes.append(f"--warmup-steps {cfg.warmup_steps} covers all {cfg.steps} steps: the learning rate never "

@@ -5,14 +5,24 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 from pathlib import Path
 from typing import Any
 
+#: the environment variable naming the command that runs the main job, set by ``gradzip finetune``
+#: (an environment variable, so that spawned workers and torchrun's ranks say the same)
+COMMAND_ENV = "GRADZIP_COMMAND"
+
+
+def command() -> str:
+    """The command the main job's lines start with: ``gradzip train`` or ``gradzip finetune``."""
+    return os.environ.get(COMMAND_ENV, "gradzip train")
+
 
 def status(text: str) -> None:
     """One line saying what the main job is doing before its progress bar starts (stdout, at once)."""
-    print(f"gradzip train: {text}", flush=True)
+    print(f"{command()}: {text}", flush=True)
 
 
 class RunLog:
@@ -171,7 +181,7 @@ def summary_table(s: dict[str, Any]) -> str:
     if s.get("diverged"):
         rows.append(("stopped", s["diverged"].split(":")[0]))
     width = max(len(k) for k, _ in rows)
-    lines = ["", "gradzip train: summary", "-" * (width + 30)]
+    lines = ["", f"{command()}: summary", "-" * (width + 30)]
     lines += [f"{k:<{width}}  {v}" for k, v in rows]
     return "\n".join(lines)
 
