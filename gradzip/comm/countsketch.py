@@ -2,7 +2,7 @@
 
 For one bucket at a step past ``start_step`` with at least ``min_numel`` elements (smaller ones,
 and those whose payload would not be smaller than their raw bytes, take a plain all_reduce), in
-one launch of the group's queue:
+one launch of the group's queue (two with ``fill="union"``):
 
 1. Error-compensate the flat bucket in fp32; keep its top entries (``ratio``); the packed
    bitmap of the kept coordinates.
@@ -14,10 +14,10 @@ one launch of the group's queue:
    (each rank sketches its kept values, and its residual keeps what thresholding dropped).
 3. Decode the summed sketch on the support by peeling, then median estimates for the
    coordinates that did not peel (the same on every rank; the bucket's metrics count them,
-   ``unpeeled``). The estimates' errors are not fed back: feeding ``kept - estimate`` back made the residuals grow
-   without bound on a sketch too small for its support, and sending those coordinates again
-   later instead of estimating them ended further from ``none`` on the demo job
-   (``benchmarks/results/remedies_main_job``).
+   ``unpeeled``). The estimates' errors are not fed back: feeding ``kept - estimate`` back made
+   the residuals grow without bound on a sketch too small for its support, and sending those
+   coordinates again later instead of estimating them ended further from ``none`` on the demo
+   job (``benchmarks/results/remedies_main_job``).
 
 Non-finite gradients (:mod:`gradzip.comm.nonfinite`): a rank whose bucket holds inf or NaN sends an
 all-NaN sketch; every rank sees the NaN sum, returns all NaN, and the step's residual updates are
@@ -91,11 +91,10 @@ class CountSketchReducer(SettlingReducer):
         codec = self.compressor
         numel = grad.numel()
         raw = numel * grad.element_size()
-        dense = numel < codec.min_numel or codec.payload_nbytes(numel, packed=packed_bitmaps(self.group)) >= raw
-        if step < codec.start_step or dense:
-            return self._reduce_dense(key, grad, world_size, step)
         packed = packed_bitmaps(self.group)
         payload_bytes = codec.payload_nbytes(numel, packed=packed)
+        if step < codec.start_step or numel < codec.min_numel or payload_bytes >= raw:
+            return self._reduce_dense(key, grad, world_size, step)
         bitmap_bytes = wire.packed_nbytes(numel, 1) if packed else numel
         self.metrics.add_bucket(
             key, payload_bytes=payload_bytes, dense_bytes=raw, collective="allreduce",
@@ -106,24 +105,17 @@ class CountSketchReducer(SettlingReducer):
         if codec.fill == "union":
             return self._reduce_on_union(key, grad, step, world_size, packed, payload_bytes)
         box: dict[str, Any] = {}
-        op = dist.ReduceOp.BOR if packed else dist.ReduceOp.MAX
 
         def launch() -> Future:
             with self.metrics.timed("compress_s", key):
-                flat = grad.reshape(-1)
-                compensated, sendable = nonfinite.checked_input(flat, self.feedback.compensate(key, flat, step=step))
-                if not sendable:
-                    compensated = torch.zeros_like(compensated)
+                compensated, sendable = self._compensated(key, grad, step)
                 mask, bitmap, table = codec.encode(compensated, step=step, key=key, scale=1.0 / world_size)
-                if not sendable:
-                    table.fill_(float("nan"))  # the marker: every rank's sum turns NaN
-                else:
-                    self.feedback.update(key, compensated, compensated * mask, step=step)
+                self._keep_or_mark(key, compensated, mask, table, sendable, step)
                 box["bitmap"] = bitmap if packed else mask.to(torch.uint8)
                 box["table"] = table
             assert wire.nbytes([box["bitmap"], table]) == payload_bytes, "payload differs from its formula"
             works = [
-                dist.all_reduce(box["bitmap"], op=op, group=self.group, async_op=True).get_future(),
+                dist.all_reduce(box["bitmap"], op=_bitmap_op(packed), group=self.group, async_op=True).get_future(),
                 dist.all_reduce(box["table"], group=self.group, async_op=True).get_future(),
             ]
             return self.metrics.track(torch.futures.collect_all(works), (key,))
@@ -138,14 +130,10 @@ class CountSketchReducer(SettlingReducer):
 
         def launch_bitmap() -> Future:
             with self.metrics.timed("compress_s", key):
-                flat = grad.reshape(-1)
-                compensated, sendable = nonfinite.checked_input(flat, self.feedback.compensate(key, flat, step=step))
-                box["sendable"] = sendable
-                box["compensated"] = compensated if sendable else torch.zeros_like(compensated)
+                box["compensated"], box["sendable"] = self._compensated(key, grad, step)
                 mask = codec.keep(box["compensated"])
                 box["bitmap"] = wire.pack_bits(mask, 1) if packed else mask.to(torch.uint8)
-            op = dist.ReduceOp.BOR if packed else dist.ReduceOp.MAX
-            work = dist.all_reduce(box["bitmap"], op=op, group=self.group, async_op=True).get_future()
+            work = dist.all_reduce(box["bitmap"], op=_bitmap_op(packed), group=self.group, async_op=True).get_future()
             return self.metrics.track(work, (key,))
 
         def launch_sketch() -> Future:
@@ -153,10 +141,7 @@ class CountSketchReducer(SettlingReducer):
                 compensated = box.pop("compensated")
                 support = _support(box["bitmap"], grad.numel(), packed)
                 table = codec.sketch_on(compensated, support, step=step, key=key, scale=1.0 / world_size)
-                if not box["sendable"]:
-                    table.fill_(float("nan"))  # the marker: every rank's sum turns NaN
-                else:
-                    self.feedback.update(key, compensated, compensated * support, step=step)
+                self._keep_or_mark(key, compensated, support, table, box["sendable"], step)
                 box["table"] = table
             assert wire.nbytes([box["bitmap"], table]) == payload_bytes, "payload differs from its formula"
             return self.metrics.track(dist.all_reduce(table, group=self.group, async_op=True).get_future(), (key,))
@@ -164,6 +149,21 @@ class CountSketchReducer(SettlingReducer):
         first = self.queue.submit(launch_bitmap, device=grad.device)
         second = self.queue.submit(launch_sketch, after=first, device=grad.device)
         return second.then(self._finish(key, grad, step, box, packed))
+
+    def _compensated(self, key: Hashable, grad: Tensor, step: int) -> tuple[Tensor, bool]:
+        """The error-compensated flat bucket (zeros where it is not finite) and whether it is."""
+        flat = grad.reshape(-1)
+        compensated, sendable = nonfinite.checked_input(flat, self.feedback.compensate(key, flat, step=step))
+        return (compensated if sendable else torch.zeros_like(compensated)), sendable
+
+    def _keep_or_mark(self, key: Hashable, compensated: Tensor, sent: Tensor, table: Tensor, sendable: bool,
+                      step: int) -> None:
+        """Keep what the mask ``sent`` leaves of ``compensated`` as the residual, or, for a bucket
+        that is not finite, mark ``table`` instead (every rank's sum turns NaN)."""
+        if not sendable:
+            table.fill_(float("nan"))
+        else:
+            self.feedback.update(key, compensated, compensated * sent, step=step)
 
     def _finish(self, key: Hashable, grad: Tensor, step: int, box: dict[str, Any], packed: bool):
         """The callback that decodes the summed sketch in ``box`` on the support in ``box``."""
@@ -180,6 +180,12 @@ class CountSketchReducer(SettlingReducer):
                 return out
 
         return finish
+
+
+def _bitmap_op(packed: bool) -> dist.ReduceOp:
+    """The OR of the bitmaps: BOR on packed bits; MAX on one byte per element (MAX of packed bytes
+    is not an OR)."""
+    return dist.ReduceOp.BOR if packed else dist.ReduceOp.MAX
 
 
 def _support(bitmap: Tensor, numel: int, packed: bool) -> Tensor:

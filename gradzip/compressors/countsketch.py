@@ -194,8 +194,8 @@ class CountSketch(Compressor):
 
     What differs from TAGC: ``fill="union"`` (above; both are measured on the demo job in
     ``benchmarks/results/remedies_main_job``). TAGC's code sums packed uint8 bitmaps, which
-    carries into neighbouring bits; here the bitmaps are OR-ed (``ReduceOp.BOR`` on gloo; MAX on one byte per element on
-    backends without BOR). The kept set is exactly the top ``k`` by magnitude. TAGC's threshold
+    carries into neighbouring bits; here the bitmaps are OR-ed (``ReduceOp.BOR`` on gloo; MAX on
+    one byte per element on backends without BOR). The kept set is exactly the top ``k`` by magnitude. TAGC's threshold
     is the largest value on a fixed ladder (1e-20 to 0.5) that drops less than the fraction, so
     it keeps more: a third of the demo model's gradient at 0.8 dropped, whose union over 3
     ranks (54% of the coordinates) a sketch of half the entries cannot peel (16% decoded
@@ -215,9 +215,9 @@ class CountSketch(Compressor):
         fill: ``"union"`` or ``"own"``: which values each rank sketches (above).
 
     Payload per flat tensor of ``numel`` elements: ``ceil(numel / 8) + rows * cols * 4`` bytes
-    (bitmap and fp32 sketch), whatever ``fill``; on backends without BOR the bitmap is ``numel`` bytes. A tensor
-    below ``min_numel``, before ``start_step``, or whose payload would not be smaller than its
-    raw bytes travels dense (``numel * itemsize``): at the defaults (2.125 bytes per element)
+    (bitmap and fp32 sketch), whatever ``fill``; on backends without BOR the bitmap is ``numel``
+    bytes. A tensor below ``min_numel``, before ``start_step``, or whose payload would not be
+    smaller than its raw bytes travels dense (``numel * itemsize``): at the defaults (2.125 bytes per element)
     every fp16 or bf16 tensor does; give those a smaller ``ratio`` or ``width``.
 
     Raises:
