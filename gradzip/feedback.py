@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from gradzip.compressors.values import check_number
+from gradzip.compressors.values import check_flag, check_number
 from gradzip.keys import holders, regroup
 
 
@@ -328,9 +328,7 @@ class DGCMemory(ErrorFeedback):
         self.momentum = float(momentum)
         self.clip_norm = clip_norm
         self.world_size = world_size
-        if not isinstance(masking, bool):  # a string such as "no" would read as true
-            raise ValueError(f"masking must be True or False; got {masking!r}")
-        self.masking = masking
+        self.masking = check_flag(masking, name="masking")
         self.velocities: dict[Hashable, Tensor] = {}
 
     def compensate(self, key: Hashable, grad: Tensor, *, step: int) -> Tensor:

@@ -82,6 +82,17 @@ def check_number(
     return float(value)
 
 
+def check_flag(value: Any, *, name: str) -> bool:
+    """Validate a True/False setting (a string such as ``"no"`` would read as true).
+
+    Raises:
+        ValueError: naming ``name``.
+    """
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False; got {value!r}")
+    return value
+
+
 def check_ratio(ratio: Any, *, name: str = "ratio") -> float:
     """Validate a kept fraction in (0, 1].
 

@@ -30,7 +30,7 @@ from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from gradzip.comm import Reducer
 from gradzip.comm.queue import CollectiveQueue
-from gradzip.compressors.values import check_number
+from gradzip.compressors.values import check_flag, check_number
 from gradzip.metrics import StepMetrics
 from gradzip.optim import exchange
 
@@ -57,17 +57,6 @@ def check_nonnegative(value: Any, *, name: str, strict: bool = False) -> float:
         ValueError: naming ``name`` and the allowed range.
     """
     return check_number(value, name=name, low=0, low_open=strict)
-
-
-def check_flag(value: Any, *, name: str) -> bool:
-    """Validate a True/False setting (a string such as ``"no"`` would read as true).
-
-    Raises:
-        ValueError: naming ``name``.
-    """
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False; got {value!r}")
-    return value
 
 
 def group_world_size(group: dist.ProcessGroup | None) -> int:

@@ -17,8 +17,9 @@ from torch import Tensor
 from gradzip.comm import nonfinite
 from gradzip.compressors import check_int
 from gradzip.compressors.base import seeded_generator
+from gradzip.compressors.values import check_flag
 from gradzip.metrics import StepMetrics
-from gradzip.optim.base import CompressedAdamBase, check_flag, check_nonnegative, closure_loss
+from gradzip.optim.base import CompressedAdamBase, check_nonnegative, closure_loss
 from gradzip.optim.collectives import mean_all_reduce
 
 #: the name its buckets carry in StepMetrics

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from gradzip.comm import Reducer, make_reducer
 from gradzip.comm.queue import CollectiveQueue, completed
 from gradzip.compressors import Compressor, build
+from gradzip.compressors.values import check_flag
 from gradzip.feedback import check_error_feedback
 from gradzip.metrics import StepMetrics
 from gradzip.outer.exchange import Exchange, launch, make_buckets, share_in_replica, unflatten
@@ -69,17 +70,13 @@ def _check_number(value: Any, *, name: str, low: float, high: float, low_open: b
 
 
 def _check_carry(carry: Any, *, delay: int, mix: float, eager: bool) -> None:
-    if not isinstance(carry, bool):
-        raise ValueError(f"carry must be True or False; got {carry!r}")
-    if carry and (delay < 1 or mix != 0 or eager):
+    if check_flag(carry, name="carry") and (delay < 1 or mix != 0 or eager):
         raise ValueError("carry=True keeps the inner steps taken while a late update was in flight: it needs "
                          f"delay >= 1, mix=0 and eager=False; got delay={delay}, mix={mix}, eager={eager}")
 
 
 def _check_eager(eager: Any, *, fragments: int, delay: int, mix: float, method: str) -> None:
-    if not isinstance(eager, bool):
-        raise ValueError(f"eager must be True or False; got {eager!r}")
-    if not eager:
+    if not check_flag(eager, name="eager"):
         return
     for name, value, wanted in (("fragments", fragments, 1), ("delay", delay, 0), ("mix", mix, 0.0)):
         if value != wanted:
