@@ -162,9 +162,10 @@ class ZeroOneAdam(CompressedAdamBase):
         loss = closure_loss(closure)
         t = self.next_step
         items = self.params_with_grad()
-        if not self.is_variance_step(t):
+        variance_step = self.is_variance_step(t)
+        if not variance_step:
             self.require_variance(items)  # before anything changes: the error leaves no half step
-        if self.is_variance_step(t):
+        if variance_step:
             self.average_gradients_([p for _, p, _ in items], step=t)
             for _key, p, group in items:
                 self.adamw_step_(p, p.grad, group)

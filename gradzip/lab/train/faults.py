@@ -67,10 +67,15 @@ def step_finite(model: torch.nn.Module, *, own_gradients: bool) -> bool:
     return everywhere(finite, next(model.parameters(), torch.empty(0)).device)
 
 
+def _alone() -> bool:
+    """Whether this process is the only rank (no group, or a group of one)."""
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
+
+
 def everywhere(flag: bool, device: torch.device | str = "cpu") -> bool:
     """Whether ``flag`` holds on every rank (one small all_reduce on ``device``, where the backend
     reduces; the flag itself without a group)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _alone():
         return flag
     value = torch.tensor([1.0 if flag else 0.0], device=device)
     dist.all_reduce(value, op=dist.ReduceOp.MIN)
@@ -80,7 +85,7 @@ def everywhere(flag: bool, device: torch.device | str = "cpu") -> bool:
 def gathered(count: int, device: torch.device | str = "cpu") -> list[int]:
     """``count`` of every rank, in rank order (one small all_gather on ``device``; ``[count]``
     without a group)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if _alone():
         return [count]
     counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
     dist.all_gather(counts, torch.tensor([count], dtype=torch.int64, device=device))

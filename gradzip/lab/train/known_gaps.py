@@ -6,10 +6,9 @@ arrival costs loss that the gradient-side remedies tried do not close (``start_s
 per group of 4096, DGC's sampled threshold; ``benchmarks/results/remedies_main_job``).
 Compressing AdamW's update instead of the gradient (``--optimizer local-adamw``,
 :class:`gradzip.optim.LocalAdamW`) brings Top-K at 1% and EF-signSGD within 5% of ``none``; the
-figures say so beside the others. The count sketch sends
-a Top-K selection (at 20% kept, within 1% of ``none`` on the demo job at seed 1; at 1% it shares
-Top-K's gap); SEPARATE's random projection adds a variance that grows
-as its rank shrinks. So that a user does not
+figures say so beside the others. The count sketch sends a Top-K selection (at 20% kept,
+within 1% of ``none`` on the demo job at seed 1; at 1% it shares Top-K's gap); SEPARATE's
+random projection adds a variance that grows as its rank shrinks. So that a user does not
 find it out at the end of a long run, ``gradzip train`` says the measured figures for the codec
 it was given when it starts and in its summary (``known_gap`` in ``summary.json``). They are the
 demo job's, not a prediction for another model.
