@@ -8,10 +8,12 @@ Compressing AdamW's update instead of the gradient (``--optimizer local-adamw``,
 :class:`gradzip.optim.LocalAdamW`) brings Top-K at 1% and EF-signSGD within 5% of ``none``; the
 figures say so beside the others. The count sketch sends a Top-K selection (at 20% kept,
 within 1% of ``none`` on the demo job at seed 1; at 1% it shares Top-K's gap); SEPARATE's
-random projection adds a variance that grows as its rank shrinks. So that a user does not
-find it out at the end of a long run, ``gradzip train`` says the measured figures for the codec
-it was given when it starts and in its summary (``known_gap`` in ``summary.json``). They are the
-demo job's, not a prediction for another model.
+random projection adds a variance that grows as its rank shrinks; PowerSGD at rank 4 and
+Radius past its default keep less than their gap to ``none`` suggests at a glance. The optimizers
+that send their own subspace (DeMo, TSR-Adam) trail AdamW by more than their bytes suggest.
+So that a user does not find it out at the end of a long run, ``gradzip train`` says the measured
+figures for the codec or optimizer it was given when it starts and in its summary
+(``known_gap`` in ``summary.json``). They are the demo job's, not a prediction for another model.
 """
 
 from __future__ import annotations
@@ -41,6 +43,16 @@ MEASURED: dict[str, tuple[tuple[str, str, float], ...]] = {
         ("with fill=own (TAGC's values) on every bucket", "countsketch-tagc-all", 1.5),
         ("at 1% kept", "countsketch-union", 11.3),
     ),
+    "powersgd": (
+        ("PowerSGD at rank 4 (its default)", "powersgd", 3.0),
+        ("with factor_bits=8", "powersgd8", 3.6),
+        ("rank 16 with factor_bits=8 (rank 4's bytes at fp32)", "powersgd16-8", 0.6),
+    ),
+    "radius": (
+        ("Radius keeping 60% of its ranges (its default)", "radius-keep60", 0.8),
+        ("keeping 40%", "radius", 4.0),
+        ("keeping 5% (10x)", "radius-10x", 18.8),
+    ),
     "separate": (
         ("SEPARATE at rank 4 (its default)", "separate", 19.7),
         ("rank 16", "separate-r16", 11.6),
@@ -48,11 +60,32 @@ MEASURED: dict[str, tuple[tuple[str, str, float], ...]] = {
     ),
 }
 
+#: the runs the optimizers' figures come from (``gradzip train --optimizer SPEC --compressor none``)
+OPTIMIZER_SOURCE = "the demo job, 2 workers, 300 steps; benchmarks/results/optimizers_subspace/next_token"
 
-def gap_note(compressor: str | Choice) -> str | None:
-    """One line: the final validation loss above ``none`` measured for the codec ``compressor``
-    names (a main-job spec, or the choice already parsed from it), at the settings measured; None
-    where nothing was measured (schedules, anchors, and the codecs that end close to ``none``)."""
+#: optimizer name -> (setting, the study's run folder, final validation loss above AdamW's in %)
+OPTIMIZER_MEASURED: dict[str, tuple[tuple[str, str, float], ...]] = {
+    "demo": (
+        ("DeMo at the paper's settings (71.4x fewer bytes)", "demo", 5.2),
+        ("with compression_topk=44 (51.9x)", "demo-topk44", 5.4),
+    ),
+    "tsr-adam": (
+        ("TSR-Adam at its defaults (14.4x fewer bytes)", "tsr-adam", 11.0),
+        ("approx_rank=96,power_iters=0,update_gap_emb=20,moment_transfer=true at --lr 3e-3 (13.9x)",
+         "tsr96-lr3e-3-moment-transfer", 6.7),
+    ),
+}
+
+
+def gap_note(compressor: str | Choice, optimizer: str = "adamw") -> str | None:
+    """One line: the final validation loss measured for the codec ``compressor`` names (a
+    main-job spec, or the choice already parsed from it) above ``none``, or for the optimizer
+    ``optimizer`` names (a ``--optimizer`` spec) above AdamW, at the settings measured; None where
+    nothing was measured (schedules, anchors, and the codecs that end close to ``none``)."""
+    name = optimizer.partition(":")[0].strip()
+    if name in OPTIMIZER_MEASURED:  # such an optimizer sends its own subspace: no codec runs
+        figures = "; ".join(f"{setting} +{gap:.1f}%" for setting, _run, gap in OPTIMIZER_MEASURED[name])
+        return f"measured final validation loss above AdamW: {figures} ({OPTIMIZER_SOURCE})"
     choice = parse_compressor(compressor)  # a parsed choice comes back as it is
     if not isinstance(choice, CodecChoice) or choice.codec.name not in MEASURED:
         return None

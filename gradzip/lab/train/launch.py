@@ -142,7 +142,7 @@ def launch(cfg: TrainConfig, notes: list[str] | None = None, *, checkpoint: Path
         warn(line)  # after every check, so that a refused run prints its one error line alone
     for line in notes or [] if os.environ.get("RANK", "0") == "0" else []:
         print(f"{report.command()}: {line}", file=sys.stderr)
-    notes = [gap_note(cfg.choice), dense_steps_note(cfg)]
+    notes = [gap_note(cfg.choice, cfg.optimizer), dense_steps_note(cfg)]
     if cfg.warmup_steps >= cfg.steps > 0 and not cfg.resume:
         notes.append(f"--warmup-steps {cfg.warmup_steps} covers all {cfg.steps} steps: the learning rate never "
                      f"reaches --lr {cfg.lr:g} and never decays (lower --warmup-steps for a short run)")

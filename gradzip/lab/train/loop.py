@@ -338,7 +338,7 @@ def _train(cfg: TrainConfig, backend: str) -> dict[str, Any] | None:
     summary["diverged"] = report.divergence(log.records, final_val, diverged_at=diverged_at,
                                             skipped_in_a_row=skipped_in_a_row)
     summary["monitor"] = monitor.summary()
-    summary["known_gap"] = gap_note(cfg.choice)
+    summary["known_gap"] = gap_note(cfg.choice, cfg.optimizer)
     if cfg.outer is not None:
         summary.update(outer=cfg.outer, outer_compressor=cfg.outer_compressor, replica_size=cfg.replica_size,
                        inner_compressor=cfg.compressor if cfg.replica_size > 1 else None,
