@@ -305,7 +305,7 @@ def test_variance_never_updated_is_an_error_not_a_nan():
     used.grad = torch.ones(2)
     opt.step()
     unused.grad = torch.ones(2)
-    with pytest.raises(RuntimeError, match="no gradient during the full-precision"):
+    with pytest.raises(ValueError, match="no gradient during the full-precision"):
         opt.step()
 
 

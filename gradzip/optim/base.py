@@ -189,8 +189,9 @@ def added_checked(optimizer: torch.optim.Optimizer, param_group: dict[str, Any],
         raise
 
 
-def _no_variance(p: Tensor) -> RuntimeError:
-    return RuntimeError(f"a parameter of shape {tuple(p.shape)} had no gradient during the full-precision steps, so "
+def _no_variance(p: Tensor) -> ValueError:
+    # the user's model gave this parameter no gradient in warm-up: their setup, not our invariant
+    return ValueError(f"a parameter of shape {tuple(p.shape)} had no gradient during the full-precision steps, so "
                         "it has no variance to freeze; give every parameter a gradient in warm-up")
 
 
@@ -429,7 +430,7 @@ class CompressedAdamBase(torch.optim.Optimizer):
         """``sqrt(exp_avg_sq / (1 - beta2 ** variance_steps)) + eps``, as AdamW computes it.
 
         Raises:
-            RuntimeError: if the variance of ``p`` was never updated (no gradient during
+            ValueError: if the variance of ``p`` was never updated (no gradient during
                 warm-up), which would divide by zero.
         """
         if state["variance_steps"] == 0:
@@ -443,7 +444,7 @@ class CompressedAdamBase(torch.optim.Optimizer):
         leaves every parameter and state as it was.
 
         Raises:
-            RuntimeError: naming the parameter's shape.
+            ValueError: naming the parameter's shape.
         """
         for _key, p, _group in items:
             if not self.state.get(p, {}).get("variance_steps"):
