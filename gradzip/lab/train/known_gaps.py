@@ -71,8 +71,8 @@ OPTIMIZER_MEASURED: dict[str, tuple[tuple[str, str, float], ...]] = {
     ),
     "tsr-adam": (
         ("TSR-Adam at its defaults (14.4x fewer bytes)", "tsr-adam", 11.0),
-        ("approx_rank=96,power_iters=0,update_gap_emb=20,moment_transfer=true at --lr 3e-3 (13.9x)",
-         "tsr96-lr3e-3-moment-transfer", 6.7),
+        ("approx_rank=96,power_iters=0,update_gap_emb=20,moment_transfer=true,scale=2.25 at --lr 1e-2 (13.9x)",
+         "tsr96-lr1e-2-s2.25-mt", 6.2),
     ),
 }
 
