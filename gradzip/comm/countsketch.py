@@ -140,7 +140,9 @@ class CountSketchReducer(SettlingReducer):
             with self.metrics.timed("compress_s", key):
                 compensated = box.pop("compensated")
                 support = _support(box["bitmap"], grad.numel(), packed)
-                table = codec.sketch_on(compensated, support, step=step, key=key, scale=1.0 / world_size)
+                # The decode peels this same support: hash its coordinates once for both.
+                box["located"] = codec.locate(support, step=step, key=key)
+                table = codec.sketch_on(compensated, box["located"], step=step, key=key, scale=1.0 / world_size)
                 self._keep_or_mark(key, compensated, support, table, box["sendable"], step)
                 box["table"] = table
             assert wire.nbytes([box["bitmap"], table]) == payload_bytes, "payload differs from its formula"
@@ -174,7 +176,7 @@ class CountSketchReducer(SettlingReducer):
             if nonfinite.received_marker([box["table"]]):
                 return self.ledger.marked_result(step, grad)
             with self.metrics.timed("decompress_s", key):
-                support = _support(box["bitmap"], grad.numel(), packed)
+                support = box.pop("located", None) or _support(box["bitmap"], grad.numel(), packed)
                 out, unpeeled = codec.decode_peeled(support, box["table"], step=step, key=key, like=grad)
                 self.metrics.add_figures(key, unpeeled=unpeeled)
                 return out
