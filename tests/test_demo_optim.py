@@ -26,11 +26,16 @@ RESUME_AT = 3
 HYPER = {"lr": 1e-2, "compression_decay": 0.9, "compression_topk": 3, "compression_chunk": 4, "weight_decay": 0.1}
 
 
-def expected_bytes() -> int:
+def expected_bytes(compact: bool = False) -> int:
     """chunks * k * (4-byte value + 1-byte index) per parameter at chunk 4, top-k 3: weight 6 x 8
     in 3 x 4 blocks (4 chunks, k 3); bias 6 in chunks of 3 (2, k 3); weight 5 x 6 in 1 x 3 blocks
-    (5 has no divisor in 2..4: 10 chunks, k 3); bias 5 in chunks of 1 (5, k 1)."""
-    return 5 * (4 * 3 + 2 * 3 + 10 * 3 + 5 * 1)
+    (5 has no divisor in 2..4: 10 chunks, k 3); bias 5 in chunks of 1 (5, k 1). Compact: 2-byte
+    values, and positions packed at 4 bits (12 elements a block), 2 bits (chunks of 3 elements)
+    and 1 bit (chunks of 1 element)."""
+    if not compact:
+        return 5 * (4 * 3 + 2 * 3 + 10 * 3 + 5 * 1)
+    return (2 * 12 + math.ceil(12 * 4 / 8)) + (2 * 6 + math.ceil(6 * 2 / 8)) + (2 * 30 + math.ceil(30 * 2 / 8)) \
+        + (2 * 5 + math.ceil(5 * 1 / 8))
 
 
 # ----- the transform ---------------------------------------------------------------------------
@@ -58,9 +63,11 @@ def test_dct_is_the_orthonormal_dct_ii_per_chunk_and_inverts():
 
 
 @torch.no_grad()
-def reference_run(world_size: int, steps: int) -> list[torch.Tensor]:
+def reference_run(world_size: int, steps: int, compact: bool = False, momenta: list | None = None) -> list[torch.Tensor]:
     """The algorithm written out: a momentum per rank, top-k of its chunked DCT, the kept part
-    subtracted, the mean over senders per position, the sign step."""
+    subtracted, the mean over senders per position, the sign step. Compact: the values rounded
+    to bfloat16 before they are subtracted and sent. ``momenta`` receives each rank's momentum of
+    the first weight at the end."""
     models = [tiny_model(0) for _ in range(world_size)]
     lr, decay, topk, chunk, wd = (HYPER[k] for k in ("lr", "compression_decay", "compression_topk", "compression_chunk", "weight_decay"))
     deltas = [[torch.zeros_like(p) for p in models[0].parameters()] for _ in range(world_size)]
@@ -76,6 +83,8 @@ def reference_run(world_size: int, steps: int) -> list[torch.Tensor]:
                 coeffs = dct.encode(delta, chunk)
                 idx = torch.topk(coeffs.abs(), min(topk, coeffs.shape[1]), dim=-1, sorted=False).indices
                 val = torch.gather(coeffs, -1, idx)
+                if compact:
+                    val = val.bfloat16().float()
                 deltas[rank][j] = delta - dct.decode(torch.zeros_like(coeffs).scatter_(-1, idx, val), p.shape, chunk)
                 mine.append((val, idx))
             sent.append(mine)
@@ -90,16 +99,19 @@ def reference_run(world_size: int, steps: int) -> list[torch.Tensor]:
             p.mul_(1 - lr * wd).add_(update.sign(), alpha=-lr)
         for model in models[1:]:
             model.load_state_dict(models[0].state_dict())
+    if momenta is not None:
+        momenta.extend(deltas[rank][0].clone() for rank in range(world_size))
     return [p.detach().clone() for p in models[0].parameters()]
 
 
 # ----- real ranks ------------------------------------------------------------------------------
 
 
-def _ranks(rank: int, world_size: int) -> dict:
+def _ranks(rank: int, world_size: int, compact: bool = False) -> dict:
     out: dict = {}
+    hyper = dict(HYPER, compact=compact)
     model = tiny_model(0)
-    opt = DeMo(model.parameters(), **HYPER)
+    opt = DeMo(model.parameters(), **hyper)
     saves, bytes_log = [], []
     train(rank, model, opt, range(STEPS), resume_at=RESUME_AT, saves=saves, bytes_log=bytes_log)
     out["params"] = [p.detach().clone() for p in model.parameters()]
@@ -107,14 +119,14 @@ def _ranks(rank: int, world_size: int) -> dict:
     out["momentum"] = opt.state[model[0].weight]["delta"].clone()
 
     fresh = tiny_model(4)
-    out["resumed"] = resumed(rank, saves[0], fresh, DeMo(fresh.parameters(), **HYPER), range(RESUME_AT, STEPS))
+    out["resumed"] = resumed(rank, saves[0], fresh, DeMo(fresh.parameters(), **hyper), range(RESUME_AT, STEPS))
 
     def check(before, model, opt):
         same_state = all(torch.equal(before[1]["state"][k]["delta"], v["delta"]) for k, v in opt.state_dict()["state"].items())
         return opt.last_step_skipped, params_unchanged(before[0], model), same_state, opt.steps_taken
 
     model = tiny_model(0)
-    opt = DeMo(model.parameters(), **HYPER)
+    opt = DeMo(model.parameters(), **hyper)
     skips = skip_and_retake(rank, model, opt, range(STEPS), bad_steps=(2,), spoil=nan_in_rank0_bias,
                             check=check)
     out["skips"] = skips
@@ -122,9 +134,11 @@ def _ranks(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_demo_on_two_gloo_ranks_equals_the_reference_bit_for_bit():
-    results = run_ranks(_ranks, 2)
-    reference = reference_run(2, STEPS)
+@pytest.mark.parametrize("world_size, compact", [(2, False), (3, True)], ids=["reference-wire", "compact-3-ranks"])
+def test_demo_on_gloo_ranks_equals_the_reference_bit_for_bit(world_size, compact):
+    results = run_ranks(_ranks, world_size, compact)
+    momenta: list[torch.Tensor] = []
+    reference = reference_run(world_size, STEPS, compact, momenta)
     dense = 4 * sum(p.numel() for p in tiny_model().parameters())
     for r in results:
         assert all(torch.equal(a, b) for a, b in zip(r["params"], reference))
@@ -132,21 +146,34 @@ def test_demo_on_two_gloo_ranks_equals_the_reference_bit_for_bit():
         assert all(torch.equal(a, b) for a, b in zip(r["after_skips"], reference))
         assert r["skips"] == [(True, True, True, 2)]
         for predicted, popped in r["bytes"]:
-            assert predicted == popped["payload_bytes"] == expected_bytes()
-            assert popped["sent_bytes"] == popped["payload_bytes"]  # all_gather at 2 ranks: (W - 1) P
+            assert predicted == popped["payload_bytes"] == expected_bytes(compact)
+            assert popped["sent_bytes"] == (world_size - 1) * popped["payload_bytes"]  # all_gather: (W - 1) P
             assert popped["dense_bytes"] == dense
-    assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[1]["params"]))
+    assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0]["params"], r["params"]))
     assert not torch.equal(results[0]["momentum"], results[1]["momentum"])  # the momenta stay local
+    assert all(torch.equal(r["momentum"], m) for r, m in zip(results, momenta))
+    if compact:  # the rounding is fed back: the momenta tell the encodings apart where signs may not
+        plain: list[torch.Tensor] = []
+        reference_run(world_size, STEPS, False, plain)
+        assert not torch.equal(momenta[0], plain[0])
 
 
 # ----- one process -----------------------------------------------------------------------------
 
 
-def test_single_rank_is_the_reference_at_world_size_one():
+@pytest.mark.parametrize("compact", [False, True])
+def test_single_rank_is_the_reference_at_world_size_one(compact):
     model = tiny_model(0)
-    opt = DeMo(model.parameters(), **HYPER)
+    opt = DeMo(model.parameters(), **HYPER, compact=compact)
     train(0, model, opt, range(STEPS))
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference_run(1, STEPS)))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), reference_run(1, STEPS, compact)))
+
+
+def test_compact_packs_12_bit_positions_and_bfloat16_values():
+    opt = DeMo(torch.nn.Linear(256, 128).parameters(), compact=True)
+    weight, bias = opt.param_groups[0]["params"]
+    assert opt.param_payload_nbytes(weight) == 8 * 32 * 2 + 8 * 32 * 12 // 8  # 64 x 64 blocks: 12 bits
+    assert opt.param_payload_nbytes(bias) == 2 * 32 * 2 + 2 * 32 * 6 // 8  # chunks of 64: 6 bits
 
 
 def test_wide_chunks_use_int16_indices_and_paper_defaults():
@@ -167,6 +194,7 @@ def test_wide_chunks_use_int16_indices_and_paper_defaults():
         ({"compression_decay": -0.1}, "compression_decay"),
         ({"lr": 0.0}, "lr"),
         ({"weight_decay": -1.0}, "weight_decay"),
+        ({"compact": "yes"}, "compact"),
     ],
 )
 def test_bad_settings_raise_naming_the_argument(kwargs, name):

@@ -106,3 +106,27 @@ def test_sparse_flatnonzero_lists_the_true_positions_in_order(numel, density, se
     assert sparse_flatnonzero(mask).tolist() == expected
     assert sparse_flatnonzero(mask.to(torch.uint8)).dtype == torch.int64
     assert sparse_flatnonzero(mask.to(torch.uint8)).tolist() == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.integers(1, 62), data=st.data())
+def test_pack_uint_any_width_roundtrips_in_exactly_ceil_bits_over_8_bytes(bits, data):
+    codes = data.draw(st.lists(st.integers(0, 2**bits - 1), min_size=0, max_size=40))
+    x = torch.tensor(codes, dtype=torch.int64)
+    packed = wire.pack_uint(x, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == (len(codes) * bits + 7) // 8
+    assert torch.equal(wire.unpack_uint(packed, bits, len(codes)), x)
+    # the stream, read bit by bit independently: code i's bit j is stream bit i * bits + j
+    stream = [(int(packed[b // 8]) >> (b % 8)) & 1 for b in range(len(codes) * bits)]
+    assert all(stream[i * bits + j] == (c >> j) & 1 for i, c in enumerate(codes) for j in range(bits))
+
+
+@pytest.mark.parametrize("numel, bits", [(1, 1), (2, 1), (3, 2), (64, 6), (65, 7), (4096, 12), (4097, 13)])
+def test_index_bits_is_the_width_of_the_largest_index(numel, bits):
+    assert wire.index_bits(numel) == bits
+
+
+@pytest.mark.parametrize("bits", [0, 63, True, 2.0])
+def test_pack_uint_refuses_a_width_outside_1_to_62(bits):
+    with pytest.raises(ValueError, match="bits must be an integer in"):
+        wire.pack_uint(torch.zeros(3, dtype=torch.int64), bits)

@@ -17,6 +17,7 @@ from gradzip.comm import nonfinite
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.compressors import check_int
 from gradzip.compressors.kernels import wire
+from gradzip.compressors.values import check_flag
 from gradzip.metrics import StepMetrics
 from gradzip.optim import dct
 from gradzip.optim.base import (
@@ -59,7 +60,8 @@ class DeMo(torch.optim.Optimizer):
        are kept, and their inverse transform is subtracted from ``delta`` (the momentum is its
        own error feedback).
     4. One ``all_gather`` per step carries every rank's kept values and their positions in the
-       chunk (the narrowest index dtype: uint8 up to 256 elements per chunk, int16 up to 32768).
+       chunk (the narrowest index dtype: uint8 up to 256 elements per chunk, int16 up to 32768;
+       with ``compact=True``, values in bfloat16 and positions packed, below).
     5. Every rank decodes the same gathered payloads: per chunk and position, the mean of the
        values the ranks sent there (0 where none did), inverse DCT, then
        ``p = p * (1 - lr * weight_decay) - lr * sign(update)``.
@@ -69,6 +71,12 @@ class DeMo(torch.optim.Optimizer):
     Biased (top-k and sign); not aggregatable (all_gather). Bytes each rank hands to the
     all_gather per step: ``sum_p chunks_p * k_p * (value_bytes + index_bytes_p)`` (the gradient
     dtype's bytes per value; :meth:`payload_nbytes`), sending ``(world_size - 1)`` times that.
+    With ``compact=True``: ``sum_p chunks_p * k_p * 2 + ceil(chunks_p * k_p * b_p / 8)``, where
+    ``b_p = ceil(log2(chunk numel))`` (12 bits for a 64 x 64 block): the values travel as
+    bfloat16 (fp32's exponent range, which the momentum's ``lr``-scaled values need; what is
+    subtracted from the momentum is the rounded value, so the rounding is fed back like the
+    rest) and the positions as a packed stream of ``b_p``-bit codes. Not in the paper, whose
+    code sends each value in the parameter's dtype and each position as int64.
 
     Args:
         params: parameters or parameter groups; a group may set its own ``lr`` and
@@ -78,6 +86,9 @@ class DeMo(torch.optim.Optimizer):
         compression_decay: the momentum's decay, in [0, 1) (the paper's 0.999).
         compression_topk: coefficients kept per chunk (>= 1; the paper's 32).
         compression_chunk: chunk side (>= 1; the paper's 64).
+        compact: values in bfloat16 and positions in packed ``ceil(log2(chunk numel))``-bit codes
+            (True or False; default False, the reference's encoding narrowed to uint8/int16
+            positions).
         weight_decay: decoupled weight decay per unit of learning rate (>= 0; the paper's 0).
         process_group: the data-parallel group; None for the default group.
         metrics: where the bytes and times of its all_gather go.
@@ -103,6 +114,7 @@ class DeMo(torch.optim.Optimizer):
         compression_topk: int = 32,
         compression_chunk: int = 64,
         weight_decay: float = 0.0,
+        compact: bool = False,
         process_group: dist.ProcessGroup | None = None,
         metrics: StepMetrics | None = None,
     ) -> None:
@@ -115,6 +127,7 @@ class DeMo(torch.optim.Optimizer):
         self.compression_decay = decay
         self.compression_topk = check_int(compression_topk, name="compression_topk", low=1)
         self.compression_chunk = check_int(compression_chunk, name="compression_chunk", low=1)
+        self.compact = check_flag(compact, name="compact")
         self.process_group = process_group
         self.metrics = metrics if metrics is not None else StepMetrics()
         self.queue = CollectiveQueue()
@@ -150,8 +163,11 @@ class DeMo(torch.optim.Optimizer):
         return chunks, min(self.compression_topk, chunk_numel), chunk_numel
 
     def param_payload_nbytes(self, p: Tensor) -> int:
-        """Bytes of ``p``'s kept values and indices: ``chunks * k * (value + index bytes)``."""
+        """Bytes of ``p``'s kept values and indices: ``chunks * k * (value + index bytes)``, or
+        with ``compact``, ``chunks * k * 2 + ceil(chunks * k * index_bits / 8)``."""
         chunks, kept, chunk_numel = self._kept(p)
+        if self.compact:
+            return chunks * kept * 2 + (chunks * kept * wire.index_bits(chunk_numel) + 7) // 8
         return chunks * kept * (p.element_size() + wire.index_nbytes(chunk_numel))
 
     def payload_nbytes(self) -> int:
@@ -178,14 +194,21 @@ class DeMo(torch.optim.Optimizer):
         coeffs = dct.encode(delta, self.compression_chunk)
         indices = torch.topk(coeffs.abs(), kept, dim=-1, largest=True, sorted=False).indices
         values = torch.gather(coeffs, -1, indices)
-        sparse = torch.zeros_like(coeffs).scatter_(-1, indices, values)
+        if self.compact:  # what is sent is what is taken out of the momentum: the rounded values
+            values = values.to(torch.bfloat16)
+        sparse = torch.zeros_like(coeffs).scatter_(-1, indices, values.to(coeffs.dtype))
         transmitted = dct.decode(sparse, p.shape, self.compression_chunk)
+        if self.compact:
+            return values, wire.pack_uint(indices, wire.index_bits(chunk_numel)), transmitted
         return values, indices.to(wire.index_dtype(chunk_numel)), transmitted
 
     def _decode(self, p: Tensor, gathered: list[tuple[Tensor, Tensor]]) -> Tensor:
         """Step 5's update of ``p``: per chunk and position the mean of the values the ranks
         sent there (0 where none did), inverse-transformed. Identical on every rank."""
-        chunks, _kept, chunk_numel = self._kept(p)
+        chunks, kept, chunk_numel = self._kept(p)
+        if self.compact:
+            bits = wire.index_bits(chunk_numel)
+            gathered = [(v.to(p.dtype), wire.unpack_uint(i, bits, chunks * kept).view(chunks, kept)) for v, i in gathered]
         values = torch.cat([v for v, _ in gathered], dim=-1)
         indices = torch.cat([i.long() for _, i in gathered], dim=-1)
         sums = torch.zeros(chunks, chunk_numel, dtype=values.dtype, device=values.device).scatter_add_(-1, indices, values)

@@ -161,6 +161,37 @@ def unpack_lookup(packed: Tensor, bits: int, numel: int, values: Tensor) -> Tens
     return torch.index_select(table, 0, rows).view(-1)[:numel]
 
 
+def index_bits(numel: int) -> int:
+    """Bits of one index into ``numel`` elements when packed: ``max(1, ceil(log2(numel)))``."""
+    return max(1, (numel - 1).bit_length())
+
+
+def pack_uint(codes: Tensor, bits: int) -> Tensor:
+    """Pack integer codes of any width ``bits`` (1 to 62) into ``ceil(numel * bits / 8)`` bytes:
+    code ``i``'s bit ``j`` is bit ``i * bits + j`` of the stream, little end first (for the 1,
+    2, 4 and 8 bit widths :func:`pack_bits` lays them out the same, faster).
+
+    Raises:
+        ValueError: if ``bits`` is outside [1, 62].
+    """
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 62:
+        raise ValueError(f"bits must be an integer in [1, 62]; got {shown(bits)}")
+    planes = (codes.reshape(-1, 1).long() >> torch.arange(bits, device=codes.device)) & 1
+    return pack_bits(planes, 1)
+
+
+def unpack_uint(packed: Tensor, bits: int, numel: int) -> Tensor:
+    """Inverse of :func:`pack_uint`: ``numel`` int64 codes.
+
+    Raises:
+        ValueError: if ``bits`` is outside [1, 62] or ``packed`` is too short for ``numel``.
+    """
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 62:
+        raise ValueError(f"bits must be an integer in [1, 62]; got {shown(bits)}")
+    planes = unpack_bits(packed, 1, numel * bits).long().view(numel, bits)
+    return (planes << torch.arange(bits, device=packed.device)).sum(1)
+
+
 def index_dtype(numel: int) -> torch.dtype:
     """The narrowest integer dtype that holds every index ``0 .. numel - 1``.
 
