@@ -254,3 +254,53 @@ def test_direct_calls_outside_what_the_loops_read(monkeypatch):
     assert native.row_sums(x, 64, ("abs", "square")) is None
     assert native.qsgd_encoder(15, 4)(x.view(-1, 40)[:, :33].contiguous(), list(hash_key(0, 0, 0)), 0) is None
     assert native.abs_max(torch._efficientzerotensor(64)) is None
+
+
+# ----- the count sketch's hashes and peeling ------------------------------------------------------
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(numel=st.integers(1, 20_000), kept=st.floats(0.01, 1.0), rows=st.integers(1, 6),
+       cells_per_kept=st.sampled_from([0.3, 0.9, 1.3, 2.0]), seed=st.integers(0, 2**16))
+def test_count_sketch_decode_in_c_equals_the_torch_rounds(numel, kept, rows, cells_per_kept, seed, monkeypatch):
+    # Sketches below and above the peeling threshold, so that both the peeled values and the
+    # coordinates left to the median estimates are compared.
+    from gradzip.compressors.countsketch import Hashes, _peel_rounds, peel, sketch
+
+    gen = torch.Generator().manual_seed(seed)
+    index = torch.randperm(numel, generator=gen)[: max(1, int(kept * numel))].sort().values
+    values = torch.randn(index.numel(), generator=gen) * torch.rand(index.numel(), generator=gen) ** 3
+    hashes = Hashes.draw(seed, 3, ("bucket", 0), rows, max(1, int(cells_per_kept * index.numel() / rows)))
+    monkeypatch.setenv(fused.ENV, "1")
+    table = sketch(values, index, hashes)
+    cols, signs = hashes.cells(index)
+    monkeypatch.setenv(native.ENV, "0")
+    torch_cols, torch_signs = hashes.cells(index)
+    assert torch.equal(cols, torch_cols) and torch.equal(signs, torch_signs)
+    torch_values, torch_peeled = peel(table, index, hashes)
+    monkeypatch.setenv(native.ENV, "1")
+    got_values, got_peeled = peel(table, index, hashes)
+    assert torch.equal(got_peeled, torch_peeled) and torch.equal(bits_of(got_values), bits_of(torch_values))
+    # and the rounds themselves: the same remainders, counts and open coordinates
+    flat = (cols + (torch.arange(rows) * hashes.cols).reshape(-1, 1)).contiguous()
+    states = []
+    for rounds in (native.peel, _peel_rounds):
+        rest, counts = table.double().reshape(-1).clone(), torch.zeros(table.numel(), dtype=torch.int32)
+        counts.index_add_(0, flat.reshape(-1), torch.ones(flat.numel(), dtype=torch.int32))
+        out = torch.zeros(index.numel(), dtype=torch.float64)
+        left = rounds(flat, signs.double(), rest, counts, out)
+        states.append((bits_of(rest), counts, bits_of(out), left))
+    for got, want in zip(*states, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_count_sketch_loops_leave_odd_inputs_to_torch():
+    cells = torch.zeros(2, 3, dtype=torch.int64)
+    signs, values = torch.ones(2, 3, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    rest, counts = torch.zeros(4, dtype=torch.float64), torch.zeros(4, dtype=torch.int32)
+    assert native.peel(cells, signs.float(), rest, counts, values) is None  # fp32 signs
+    assert native.peel(cells + 4, signs, rest, counts, values) is None  # a cell past the table
+    assert native.peel(cells, signs, rest, counts.long(), values) is None
+    assert native.hash_cells(torch.ones(2, 8, dtype=torch.int64), torch.tensor([-1]), 5) is None
+    assert native.hash_cells(torch.ones(2, 4, dtype=torch.int64), torch.tensor([1]), 5) is None
+    assert torch.equal(rest, torch.zeros(4, dtype=torch.float64)) and not counts.any()  # nothing changed

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from gradzip.compressors import register
 from gradzip.compressors.base import Compressor, Payload, check_int, check_ratio, kept_count, seeded_generator
-from gradzip.compressors.kernels import wire
+from gradzip.compressors.kernels import native, wire
 from gradzip.compressors.kernels.placement import to_device
 
 #: the Mersenne prime of the hash polynomials: a product of two residues stays below 2^62 in int64
@@ -67,6 +67,9 @@ class Hashes:
     def cells(self, index: Tensor) -> tuple[Tensor, Tensor]:
         """Columns (``rows x len(index)`` int64) and signs (fp32, +-1) of the coordinates ``index``."""
         coeffs = to_device(self.coeffs, index.device)  # drawn on the host: the same on every device
+        done = native.hash_cells(coeffs, index.reshape(-1), self.cols)  # the same integers, in C on the CPU
+        if done is not None:
+            return done
         i = (index.reshape(1, -1) % _PRIME).to(torch.int64)
         cols = _poly(coeffs[:, :_TERMS], i) % self.cols
         signs = (_poly(coeffs[:, _TERMS:], i) & 1).to(torch.float32).mul_(2).sub_(1)
@@ -143,6 +146,22 @@ def peel(table: Tensor, index: Tensor, hashes: Hashes, *, located: Located | Non
     counts = torch.zeros(rows * n_cols, dtype=torch.int32, device=device)
     counts.index_add_(0, flat_cells.reshape(-1), torch.ones(flat_cells.numel(), dtype=torch.int32, device=device))
     values = torch.zeros(n, dtype=torch.float64, device=device)
+    left = native.peel(flat_cells, signs, rest, counts, values)  # the same rounds in C, on the CPU
+    if left is None:
+        left = _peel_rounds(flat_cells, signs, rest, counts, values)
+    peeled = torch.ones(n, dtype=torch.bool, device=device)
+    if left.numel():
+        estimates = signs.index_select(1, left) * rest.take(flat_cells.index_select(1, left))
+        values[left] = estimates.median(0).values if rows % 2 else estimates.quantile(0.5, dim=0)
+        peeled[left] = False
+    return values, peeled
+
+
+def _peel_rounds(flat_cells: Tensor, signs: Tensor, rest: Tensor, counts: Tensor, values: Tensor) -> Tensor:
+    """:func:`peel`'s rounds in torch operations (any device): ``rest``, ``counts`` and
+    ``values`` changed in place; returns the coordinates left open (ascending)."""
+    n = flat_cells.shape[1]
+    device = flat_cells.device
     # Each round looks only at the coordinates still open (``left``, their cells ``open_cells``),
     # so a round costs what is left, not the whole support (near the peeling threshold the rounds
     # are many and the tail is long). index_select and take rather than advanced indexing: the
@@ -167,12 +186,7 @@ def peel(table: Tensor, index: Tensor, hashes: Hashes, *, located: Located | Non
         cells = picked_cells.reshape(-1)
         rest.index_add_(0, cells, -(signs.index_select(1, pick) * peeled_values.reshape(1, -1)).reshape(-1))
         counts.index_add_(0, cells, torch.full((cells.numel(),), -1, dtype=torch.int32, device=device))
-    peeled = torch.ones(n, dtype=torch.bool, device=device)
-    if left.numel():
-        estimates = signs.index_select(1, left) * rest.take(open_cells)
-        values[left] = estimates.median(0).values if rows % 2 else estimates.quantile(0.5, dim=0)
-        peeled[left] = False
-    return values, peeled
+    return left
 
 
 @register

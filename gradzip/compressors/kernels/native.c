@@ -674,3 +674,69 @@ void gz_sign_decode(const uint32_t *restrict signs, int64_t rows, int64_t G, flo
         }
     }
 }
+
+/* Peeling of a count sketch, round by round as gradzip.compressors.countsketch.peel does it in
+   torch, and bit-identical to it: a round reads every open coordinate's cells (counts as they
+   were at the round's start), takes the first row whose cell holds that coordinate alone,
+   reads every peeled value from the remainders as they were at the round's start, then takes
+   the peeled values out of their cells row by row, each row in the order of the coordinates
+   (the order of torch's index_add_ over the rows x peeled cells), with the same double
+   arithmetic: rest + (-(sign * value)).
+   cells, signs: rows x n (flat cell ids, +-1.0); rest, counts: the table's cells (changed);
+   values: n (written where peeled); open: n (in: ignored; out: the coordinates left open, in
+   ascending order); pick, row: n each, scratch. Returns how many coordinates are left open. */
+int64_t gz_peel(const int64_t *restrict cells, const double *restrict signs, int64_t rows, int64_t n,
+                double *restrict rest, int32_t *restrict counts, double *restrict values,
+                int64_t *restrict open, int64_t *restrict pick, int64_t *restrict row) {
+    for (int64_t c = 0; c < n; c++) open[c] = c;
+    int64_t left = n;
+    while (left > 0) {
+        int64_t picked = 0, kept = 0;
+        for (int64_t j = 0; j < left; j++) {
+            const int64_t c = open[j];
+            int64_t first = -1;
+            for (int64_t r = 0; r < rows; r++) {
+                if (counts[cells[r * n + c]] == 1) { first = r; break; }
+            }
+            if (first >= 0) { pick[picked] = c; row[picked] = first; picked++; }
+            else open[kept++] = c;  /* kept <= j: the list compacts in place, order kept */
+        }
+        if (picked == 0) break;
+        for (int64_t j = 0; j < picked; j++) {
+            const int64_t c = pick[j], r = row[j];
+            values[c] = signs[r * n + c] * rest[cells[r * n + c]];
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            for (int64_t j = 0; j < picked; j++) {
+                const int64_t c = pick[j], cell = cells[r * n + c];
+                rest[cell] = rest[cell] + (-(signs[r * n + c] * values[c]));
+                counts[cell] -= 1;
+            }
+        }
+        left = kept;
+    }
+    return left;
+}
+
+/* The count sketch's hashes (gradzip.compressors.countsketch.Hashes.cells), the same integers:
+   for each row r, the degree-3 polynomials of coeffs[r][0..3] (the column) and coeffs[r][4..7]
+   (the sign) at i = index mod p by Horner, reduced mod p = 2^31 - 1 after every step (each
+   product stays below 2^62); column = value mod ncols, sign = +1.0f for an odd value, -1.0f
+   for an even one. index: n non-negative coordinates; cols: rows x n; signs: rows x n. */
+void gz_hash_cells(const int64_t *restrict coeffs, int64_t rows, const int64_t *restrict index, int64_t n,
+                   int64_t ncols, int64_t *restrict cols, float *restrict signs) {
+    const int64_t p = 2147483647;
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t *c = coeffs + 8 * r;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t i = index[j] % p;
+            int64_t h = c[0], g = c[4];
+            for (int t = 1; t < 4; t++) {
+                h = (h * i + c[t]) % p;
+                g = (g * i + c[4 + t]) % p;
+            }
+            cols[r * n + j] = h % ncols;
+            signs[r * n + j] = (g & 1) ? 1.0f : -1.0f;
+        }
+    }
+}

@@ -4,8 +4,9 @@ QSGD, TernGrad and natural compression draw a hashed dither per element and pack
 several widths; compiled by inductor for AVX2, their loops spilled registers and ran at a fifth
 of an elementwise pass. :file:`native.c` writes the same loops in C, one function per codec
 direction: those three, the uniform quantizer, the sign codecs with one scale (signs and the
-magnitude sum in one read), TernGrad's moments, and the sparsifiers' candidate scan (positions
-and values written as found instead of a mask to search). On first use the file is compiled
+magnitude sum in one read), TernGrad's moments, the sparsifiers' candidate scan (positions
+and values written as found instead of a mask to search), and the count sketch's hashes and
+peeling rounds (a round of PyTorch gathers per peeling round otherwise). On first use the file is compiled
 with the system C compiler (``$CC``, else the compiler Python was built with, else ``cc``) at
 ``-O3 -march=native -ffp-contract=off`` (no fast-math, no fused multiply-add: the results are
 bit-identical to the eager torch functions they mirror, which ``tests/test_native.py`` checks)
@@ -81,10 +82,12 @@ _SIGNATURES = {
     "gz_uniform_decode": (_P, _I64, _I64, _P, _P, _P, _F32, _I32, _P),
     "gz_sign_encode": (_P, _I64, _I64, _P, _P, _P),
     "gz_sign_decode": (_P, _I64, _I64, _F32, _P),
+    "gz_peel": (_P, _P, _I64, _I64, _P, _P, _P, _P, _P, _P),
+    "gz_hash_cells": (_P, _I64, _P, _I64, _I64, _P, _P),
 }
 
 #: return types other than none
-_RESULTS = {"gz_at_least": _I64, "gz_abs_max": _F32}
+_RESULTS = {"gz_at_least": _I64, "gz_abs_max": _F32, "gz_peel": _I64}
 
 
 def enabled() -> bool:
@@ -509,3 +512,54 @@ def sign_decode(codes: list[Tensor], params: list[Tensor], group: int) -> Tensor
     out = torch.empty(rows, group, dtype=torch.float32)
     lib.gz_sign_decode(words.data_ptr(), rows, group, float(scale), out.data_ptr())
     return out
+
+
+def peel(cells: Tensor, signs: Tensor, rest: Tensor, counts: Tensor, values: Tensor) -> Tensor | None:
+    """The count sketch's peeling rounds (:func:`gradzip.compressors.countsketch.peel`), bit for
+    bit: ``cells`` (rows x n int64 flat cell ids) and ``signs`` (rows x n float64) of the support's
+    coordinates; ``rest`` (float64) and ``counts`` (int32), the table's remainders and how many
+    open coordinates each cell holds, both changed in place; ``values`` (n float64) written where
+    a coordinate peels. Returns the coordinates left open (int64, ascending), or None where the
+    loop cannot run (then nothing was changed)."""
+    if not enabled() or cells.dim() != 2 or signs.shape != cells.shape:
+        return None
+    typed = ((cells, torch.int64), (signs, torch.float64), (rest, torch.float64), (counts, torch.int32),
+             (values, torch.float64))
+    for t, dtype in typed:
+        if t.device.type != "cpu" or t.dtype != dtype or not t.is_contiguous():
+            return None
+    rows, n = cells.shape
+    if values.numel() != n or rest.numel() != counts.numel():
+        return None
+    if n and (int(cells.min()) < 0 or int(cells.max()) >= rest.numel()):
+        return None  # a cell the C loop would read out of bounds: left to the torch rounds
+    lib = library()
+    if lib is None:
+        return None
+    open_, pick, row = (torch.empty(n, dtype=torch.int64) for _ in range(3))
+    data = [t.data_ptr() if t.numel() else None for t in (cells, signs, rest, counts, values, open_, pick, row)]
+    left = lib.gz_peel(data[0], data[1], rows, n, data[2], data[3], data[4], data[5], data[6], data[7])
+    return open_[:left].clone()
+
+
+def hash_cells(coeffs: Tensor, index: Tensor, ncols: int) -> tuple[Tensor, Tensor] | None:
+    """The count sketch's columns (rows x n int64) and signs (rows x n fp32, +-1) of the
+    coordinates ``index`` (n non-negative int64) under ``coeffs`` (rows x 8 int64 in [1, 2^31 - 1),
+    :class:`gradzip.compressors.countsketch.Hashes`), the same integers as its torch form; None
+    where the loop cannot run."""
+    if not enabled() or coeffs.dim() != 2 or coeffs.shape[1] != 8 or ncols < 1:
+        return None
+    for t in (coeffs, index):
+        if t.device.type != "cpu" or t.dtype != torch.int64 or not t.is_contiguous():
+            return None
+    if index.numel() and int(index.min()) < 0:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    rows, n = coeffs.shape[0], index.numel()
+    cols = torch.empty(rows, n, dtype=torch.int64)
+    signs = torch.empty(rows, n, dtype=torch.float32)
+    if n:
+        lib.gz_hash_cells(coeffs.data_ptr(), rows, index.data_ptr(), n, ncols, cols.data_ptr(), signs.data_ptr())
+    return cols, signs
