@@ -6,6 +6,8 @@ Source: Peng, Quesnelle, Kingma et al., "DeMo: Decoupled Momentum Optimization"
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -38,6 +40,16 @@ CODEC = "demo"
 KIND = "demo"
 
 
+@functools.cache
+def compact_limit(dtype: torch.dtype) -> float:
+    """The largest bfloat16 value that ``dtype`` also holds: ``compact`` saturates the values it
+    sends there (bfloat16's largest, 3.39e38, for fp32 and fp64; 65280 for fp16, whose 65504
+    would round up to 65536 in bfloat16 and come back as inf)."""
+    mantissa, exponent = math.frexp(torch.finfo(dtype).max)
+    # bfloat16 keeps 8 significant bits: round the dtype's largest value down to them
+    return min(torch.finfo(torch.bfloat16).max, math.ldexp(math.floor(mantissa * 256) / 256, exponent))
+
+
 def _check_group(group: dict[str, Any]) -> None:
     # >= 0: a learning-rate schedule may put it at 0 (the constructor's lr stays > 0)
     check_nonnegative(group["lr"], name="lr")
@@ -63,7 +75,7 @@ class DeMo(torch.optim.Optimizer):
        chunk (the narrowest index dtype: uint8 up to 256 elements per chunk, int16 up to 32768;
        with ``compact=True``, values in bfloat16 and positions packed, below).
     5. Every rank decodes the same gathered payloads: per chunk and position, the mean of the
-       values the ranks sent there (0 where none did), inverse DCT, then
+       values the ranks sent there (0 where none did), inverse DCT (both in at least fp32), then
        ``p = p * (1 - lr * weight_decay) - lr * sign(update)``.
 
     Ranks hold bit-identical parameters after every step (they decode identical bytes in the
@@ -75,7 +87,8 @@ class DeMo(torch.optim.Optimizer):
     ``b_p = ceil(log2(chunk numel))`` (12 bits for a 64 x 64 block): the values travel as
     bfloat16 (fp32's exponent range, which the momentum's ``lr``-scaled values need; what is
     subtracted from the momentum is the rounded value, so the rounding is fed back like the
-    rest) and the positions as a packed stream of ``b_p``-bit codes. Not in the paper, whose
+    rest; saturated at :func:`compact_limit`, so a finite momentum never travels as inf) and the
+    positions as a packed stream of ``b_p``-bit codes. Not in the paper, whose
     code sends each value in the parameter's dtype and each position as int64.
 
     Args:
@@ -195,7 +208,11 @@ class DeMo(torch.optim.Optimizer):
         indices = torch.topk(coeffs.abs(), kept, dim=-1, largest=True, sorted=False).indices
         values = torch.gather(coeffs, -1, indices)
         if self.compact:  # what is sent is what is taken out of the momentum: the rounded values
-            values = values.to(torch.bfloat16)
+            # Saturated first: a finite coefficient past bfloat16's range would travel as inf and
+            # make every rank skip every step; one that rounds past the parameter dtype's (fp16)
+            # would turn the momentum inf. NaN stays NaN.
+            limit = compact_limit(coeffs.dtype)
+            values = values.clamp(-limit, limit).to(torch.bfloat16)
         sparse = torch.zeros_like(coeffs).scatter_(-1, indices, values.to(coeffs.dtype))
         transmitted = dct.decode(sparse, p.shape, self.compression_chunk)
         if self.compact:
@@ -208,8 +225,11 @@ class DeMo(torch.optim.Optimizer):
         chunks, kept, chunk_numel = self._kept(p)
         if self.compact:
             bits = wire.index_bits(chunk_numel)
-            gathered = [(v.to(p.dtype), wire.unpack_uint(i, bits, chunks * kept).view(chunks, kept)) for v, i in gathered]
-        values = torch.cat([v for v, _ in gathered], dim=-1)
+            gathered = [(v, wire.unpack_uint(i, bits, chunks * kept).view(chunks, kept)) for v, i in gathered]
+        # At least fp32: in fp16 the sum over ranks and the inverse transform overflow (to inf,
+        # then NaN, whose sign is 0: the update silently lost) for values fp16 holds.
+        dtype = torch.promote_types(p.dtype, torch.float32)
+        values = torch.cat([v.to(dtype) for v, _ in gathered], dim=-1)
         indices = torch.cat([i.long() for _, i in gathered], dim=-1)
         sums = torch.zeros(chunks, chunk_numel, dtype=values.dtype, device=values.device).scatter_add_(-1, indices, values)
         counts = torch.zeros_like(sums).scatter_add_(-1, indices, torch.ones_like(values))

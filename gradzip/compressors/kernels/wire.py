@@ -166,28 +166,62 @@ def index_bits(numel: int) -> int:
     return max(1, (numel - 1).bit_length())
 
 
+def _check_uint_bits(bits: int) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 62:
+        raise ValueError(f"bits must be an integer in [1, 62]; got {shown(bits)}")
+    return bits
+
+
 def pack_uint(codes: Tensor, bits: int) -> Tensor:
     """Pack integer codes of any width ``bits`` (1 to 62) into ``ceil(numel * bits / 8)`` bytes:
     code ``i``'s bit ``j`` is bit ``i * bits + j`` of the stream, little end first (for the 1,
     2, 4 and 8 bit widths :func:`pack_bits` lays them out the same, faster).
 
+    Args:
+        codes: any shape (flattened; empty gives no bytes), integer or bool dtype, every value
+            in ``[0, 2**bits)``. Not checked, as for :func:`pack_bits` (a check would read the
+            device on the host at every call): a code outside keeps only its low ``bits`` bits
+            (-1 comes back as ``2**bits - 1``).
+        bits: 1 to 62.
+
+    Returns:
+        uint8 tensor of shape ``(ceil(numel * bits / 8),)`` on the device of ``codes``.
+
     Raises:
-        ValueError: if ``bits`` is outside [1, 62].
+        ValueError: if ``bits`` is outside [1, 62], or ``codes`` is not of an integer or bool
+            dtype (a float code would be truncated silently).
     """
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 62:
-        raise ValueError(f"bits must be an integer in [1, 62]; got {shown(bits)}")
+    _check_uint_bits(bits)
+    if codes.is_floating_point() or codes.is_complex():
+        raise ValueError(f"codes must be of an integer or bool dtype; got {codes.dtype}")
     planes = (codes.reshape(-1, 1).long() >> torch.arange(bits, device=codes.device)) & 1
     return pack_bits(planes, 1)
 
 
 def unpack_uint(packed: Tensor, bits: int, numel: int) -> Tensor:
-    """Inverse of :func:`pack_uint`: ``numel`` int64 codes.
+    """Inverse of :func:`pack_uint`.
+
+    Args:
+        packed: uint8 tensor of shape ``(ceil(numel * bits / 8),)`` (longer is allowed).
+        bits: 1 to 62, as packed.
+        numel: how many codes to return (>= 0).
+
+    Returns:
+        int64 tensor of shape ``(numel,)``, codes in ``[0, 2**bits)``, on ``packed``'s device.
 
     Raises:
-        ValueError: if ``bits`` is outside [1, 62] or ``packed`` is too short for ``numel``.
+        ValueError: if ``bits`` is outside [1, 62], ``numel`` is not an integer >= 0, or
+            ``packed`` is not uint8 or too short for ``numel``.
     """
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 62:
-        raise ValueError(f"bits must be an integer in [1, 62]; got {shown(bits)}")
+    _check_uint_bits(bits)
+    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
+        raise ValueError(f"numel must be an integer >= 0; got {shown(numel)}")
+    if packed.dtype != torch.uint8:
+        raise ValueError(f"packed must be a uint8 tensor; got {packed.dtype}")
+    # checked here: unpack_bits below would name its own 1-bit count, not these
+    needed = (numel * bits + 7) // 8
+    if packed.numel() < needed:
+        raise ValueError(f"packed holds {packed.numel()} bytes, fewer than the {needed} needed for numel={numel} at bits={bits}")
     planes = unpack_bits(packed, 1, numel * bits).long().view(numel, bits)
     return (planes << torch.arange(bits, device=packed.device)).sum(1)
 
