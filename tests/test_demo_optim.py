@@ -189,6 +189,7 @@ def test_wide_chunks_use_int16_indices_and_paper_defaults():
     "kwargs, name",
     [
         ({"compression_chunk": 0}, "compression_chunk"),
+        ({"compression_chunk": 4097}, r"compression_chunk must be an integer in \[1, 4096\]"),
         ({"compression_topk": 0}, "compression_topk"),
         ({"compression_decay": 1.0}, "compression_decay"),
         ({"compression_decay": -0.1}, "compression_decay"),

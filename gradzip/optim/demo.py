@@ -39,6 +39,10 @@ CODEC = "demo"
 #: the name :meth:`DeMo.state_dict` records
 KIND = "demo"
 
+#: the widest chunk side: the DCT is a dense ``side x side`` matrix per side (64 MB in fp32 at
+#: 4,096), and a wider one would only ask the memory for what a 1-D transform of that length needs
+MAX_CHUNK = 4096
+
 
 @functools.cache
 def compact_limit(dtype: torch.dtype) -> float:
@@ -98,7 +102,7 @@ class DeMo(torch.optim.Optimizer):
             momentum's input and the sign step, as in the reference code.
         compression_decay: the momentum's decay, in [0, 1) (the paper's 0.999).
         compression_topk: coefficients kept per chunk (>= 1; the paper's 32).
-        compression_chunk: chunk side (>= 1; the paper's 64).
+        compression_chunk: chunk side (1 to :data:`MAX_CHUNK`, 4096; the paper's 64).
         compact: values in bfloat16 and positions in packed ``ceil(log2(chunk numel))``-bit codes
             (True or False; default False, the reference's encoding narrowed to uint8/int16
             positions).
@@ -139,7 +143,7 @@ class DeMo(torch.optim.Optimizer):
             raise ValueError(f"compression_decay must be a number in [0, 1); got {compression_decay!r}")
         self.compression_decay = decay
         self.compression_topk = check_int(compression_topk, name="compression_topk", low=1)
-        self.compression_chunk = check_int(compression_chunk, name="compression_chunk", low=1)
+        self.compression_chunk = check_int(compression_chunk, name="compression_chunk", low=1, high=MAX_CHUNK)
         self.compact = check_flag(compact, name="compact")
         self.process_group = process_group
         self.metrics = metrics if metrics is not None else StepMetrics()
