@@ -26,7 +26,7 @@ RESUME_AT = 3
 HYPER = {"lr": 1e-2, "compression_decay": 0.9, "compression_topk": 3, "compression_chunk": 4, "weight_decay": 0.1}
 
 
-def expected_bytes(compact: bool = False) -> int:
+def expected_bytes(compact: bool = False, value_bits: int = 16) -> int:
     """chunks * k * (4-byte value + 1-byte index) per parameter at chunk 4, top-k 3: weight 6 x 8
     in 3 x 4 blocks (4 chunks, k 3); bias 6 in chunks of 3 (2, k 3); weight 5 x 6 in 1 x 3 blocks
     (5 has no divisor in 2..4: 10 chunks, k 3); bias 5 in chunks of 1 (5, k 1). Compact: 2-byte
@@ -34,6 +34,8 @@ def expected_bytes(compact: bool = False) -> int:
     and 1 bit (chunks of 1 element)."""
     if not compact:
         return 5 * (4 * 3 + 2 * 3 + 10 * 3 + 5 * 1)
+    if value_bits == 8:  # a byte per value and 4 per chunk (its scale), then the same positions
+        return (12 + 4 * 4 + 6) + (6 + 2 * 4 + 2) + (30 + 10 * 4 + 8) + (5 + 5 * 4 + 1)
     return (2 * 12 + math.ceil(12 * 4 / 8)) + (2 * 6 + math.ceil(6 * 2 / 8)) + (2 * 30 + math.ceil(30 * 2 / 8)) \
         + (2 * 5 + math.ceil(5 * 1 / 8))
 
@@ -62,8 +64,16 @@ def test_dct_is_the_orthonormal_dct_ii_per_chunk_and_inverts():
 # ----- the single-process reference ------------------------------------------------------------
 
 
+def _e4m3(val: torch.Tensor) -> torch.Tensor:
+    """Each row scaled so that its largest magnitude is 448, rounded to e4m3, scaled back."""
+    scale = val.abs().amax(-1, keepdim=True) / 448
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return (val / scale).to(torch.float8_e4m3fn).float() * scale
+
+
 @torch.no_grad()
-def reference_run(world_size: int, steps: int, compact: bool = False, momenta: list | None = None) -> list[torch.Tensor]:
+def reference_run(world_size: int, steps: int, compact: bool = False, momenta: list | None = None,
+                  value_bits: int = 16) -> list[torch.Tensor]:
     """The algorithm written out: a momentum per rank, top-k of its chunked DCT, the kept part
     subtracted, the mean over senders per position, the sign step. Compact: the values rounded
     to bfloat16 before they are subtracted and sent. ``momenta`` receives each rank's momentum of
@@ -84,7 +94,7 @@ def reference_run(world_size: int, steps: int, compact: bool = False, momenta: l
                 idx = torch.topk(coeffs.abs(), min(topk, coeffs.shape[1]), dim=-1, sorted=False).indices
                 val = torch.gather(coeffs, -1, idx)
                 if compact:
-                    val = val.bfloat16().float()
+                    val = val.bfloat16().float() if value_bits == 16 else _e4m3(val)
                 deltas[rank][j] = delta - dct.decode(torch.zeros_like(coeffs).scatter_(-1, idx, val), p.shape, chunk)
                 mine.append((val, idx))
             sent.append(mine)
@@ -107,9 +117,9 @@ def reference_run(world_size: int, steps: int, compact: bool = False, momenta: l
 # ----- real ranks ------------------------------------------------------------------------------
 
 
-def _ranks(rank: int, world_size: int, compact: bool = False) -> dict:
+def _ranks(rank: int, world_size: int, compact: bool = False, value_bits: int = 16) -> dict:
     out: dict = {}
-    hyper = dict(HYPER, compact=compact)
+    hyper = dict(HYPER, compact=compact, value_bits=value_bits)
     model = tiny_model(0)
     opt = DeMo(model.parameters(), **hyper)
     saves, bytes_log = [], []
@@ -134,11 +144,12 @@ def _ranks(rank: int, world_size: int, compact: bool = False) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world_size, compact", [(2, False), (3, True)], ids=["reference-wire", "compact-3-ranks"])
-def test_demo_on_gloo_ranks_equals_the_reference_bit_for_bit(world_size, compact):
-    results = run_ranks(_ranks, world_size, compact)
+@pytest.mark.parametrize("world_size, compact, value_bits", [(2, False, 16), (3, True, 16), (3, True, 8)],
+                         ids=["reference-wire", "compact-3-ranks", "compact-8-bit-3-ranks"])
+def test_demo_on_gloo_ranks_equals_the_reference_bit_for_bit(world_size, compact, value_bits):
+    results = run_ranks(_ranks, world_size, compact, value_bits)
     momenta: list[torch.Tensor] = []
-    reference = reference_run(world_size, STEPS, compact, momenta)
+    reference = reference_run(world_size, STEPS, compact, momenta, value_bits)
     dense = 4 * sum(p.numel() for p in tiny_model().parameters())
     for r in results:
         assert all(torch.equal(a, b) for a, b in zip(r["params"], reference))
@@ -146,7 +157,7 @@ def test_demo_on_gloo_ranks_equals_the_reference_bit_for_bit(world_size, compact
         assert all(torch.equal(a, b) for a, b in zip(r["after_skips"], reference))
         assert r["skips"] == [(True, True, True, 2)]
         for predicted, popped in r["bytes"]:
-            assert predicted == popped["payload_bytes"] == expected_bytes(compact)
+            assert predicted == popped["payload_bytes"] == expected_bytes(compact, value_bits)
             assert popped["sent_bytes"] == (world_size - 1) * popped["payload_bytes"]  # all_gather: (W - 1) P
             assert popped["dense_bytes"] == dense
     assert all(torch.equal(a, b) for r in results[1:] for a, b in zip(results[0]["params"], r["params"]))
@@ -196,6 +207,8 @@ def test_wide_chunks_use_int16_indices_and_paper_defaults():
         ({"lr": 0.0}, "lr"),
         ({"weight_decay": -1.0}, "weight_decay"),
         ({"compact": "yes"}, "compact"),
+        ({"value_bits": 4}, "value_bits"),
+        ({"value_bits": 12}, "value_bits must be 8 or 16"),
     ],
 )
 def test_bad_settings_raise_naming_the_argument(kwargs, name):

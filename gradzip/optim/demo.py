@@ -39,6 +39,12 @@ CODEC = "demo"
 #: the name :meth:`DeMo.state_dict` records
 KIND = "demo"
 
+#: compact values: bfloat16, or 8-bit floats (e4m3) scaled per chunk
+VALUE_BITS = (8, 16)
+
+#: the largest magnitude of the 8-bit floats (e4m3, no infinities): a chunk's largest value maps to it
+FP8_MAX = 448.0
+
 #: the widest chunk side: the DCT is a dense ``side x side`` matrix per side (64 MB in fp32 at
 #: 4,096), and a wider one would only ask the memory for what a 1-D transform of that length needs
 MAX_CHUNK = 4096
@@ -52,6 +58,22 @@ def compact_limit(dtype: torch.dtype) -> float:
     mantissa, exponent = math.frexp(torch.finfo(dtype).max)
     # bfloat16 keeps 8 significant bits: round the dtype's largest value down to them
     return min(torch.finfo(torch.bfloat16).max, math.ldexp(math.floor(mantissa * 256) / 256, exponent))
+
+
+def _fp8_encode(values: Tensor) -> tuple[Tensor, Tensor]:
+    """``(scales, codes)`` of ``values`` (chunks x k): per chunk ``scale = max|v| / FP8_MAX``
+    (fp32, chunks x 1; 1 for a chunk of zeros) and ``codes = v / scale`` as e4m3 (rounded to
+    nearest). A step whose momentum is not finite sends NaN scales instead (the marker)."""
+    values = values.float()
+    scales = values.abs().amax(-1, keepdim=True) / FP8_MAX
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    codes = (values / scales).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return scales, codes
+
+
+def _fp8_decode(scales: Tensor, codes: Tensor) -> Tensor:
+    """``codes * scales`` in fp32 (chunks x k)."""
+    return codes.float() * scales
 
 
 def _check_group(group: dict[str, Any]) -> None:
@@ -132,6 +154,7 @@ class DeMo(torch.optim.Optimizer):
         compression_chunk: int = 64,
         weight_decay: float = 0.0,
         compact: bool = False,
+        value_bits: int = 16,
         process_group: dist.ProcessGroup | None = None,
         metrics: StepMetrics | None = None,
     ) -> None:
@@ -145,6 +168,9 @@ class DeMo(torch.optim.Optimizer):
         self.compression_topk = check_int(compression_topk, name="compression_topk", low=1)
         self.compression_chunk = check_int(compression_chunk, name="compression_chunk", low=1, high=MAX_CHUNK)
         self.compact = check_flag(compact, name="compact")
+        self.value_bits = check_int(value_bits, name="value_bits", low=8, high=16)
+        if self.value_bits not in VALUE_BITS:
+            raise ValueError(f"value_bits must be 8 or 16; got {value_bits!r}")
         self.process_group = process_group
         self.metrics = metrics if metrics is not None else StepMetrics()
         self.queue = CollectiveQueue()
@@ -184,7 +210,10 @@ class DeMo(torch.optim.Optimizer):
         with ``compact``, ``chunks * k * 2 + ceil(chunks * k * index_bits / 8)``."""
         chunks, kept, chunk_numel = self._kept(p)
         if self.compact:
-            return chunks * kept * 2 + (chunks * kept * wire.index_bits(chunk_numel) + 7) // 8
+            positions = (chunks * kept * wire.index_bits(chunk_numel) + 7) // 8
+            if self.value_bits == 8:  # a code per value and an fp32 scale per chunk
+                return chunks * kept + chunks * 4 + positions
+            return chunks * kept * 2 + positions
         return chunks * kept * (p.element_size() + wire.index_nbytes(chunk_numel))
 
     def payload_nbytes(self) -> int:
@@ -204,31 +233,46 @@ class DeMo(torch.optim.Optimizer):
 
     # ----- the step ---------------------------------------------------------------------------
 
-    def _compress(self, p: Tensor, delta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Steps 2 and 3: ``(values, indices, transmitted)`` of the momentum ``delta``;
-        ``transmitted`` is the inverse transform of the kept components (``p``'s shape)."""
+    @property
+    def _parts(self) -> int:
+        """Tensors each parameter sends: values and positions, or scales, codes and positions."""
+        return 3 if self.compact and self.value_bits == 8 else 2
+
+    def _compress(self, p: Tensor, delta: Tensor) -> tuple[tuple[Tensor, ...], Tensor]:
+        """Steps 2 and 3: ``(parts, transmitted)`` of the momentum ``delta``: ``parts`` what
+        travels, its first a floating tensor (the non-finite marker goes there), and
+        ``transmitted`` the inverse transform of the kept components as sent (``p``'s shape)."""
         chunks, kept, chunk_numel = self._kept(p)
         coeffs = dct.encode(delta, self.compression_chunk)
         indices = torch.topk(coeffs.abs(), kept, dim=-1, largest=True, sorted=False).indices
         values = torch.gather(coeffs, -1, indices)
-        if self.compact:  # what is sent is what is taken out of the momentum: the rounded values
+        # What is sent is what is taken out of the momentum: the rounded values.
+        if not self.compact:
+            parts: tuple[Tensor, ...] = (values, indices.to(wire.index_dtype(chunk_numel)))
+            sent = values
+        elif self.value_bits == 16:
             # Saturated first: a finite coefficient past bfloat16's range would travel as inf and
             # make every rank skip every step; one that rounds past the parameter dtype's (fp16)
             # would turn the momentum inf. NaN stays NaN.
             limit = compact_limit(coeffs.dtype)
-            values = values.clamp(-limit, limit).to(torch.bfloat16)
-        sparse = torch.zeros_like(coeffs).scatter_(-1, indices, values.to(coeffs.dtype))
-        transmitted = dct.decode(sparse, p.shape, self.compression_chunk)
-        if self.compact:
-            return values, wire.pack_uint(indices, wire.index_bits(chunk_numel)), transmitted
-        return values, indices.to(wire.index_dtype(chunk_numel)), transmitted
+            sent = values.clamp(-limit, limit).to(torch.bfloat16)
+            parts = (sent, wire.pack_uint(indices, wire.index_bits(chunk_numel)))
+        else:
+            scales, codes = _fp8_encode(values)
+            sent = _fp8_decode(scales, codes)
+            parts = (scales, codes.view(torch.uint8), wire.pack_uint(indices, wire.index_bits(chunk_numel)))
+        sparse = torch.zeros_like(coeffs).scatter_(-1, indices, sent.to(coeffs.dtype))
+        return parts, dct.decode(sparse, p.shape, self.compression_chunk)
 
-    def _decode(self, p: Tensor, gathered: list[tuple[Tensor, Tensor]]) -> Tensor:
-        """Step 5's update of ``p``: per chunk and position the mean of the values the ranks
-        sent there (0 where none did), inverse-transformed. Identical on every rank."""
+    def _decode(self, p: Tensor, gathered: list[tuple[Tensor, ...]]) -> Tensor:
+        """Step 5's update of ``p`` from every rank's parts: per chunk and position the mean of
+        the values the ranks sent there (0 where none did), inverse-transformed. Identical on
+        every rank."""
         chunks, kept, chunk_numel = self._kept(p)
         if self.compact:
             bits = wire.index_bits(chunk_numel)
+            if self.value_bits == 8:
+                gathered = [(_fp8_decode(s, c.view(torch.float8_e4m3fn)), i) for s, c, i in gathered]
             gathered = [(v, wire.unpack_uint(i, bits, chunks * kept).view(chunks, kept)) for v, i in gathered]
         # At least fp32: in fp16 the sum over ranks and the inverse transform overflow (to inf,
         # then NaN, whose sign is 0: the update silently lost) for values fp16 holds.
@@ -256,11 +300,11 @@ class DeMo(torch.optim.Optimizer):
         deltas, payload = [], []
         for _key, p, group in items:
             delta = self._momentum(p).mul(self.compression_decay).add_(p.grad, alpha=group["lr"])
-            values, indices, transmitted = self._compress(p, delta)
+            parts, transmitted = self._compress(p, delta)
             if not nonfinite.is_finite(delta):
-                values = torch.full_like(values, float("nan"))  # the marker every rank will see
+                parts = (torch.full_like(parts[0], float("nan")), *parts[1:])  # the marker every rank will see
             deltas.append(delta.sub_(transmitted))
-            payload += [values, indices]
+            payload += parts
         gathered, finite = self._exchange(tuple(payload), items)
         self.last_step_skipped = not finite
         if not finite:
@@ -270,7 +314,8 @@ class DeMo(torch.optim.Optimizer):
             state = self.state[p]
             state["delta"] = delta
             state["step"] = state.get("step", 0) + 1
-            update = self._decode(p, [(ranks[2 * j], ranks[2 * j + 1]) for ranks in gathered])
+            m = self._parts
+            update = self._decode(p, [tuple(ranks[m * j : m * (j + 1)]) for ranks in gathered])
             if group["weight_decay"] != 0:
                 p.mul_(1 - group["lr"] * group["weight_decay"])
             p.add_(update.sign_(), alpha=-group["lr"])

@@ -42,7 +42,7 @@ OPTIMIZERS: dict[str, tuple[str, ...]] = {
     "zeroone-adam": ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "bucket_cap_mb"),
     "tsr-adam": ("approx_rank", "update_gap", "approx_rank_emb", "update_gap_emb", "scale", "oversampling",
                  "power_iters", "moment_transfer"),
-    "demo": ("compression_decay", "compression_topk", "compression_chunk", "compact"),
+    "demo": ("compression_decay", "compression_topk", "compression_chunk", "compact", "value_bits"),
     "local-adamw": ("feedback_decay", "bucket_cap_mb"),
 }
 
