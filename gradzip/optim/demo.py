@@ -114,8 +114,11 @@ class DeMo(torch.optim.Optimizer):
     bfloat16 (fp32's exponent range, which the momentum's ``lr``-scaled values need; what is
     subtracted from the momentum is the rounded value, so the rounding is fed back like the
     rest; saturated at :func:`compact_limit`, so a finite momentum never travels as inf) and the
-    positions as a packed stream of ``b_p``-bit codes. Not in the paper, whose
-    code sends each value in the parameter's dtype and each position as int64.
+    positions as a packed stream of ``b_p``-bit codes. With ``value_bits=8`` as well:
+    ``sum_p chunks_p * (k_p + 4) + ceil(chunks_p * k_p * b_p / 8)``: each value an 8-bit float
+    (e4m3, rounded to nearest) on a scale per chunk (fp32, the chunk's largest kept magnitude /
+    448), the decoded value again what leaves the momentum. Not in the paper, whose code sends
+    each value in the parameter's dtype and each position as int64.
 
     Args:
         params: parameters or parameter groups; a group may set its own ``lr`` and
@@ -128,6 +131,9 @@ class DeMo(torch.optim.Optimizer):
         compact: values in bfloat16 and positions in packed ``ceil(log2(chunk numel))``-bit codes
             (True or False; default False, the reference's encoding narrowed to uint8/int16
             positions).
+        value_bits: with ``compact``, 16 (bfloat16 values) or 8 (e4m3 codes on a scale per
+            chunk); 8 without ``compact`` is refused (the reference's encoding has no 8-bit
+            values).
         weight_decay: decoupled weight decay per unit of learning rate (>= 0; the paper's 0).
         process_group: the data-parallel group; None for the default group.
         metrics: where the bytes and times of its all_gather go.
@@ -171,6 +177,8 @@ class DeMo(torch.optim.Optimizer):
         self.value_bits = check_int(value_bits, name="value_bits", low=8, high=16)
         if self.value_bits not in VALUE_BITS:
             raise ValueError(f"value_bits must be 8 or 16; got {value_bits!r}")
+        if self.value_bits == 8 and not self.compact:
+            raise ValueError("value_bits=8 needs compact=True (the values of the reference's encoding are the parameter's dtype)")
         self.process_group = process_group
         self.metrics = metrics if metrics is not None else StepMetrics()
         self.queue = CollectiveQueue()
