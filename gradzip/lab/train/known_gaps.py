@@ -66,7 +66,7 @@ OPTIMIZER_SOURCE = "the demo job, 2 workers, 300 steps; benchmarks/results/optim
 #: optimizer name -> (setting, the study's run folder, final validation loss above AdamW's in %)
 OPTIMIZER_MEASURED: dict[str, tuple[tuple[str, str, float], ...]] = {
     "demo": (
-        ("DeMo at the paper's settings (71.4x fewer bytes)", "demo", 5.2),
+        ("DeMo at the paper's settings (71.4x fewer bytes)", "demo-rerun", 4.5),
         ("with compression_topk=44 (51.9x)", "demo-topk44", 5.4),
         ("compression_topk=80,compact=true (51.1x)", "demo-topk80-compact", 3.4),
         ("compression_topk=112,compact=true,value_bits=8 (52.8x; +4.3% and +2.0% at seeds 1 and 2)",
