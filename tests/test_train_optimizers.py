@@ -118,7 +118,7 @@ def test_local_adamw_takes_a_plain_codec_under_ddp(compressor, extra, message, c
         ("tsr-adam:approx_rank_emb=0", "approx_rank_emb must be an integer >= 1; got 0"),
         ("tsr-adam:update_gap_emb=0", "update_gap_emb must be an integer >= 1; got 0"),
         ("tsr-adam:approx_rank_emb=600", "approx_rank_emb must be at most 128 (--n-embd, --seq-len and --vocab-size)"),
-        ("demo:compression_chunk=0", "compression_chunk must be an integer >= 1"),
+        ("demo:compression_chunk=0", "compression_chunk must be an integer in [1, 4096]"),
         ("onebit-adam:warmup_steps=0", "warmup_steps must be an integer >= 1"),
         ("onebit-adam:freeze=3", "--optimizer onebit-adam has no parameter 'freeze'; it takes warmup_steps, bucket_cap_mb"),
         ("zeroone-adam:local_step_clipper=0", "local_step_clipper must be an integer >= 1"),
