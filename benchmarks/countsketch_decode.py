@@ -26,7 +26,7 @@ import argparse
 import torch
 
 from gradzip.compressors import build
-from gradzip.compressors.countsketch import sketch
+from gradzip.compressors.countsketch import Located, sketch
 
 #: the thresholds TAGC's reference code (``tagc/tagc.py``) bisects over
 TAGC_LADDER = (1e-20, 1e-15, 1e-10, 1e-8, 1e-7, 2e-7, 5e-7, 1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5,
@@ -63,7 +63,7 @@ def main() -> None:
     hashes = codec.hashes(numel, step=0, key=0)
     masks = [ladder_mask(g, codec.ratio) if args.tagc_ladder else codec.keep(g) for g in grads]
     union = torch.stack(masks).any(0)
-    table = sum(sketch(g[m] / args.ranks, m.nonzero().reshape(-1), hashes) for g, m in zip(grads, masks))
+    table = sum(sketch(g[m] / args.ranks, Located.of(m.nonzero().reshape(-1), hashes)) for g, m in zip(grads, masks))
     decoded = codec.decode(union, table, step=0, key=0, like=grads[0])
     truth = sum(torch.where(m, g, torch.zeros_like(g)) for g, m in zip(grads, masks)) / args.ranks
     exact = (decoded - truth).abs() <= 1e-6 * truth.abs().max()

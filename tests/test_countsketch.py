@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from gradzip.comm import make_reducer
 from gradzip.compressors import Payload, build
-from gradzip.compressors.countsketch import CountSketch, Hashes, _first_true_row, peel, sketch
+from gradzip.compressors.countsketch import CountSketch, Hashes, Located, _first_true_row, peel, sketch
 from gradzip.testing import run_ranks
 
 SHAPES = [(12, 10), (10,), (6, 8), (3, 2)]
@@ -41,7 +41,8 @@ def test_sparse_vector_decodes_exactly_from_a_large_enough_sketch(numel, sparsit
     index = torch.randperm(numel, generator=gen)[:s].sort().values
     values = torch.randn(s, generator=gen) + torch.sign(torch.randn(s, generator=gen)) * 0.5
     hashes = Hashes.draw(seed, 0, "k", rows, 4 * s)
-    got = peel(sketch(values, index, hashes), index, hashes)[0]
+    where = Located.of(index, hashes)
+    got = peel(sketch(values, where), where)[0]
     torch.testing.assert_close(got.float(), values, rtol=1e-5, atol=1e-6)
 
 
@@ -86,7 +87,8 @@ def test_too_small_a_sketch_does_not_decode_exactly():
     # Two coordinates in one cell of one row: peeling cannot start; the estimates are the cell.
     index, values = torch.tensor([3, 7]), torch.tensor([1.0, 2.0])
     hashes = Hashes.draw(0, 0, "k", 1, 1)
-    got = peel(sketch(values, index, hashes), index, hashes)[0]
+    where = Located.of(index, hashes)
+    got = peel(sketch(values, where), where)[0]
     assert not torch.allclose(got.float(), values)
 
 

@@ -265,21 +265,22 @@ def test_direct_calls_outside_what_the_loops_read(monkeypatch):
 def test_count_sketch_decode_in_c_equals_the_torch_rounds(numel, kept, rows, cells_per_kept, seed, monkeypatch):
     # Sketches below and above the peeling threshold, so that both the peeled values and the
     # coordinates left to the median estimates are compared.
-    from gradzip.compressors.countsketch import Hashes, _peel_rounds, peel, sketch
+    from gradzip.compressors.countsketch import Hashes, Located, _peel_rounds, peel, sketch
 
     gen = torch.Generator().manual_seed(seed)
     index = torch.randperm(numel, generator=gen)[: max(1, int(kept * numel))].sort().values
     values = torch.randn(index.numel(), generator=gen) * torch.rand(index.numel(), generator=gen) ** 3
     hashes = Hashes.draw(seed, 3, ("bucket", 0), rows, max(1, int(cells_per_kept * index.numel() / rows)))
     monkeypatch.setenv(fused.ENV, "1")
-    table = sketch(values, index, hashes)
-    cols, signs = hashes.cells(index)
+    where = Located.of(index, hashes)  # hashed in C
+    table = sketch(values, where)
+    cols, signs = where.cols, where.signs
     monkeypatch.setenv(native.ENV, "0")
-    torch_cols, torch_signs = hashes.cells(index)
-    assert torch.equal(cols, torch_cols) and torch.equal(signs, torch_signs)
-    torch_values, torch_peeled = peel(table, index, hashes)
+    torch_where = Located.of(index, hashes)
+    assert torch.equal(cols, torch_where.cols) and torch.equal(signs, torch_where.signs)
+    torch_values, torch_peeled = peel(table, torch_where)
     monkeypatch.setenv(native.ENV, "1")
-    got_values, got_peeled = peel(table, index, hashes)
+    got_values, got_peeled = peel(table, where)
     assert torch.equal(got_peeled, torch_peeled) and torch.equal(bits_of(got_values), bits_of(torch_values))
     # and the rounds themselves: the same remainders, counts and open coordinates
     flat = (cols + (torch.arange(rows) * hashes.cols).reshape(-1, 1)).contiguous()

@@ -79,8 +79,8 @@ class Hashes:
 @dataclass(frozen=True)
 class Located:
     """The coordinates of a support (``index``, int64, ascending) and their cells under
-    ``hashes`` (``cols``, ``signs``: :meth:`Hashes.cells`): hashed once where one step sketches
-    and decodes the same support."""
+    ``hashes`` (``cols``, ``signs``: :meth:`Hashes.cells`), what :func:`sketch` and :func:`peel`
+    read: hashed once where one step sketches and decodes the same support."""
 
     index: Tensor
     hashes: Hashes
@@ -92,18 +92,17 @@ class Located:
         return cls(index, hashes, *hashes.cells(index))
 
 
-def sketch(values: Tensor, index: Tensor, hashes: Hashes, *, located: Located | None = None) -> Tensor:
-    """The count sketch (``rows x cols`` fp32) of a sparse vector: ``values`` at ``index``
-    (their cells taken from ``located`` where given: :meth:`Located.of` of ``index``)."""
-    cols, signs = hashes.cells(index) if located is None else (located.cols, located.signs)
+def sketch(values: Tensor, where: Located) -> Tensor:
+    """The count sketch (``rows x cols`` fp32) of a sparse vector: ``values`` at ``where.index``."""
+    cols, signs, n_cols = where.cols, where.signs, where.hashes.cols
     rows = cols.shape[0]
     # Summed in float64 and saturated at the fp32 range: cells of values near the fp32 maximum
     # would otherwise overflow, and +inf and -inf in one cell make the NaN marker.
-    out = torch.zeros(rows * hashes.cols, dtype=torch.float64, device=values.device)
-    offsets = (torch.arange(rows, device=values.device) * hashes.cols).reshape(-1, 1)
+    out = torch.zeros(rows * n_cols, dtype=torch.float64, device=values.device)
+    offsets = (torch.arange(rows, device=values.device) * n_cols).reshape(-1, 1)
     out.index_add_(0, (cols + offsets).reshape(-1), (signs.double() * values.double().reshape(1, -1)).reshape(-1))
     limit = torch.finfo(torch.float32).max
-    return out.clamp_(-limit, limit).float().view(rows, hashes.cols)
+    return out.clamp_(-limit, limit).float().view(rows, n_cols)
 
 
 def _first_true_row(mask: Tensor) -> Tensor:
@@ -118,9 +117,9 @@ def _first_true_row(mask: Tensor) -> Tensor:
     return first
 
 
-def peel(table: Tensor, index: Tensor, hashes: Hashes, *, located: Located | None = None) -> tuple[Tensor, Tensor]:
-    """Values at ``index`` (the known support) from a count sketch ``table`` (``rows x cols``),
-    and which of them are exact (the cells taken from ``located`` where given).
+def peel(table: Tensor, where: Located) -> tuple[Tensor, Tensor]:
+    """Values at ``where.index`` (the known support) from a count sketch ``table`` (``rows x
+    cols``), and which of them are exact.
 
     Peeling: a cell that holds exactly one coordinate of the support gives that coordinate's
     value (times its sign); the value is subtracted from its cells in every row, which may
@@ -135,9 +134,9 @@ def peel(table: Tensor, index: Tensor, hashes: Hashes, *, located: Located | Non
         float rounding).
     """
     rows, n_cols = table.shape
-    n = index.numel()
-    device = index.device
-    cols, signs = hashes.cells(index) if located is None else (located.cols, located.signs)
+    n = where.index.numel()
+    device = where.index.device
+    cols, signs = where.cols, where.signs
     flat_cells = (cols + (torch.arange(rows, device=device) * n_cols).reshape(-1, 1)).reshape(rows, -1)
     rest = table.double().reshape(-1).clone()
     signs = signs.double()
@@ -347,7 +346,7 @@ class CountSketch(Compressor):
         ``x``'s numel."""
         flat = x.reshape(-1)
         where = support if isinstance(support, Located) else self.locate(support, step=step, key=key)
-        return sketch(flat[where.index].float() * scale, where.index, where.hashes, located=where)
+        return sketch(flat[where.index].float() * scale, where)
 
     def decode(self, support: Tensor, table: Tensor, *, step: int, key: Hashable, like: Tensor) -> Tensor:
         """The vector with support ``support`` (a bool mask, ``like``'s numel) whose sketch is
@@ -361,7 +360,7 @@ class CountSketch(Compressor):
         its :meth:`locate` at ``step``."""
         where = support if isinstance(support, Located) else self.locate(support, step=step, key=key)
         index = where.index
-        values, peeled = peel(table, index, where.hashes, located=where)
+        values, peeled = peel(table, where)
         out = torch.zeros(like.numel(), dtype=like.dtype, device=like.device)
         limit = torch.finfo(like.dtype).max
         out[index] = values.clamp(-limit, limit).to(like.dtype)
