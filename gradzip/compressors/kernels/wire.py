@@ -13,7 +13,7 @@ import torch
 from torch import Tensor
 
 from gradzip.compressors.kernels.placement import to_device
-from gradzip.compressors.values import shown
+from gradzip.compressors.values import check_int, shown
 
 PACKABLE_BITS = (1, 2, 4, 8)
 
@@ -166,12 +166,6 @@ def index_bits(numel: int) -> int:
     return max(1, (numel - 1).bit_length())
 
 
-def _check_uint_bits(bits: int) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 62:
-        raise ValueError(f"bits must be an integer in [1, 62]; got {shown(bits)}")
-    return bits
-
-
 def pack_uint(codes: Tensor, bits: int) -> Tensor:
     """Pack integer codes of any width ``bits`` (1 to 62) into ``ceil(numel * bits / 8)`` bytes:
     code ``i``'s bit ``j`` is bit ``i * bits + j`` of the stream, little end first (for the 1,
@@ -191,7 +185,7 @@ def pack_uint(codes: Tensor, bits: int) -> Tensor:
         ValueError: if ``bits`` is outside [1, 62], or ``codes`` is not of an integer or bool
             dtype (a float code would be truncated silently).
     """
-    _check_uint_bits(bits)
+    check_int(bits, name="bits", low=1, high=62)
     if codes.is_floating_point() or codes.is_complex():
         raise ValueError(f"codes must be of an integer or bool dtype; got {codes.dtype}")
     planes = (codes.reshape(-1, 1).long() >> torch.arange(bits, device=codes.device)) & 1
@@ -213,9 +207,8 @@ def unpack_uint(packed: Tensor, bits: int, numel: int) -> Tensor:
         ValueError: if ``bits`` is outside [1, 62], ``numel`` is not an integer >= 0, or
             ``packed`` is not uint8 or too short for ``numel``.
     """
-    _check_uint_bits(bits)
-    if isinstance(numel, bool) or not isinstance(numel, int) or numel < 0:
-        raise ValueError(f"numel must be an integer >= 0; got {shown(numel)}")
+    check_int(bits, name="bits", low=1, high=62)
+    check_int(numel, name="numel", low=0)
     if packed.dtype != torch.uint8:
         raise ValueError(f"packed must be a uint8 tensor; got {packed.dtype}")
     # checked here: unpack_bits below would name its own 1-bit count, not these
