@@ -19,6 +19,7 @@ figures for the codec or optimizer it was given when it starts and in its summar
 from __future__ import annotations
 
 from gradzip.choice import Choice, CodecChoice, parse_compressor
+from gradzip.lab.train.optimizers import parse_optimizer
 
 #: the runs the figures come from (``gradzip train --world-size 3 --steps 200 --seed 1``)
 SOURCE = "the demo job, 3 workers, 200 steps, AdamW; benchmarks/results/remedies_main_job"
@@ -85,12 +86,14 @@ def gap_note(compressor: str | Choice, optimizer: str = "adamw") -> str | None:
     main-job spec, or the choice already parsed from it) above ``none``, or for the optimizer
     ``optimizer`` names (a ``--optimizer`` spec) above AdamW, at the settings measured; None where
     nothing was measured (schedules, anchors, and the codecs that end close to ``none``)."""
-    name = optimizer.partition(":")[0].strip()
+    name = parse_optimizer(optimizer)[0]
     if name in OPTIMIZER_MEASURED:  # such an optimizer sends its own subspace: no codec runs
-        figures = "; ".join(f"{setting} +{gap:.1f}%" for setting, _run, gap in OPTIMIZER_MEASURED[name])
-        return f"measured final validation loss above AdamW: {figures} ({OPTIMIZER_SOURCE})"
+        return f"measured final validation loss above AdamW: {_figures(OPTIMIZER_MEASURED[name])} ({OPTIMIZER_SOURCE})"
     choice = parse_compressor(compressor)  # a parsed choice comes back as it is
     if not isinstance(choice, CodecChoice) or choice.codec.name not in MEASURED:
         return None
-    figures = "; ".join(f"{setting} +{gap:.1f}%" for setting, _run, gap in MEASURED[choice.codec.name])
-    return f"measured final validation loss above none: {figures} ({SOURCE})"
+    return f"measured final validation loss above none: {_figures(MEASURED[choice.codec.name])} ({SOURCE})"
+
+
+def _figures(rows: tuple[tuple[str, str, float], ...]) -> str:
+    return "; ".join(f"{setting} +{gap:.1f}%" for setting, _run, gap in rows)
