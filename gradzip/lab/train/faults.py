@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from gradzip.comm import nonfinite
+from gradzip.optim.base import group_world_size
 
 ENV = "GRADZIP_FAULTS"
 KINDS = ("exit", "hang", "error", "nonfinite")
@@ -69,7 +70,7 @@ def step_finite(model: torch.nn.Module, *, own_gradients: bool) -> bool:
 
 def _alone() -> bool:
     """Whether this process is the only rank (no group, or a group of one)."""
-    return not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1
+    return group_world_size(None) == 1
 
 
 def everywhere(flag: bool, device: torch.device | str = "cpu") -> bool:
