@@ -2,6 +2,7 @@
 warm-up, the optimizer's 1-bit bytes are counted, per-rank state is checkpointed) and its errors."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -65,6 +66,24 @@ def test_tsr_adam_in_the_main_job_sends_cores_and_sketches_only(tmp_path):
 
 
 @pytest.mark.e2e
+def test_tsr_adam_with_dense_int8_embeddings_sends_bf16_cores_and_int8_codes(tmp_path):
+    spec = "tsr-adam:update_gap=3,dense_emb=true,dense_int8=true,wire_bits=16"
+    records, summary, ckpt = _run(tmp_path, "tsr8", spec, 6)
+    numel = records[0]["dense_bytes"] // 4
+    dense = numel - 32 * 32 * 12  # all but the block matrices (32 x 96, 32 x 32, 32 x 128, 128 x 32)
+    # bf16 cores 8 x 8 of the four block matrices; the embeddings, norms and biases in one int8
+    # bucket: a code each and an fp32 scale per 256; sketches on top at steps 0 and 3
+    plain = 2 * 4 * 8 * 8 + dense + 4 * math.ceil(dense / 256)
+    for step, record in enumerate(records):
+        assert (record["payload_bytes"] > plain) if step % 3 == 0 else (record["payload_bytes"] == plain)
+    assert summary["final_val_loss"] < summary["initial_val_loss"]
+    states = [torch.load(ckpt / f"rank-{rank}.pt", weights_only=False)["optimizer"] for rank in (0, 1)]
+    assert all(len([s for s in st["state"].values() if "left" in s]) == 4 for st in states)  # no embedding bases
+    residuals = [st["gradzip"]["exchange"]["feedback"]["residuals"] for st in states]
+    assert all(residuals) and not torch.equal(*(next(iter(r.values())) for r in residuals))  # each rank its own
+
+
+@pytest.mark.e2e
 def test_demo_in_the_main_job_sends_its_top_dct_components(tmp_path):
     records, summary, ckpt = _run(tmp_path, "demo", "demo", 4)
     assert len({r["payload_bytes"] for r in records}) == 1
@@ -117,7 +136,9 @@ def test_local_adamw_takes_a_plain_codec_under_ddp(compressor, extra, message, c
         ("tsr-adam:scale=0", "scale must be a number > 0"),
         ("tsr-adam:approx_rank_emb=0", "approx_rank_emb must be an integer >= 1; got 0"),
         ("tsr-adam:update_gap_emb=0", "update_gap_emb must be an integer >= 1; got 0"),
-        ("tsr-adam:approx_rank_emb=600", "approx_rank_emb must be at most 128 (--n-embd, --seq-len and --vocab-size)"),
+        ("tsr-adam:approx_rank_emb=600", "approx_rank_emb must be at most 256 (--n-embd)"),
+        ("tsr-adam:dense_emb=maybe", "dense_emb must be True or False; got 'maybe'"),
+        ("tsr-adam:wire_bits=8", "wire_bits must be one of 16, 32; got 8"),
         ("demo:compression_chunk=0", "compression_chunk must be an integer in [1, 4096]"),
         ("onebit-adam:warmup_steps=0", "warmup_steps must be an integer >= 1"),
         ("onebit-adam:freeze=3", "--optimizer onebit-adam has no parameter 'freeze'; it takes warmup_steps, bucket_cap_mb"),

@@ -26,7 +26,7 @@ from gradzip.metrics import StepMetrics
 
 def mean_all_reduce(
     flat: Tensor, *, key: Hashable, dense_bytes: int, group: dist.ProcessGroup | None,
-    queue: CollectiveQueue, metrics: StepMetrics, codec: str,
+    queue: CollectiveQueue, metrics: StepMetrics, codec: str, wire_dtype: torch.dtype | None = None,
 ) -> tuple[Tensor, bool]:
     """The mean of ``flat`` over ``group``: each rank divides by ``world_size``, then one
     ``all_reduce`` sums (dividing first keeps the sum from overflowing, as gradzip's reducers do).
@@ -36,27 +36,34 @@ def mean_all_reduce(
         key: the bucket's name in ``metrics``.
         dense_bytes: the raw gradient bytes this buffer stands for (0 for extra traffic).
         codec: the name recorded for the bucket.
+        wire_dtype: the floating dtype summed on the wire (None: ``flat``'s own). A narrower one
+            is rounded to after the division, saturated at its largest finite value divided by
+            ``world_size`` (so the sum cannot overflow), and summed in that dtype.
 
     Returns:
-        ``(mean, finite)``; ``finite`` is False on every rank when some rank's ``flat`` held
-        inf or NaN (``mean`` is then all NaN).
+        ``(mean, finite)``, ``mean`` in ``flat``'s dtype; ``finite`` is False on every rank when
+        some rank's ``flat`` held inf or NaN (``mean`` is then all NaN).
     """
     world_size = dist.get_world_size(group)
-    payload = wire.nbytes([flat])
+    out = torch.empty_like(flat, dtype=wire_dtype or flat.dtype)
+    payload = wire.nbytes([out])
     sent = allreduce_bytes(payload, world_size)
     metrics.add_bucket(key, payload_bytes=payload, dense_bytes=dense_bytes, collective="allreduce",
                        sent_bytes=sent, received_bytes=sent, codec=codec)
-    out = torch.empty_like(flat)
 
     def launch():
-        torch.div(flat, world_size, out=out)
+        if out.dtype == flat.dtype:
+            torch.div(flat, world_size, out=out)
+        else:
+            limit = torch.finfo(out.dtype).max / world_size
+            out.copy_(torch.div(flat, world_size).clamp_(-limit, limit))
         if not nonfinite.is_finite(flat):
             out.fill_(float("nan"))  # the marker; an inf alone could pass for an overflow
         work = dist.all_reduce(out, group=group, async_op=True)
         return metrics.track(work.get_future(), (key,))
 
     queue.submit(launch, device=flat.device).wait()
-    return out, not nonfinite.received_marker([out])
+    return out.to(flat.dtype), not nonfinite.received_marker([out])
 
 
 def gather_payloads(

@@ -14,9 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from gradzip.comm import nonfinite
+from gradzip.comm import make_reducer, nonfinite
 from gradzip.compressors import check_int
 from gradzip.compressors.base import seeded_generator
+from gradzip.compressors.kernels import wire
 from gradzip.compressors.values import check_flag
 from gradzip.metrics import StepMetrics
 from gradzip.optim.base import CompressedAdamBase, check_nonnegative, closure_loss
@@ -24,6 +25,9 @@ from gradzip.optim.collectives import mean_all_reduce
 
 #: the name its buckets carry in StepMetrics
 CODEC = "tsr-adam"
+
+#: the codec of the dense parameters' gradients with ``dense_int8``
+DENSE_CODEC = "int8"
 
 
 class TSRAdam(CompressedAdamBase):
@@ -57,12 +61,14 @@ class TSRAdam(CompressedAdamBase):
     them their own group (its scripts: rank 64-256, ``update_gap=2``, the same scale); so does
     ``gradzip train --optimizer tsr-adam``.
 
-    Bytes each rank hands to ``all_reduce`` at step ``t`` (``s`` bytes per element of the
-    gradient dtype): ``s * (sum_low r^2 + sum_dense numel)`` every step, plus
+    Bytes each rank hands to ``all_reduce`` at step ``t`` (``s`` bytes per element: the
+    gradient dtype's, or 2 with ``wire_bits=16``): ``s * (sum_low r^2 + sum_dense numel)`` every step, plus
     ``s * (1 + power_iters) * l * (m + n)`` for each matrix refreshed at ``t``; amortised,
     ``s * (sum_low [r^2 + (1 + power_iters) l (m + n) / update_gap] + sum_dense numel)``
     (:meth:`payload_nbytes`, :meth:`mean_payload_nbytes`), against ``s * sum numel`` for the
-    gradient all_reduce of AdamW. Biased (the update lives in a rank-r subspace); aggregatable
+    gradient all_reduce of AdamW. With ``dense_int8`` the ``sum_dense numel`` term leaves the
+    core buffer: each bucket of dense gradients costs ``numel + 4 ceil(numel / 256)`` bytes (or its
+    raw bytes where those are no more). Biased (the update lives in a rank-r subspace); aggregatable
     (every payload is a sum).
 
     Args:
@@ -77,11 +83,26 @@ class TSRAdam(CompressedAdamBase):
         oversampling: extra sketch columns of the randomized SVD (>= 0; the reference's 5).
         power_iters: power iterations of the randomized SVD (>= 0; the reference's 1).
         seed: seeds the sketches' ``Omega`` (identical on every rank).
+        wire_bits: 32 sends cores, sketches and dense gradients in the gradient's dtype (the
+            paper); 16 sends them as bfloat16 (not in the paper; fp16 and bf16 gradients go as they
+            are): each rank's share (divided by world_size) is rounded to bfloat16, saturated at
+            its largest finite value over world_size, and summed in bfloat16, so a mean carries
+            about 3 significant digits; bfloat16 keeps fp32's exponent range, so small cores do
+            not flush to zero as fp16's would. No error feedback: the rounding is lost.
+        dense_int8: send the dense parameters' gradients as int8 codes on scales shared by every
+            rank, with error feedback (the ``int8`` codec's reducer, :mod:`gradzip.comm.int8sum`,
+            groups of 256 elements: ``numel + 4 ceil(numel / 256)`` bytes per bucket of
+            ``bucket_cap_mb``), instead of in the core buffer. Not in the paper; for a model whose
+            embedding is also its output layer (tied), which the paper's scripts would train
+            dense. Its residuals are this rank's own and go in :meth:`state_dict`; at most 127
+            ranks (``floor(127 / world_size)`` levels per rank, 63 at 2). Default False.
         moment_transfer: on a refresh, carry the moments over to the new bases instead of keeping
             their numbers as the reference code does (not in the paper): ``m = A m B`` and
             ``v = (A * A) v (B * B)`` with ``A = U_new^T U_old`` and ``B = V_old^T V_new``, so
             that ``U m V^T`` is the momentum's projection on the new bases (exact at full rank);
             the variance's map treats the entries as independent. Default False.
+        bucket_cap_mb: with ``dense_int8``, the dense gradients travel in buckets of up to this
+            many MiB (>= 0; one scale per 256 elements whatever the bucket).
         process_group: the data-parallel group; None for the default group.
         metrics: where the bytes and times of its collectives go.
 
@@ -118,17 +139,24 @@ class TSRAdam(CompressedAdamBase):
         power_iters: int = 1,
         seed: int = 0,
         moment_transfer: bool = False,
+        wire_bits: int = 32,
+        dense_int8: bool = False,
+        bucket_cap_mb: float = 25.0,
         process_group: dist.ProcessGroup | None = None,
         metrics: StepMetrics | None = None,
     ) -> None:
         self.moment_transfer = check_flag(moment_transfer, name="moment_transfer")
+        self.wire_bits = wire.check_bits(wire_bits, allowed=(16, 32), name="wire_bits")
+        self.dense_int8 = check_flag(dense_int8, name="dense_int8")
         self.oversampling = check_int(oversampling, name="oversampling", low=0)
         self.power_iters = check_int(power_iters, name="power_iters", low=0)
         self.seed = check_int(seed, name="seed", low=0)
         super().__init__(
             params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, process_group=process_group,
-            metrics=metrics,
+            metrics=metrics, bucket_cap_mb=bucket_cap_mb,
         )
+        if self.dense_int8:
+            self._reducer = make_reducer(DENSE_CODEC, group=process_group, queue=self.queue, metrics=self.metrics)
         extra = {"approx_rank": approx_rank, "update_gap": update_gap, "scale": scale}
         self.defaults.update(extra)
         for group in self.param_groups:
@@ -136,6 +164,7 @@ class TSRAdam(CompressedAdamBase):
                 group.setdefault(name, value)
             self._check_group(group)
         self.skipped_steps = 0
+        self.exchanges = 0  # int8 exchanges of the dense gradients (dense_int8), skipped steps included
         self.last_step_skipped = False
 
     def _check_group(self, group: dict[str, Any]) -> None:
@@ -181,10 +210,13 @@ class TSRAdam(CompressedAdamBase):
         parameters that have a gradient now (see the class docstring for the formula)."""
         step = self.steps_taken if step is None else step
         total = 0
-        for _key, p, group in self.params_with_grad():
-            size = p.grad.element_size()
+        items = self.params_with_grad()
+        if self.dense_int8:
+            total += self._int8_nbytes([(key, p.grad) for key, p, group in items if not self.is_low_rank(p, group)])
+        for _key, p, group in items:
+            size = self._wire_size(p.grad)
             if not self.is_low_rank(p, group):
-                total += size * p.numel()
+                total += 0 if self.dense_int8 else size * p.numel()
                 continue
             total += size * group["approx_rank"] ** 2
             if self._refresh_due(p, group, step):
@@ -194,15 +226,35 @@ class TSRAdam(CompressedAdamBase):
     def mean_payload_nbytes(self) -> float:
         """Bytes per step averaged over a refresh period, for every parameter of the groups."""
         total = 0.0
+        if self.dense_int8:
+            dense = [p for group in self.param_groups for p in group["params"] if not self.is_low_rank(p, group)]
+            total += self._int8_nbytes(list(enumerate(dense)))
         for group in self.param_groups:
             for p in group["params"]:
-                size = p.element_size()
+                size = self._wire_size(p)
                 if not self.is_low_rank(p, group):
-                    total += size * p.numel()
+                    total += 0 if self.dense_int8 else size * p.numel()
                     continue
                 sketch = (1 + self.power_iters) * self._sketch_columns(p, group) * sum(p.shape)
                 total += size * (group["approx_rank"] ** 2 + sketch / group["update_gap"])
         return total
+
+    def _int8_nbytes(self, tensors: list[tuple[Hashable, Tensor]]) -> int:
+        """The int8 payload of ``tensors`` in :meth:`exchange_`'s buckets (a bucket whose codes
+        and scales would not be smaller than its raw bytes travels raw)."""
+        total = 0
+        for bucket in self._buckets(tensors):
+            numel = sum(t.numel() for _, t in bucket)
+            total += min(self.reducer.compressor.payload_nbytes(numel), numel * bucket[0][1].element_size())
+        return total
+
+    def _wire_size(self, t: Tensor) -> int:
+        """Bytes per element of ``t`` on the wire."""
+        return min(t.element_size(), 2) if self.wire_bits == 16 else t.element_size()
+
+    def _wire_dtype(self, t: Tensor) -> torch.dtype | None:
+        """The dtype ``t`` is summed in on the wire (None: its own)."""
+        return torch.bfloat16 if self.wire_bits == 16 and t.element_size() > 2 else None
 
     # ----- bases ------------------------------------------------------------------------------
 
@@ -252,7 +304,8 @@ class TSRAdam(CompressedAdamBase):
             return tensors, all(nonfinite.is_finite(t) for t in tensors)
         flat = torch.cat([t.reshape(-1) for t in tensors])
         mean, finite = mean_all_reduce(flat, key=key, dense_bytes=dense_bytes, group=self.process_group,
-                                       queue=self.queue, metrics=self.metrics, codec=CODEC)
+                                       queue=self.queue, metrics=self.metrics, codec=CODEC,
+                                       wire_dtype=self._wire_dtype(flat))
         return [part.view_as(t) for part, t in zip(mean.split([t.numel() for t in tensors]), tensors)], finite
 
     def _refresh(self, due: list[tuple[Hashable, Tensor, dict[str, Any]]], step: int) -> dict[Tensor, tuple[Tensor, Tensor]] | None:
@@ -315,8 +368,12 @@ class TSRAdam(CompressedAdamBase):
             if p not in bases:
                 bases[p] = (self.state[p]["left"], self.state[p]["right"])
         cores = [bases[p][0].T @ p.grad @ bases[p][1] for _, p, _ in low]
-        dense_bytes = sum(p.grad.numel() * p.grad.element_size() for _, p, _ in items)
-        means, finite = self._mean(cores + [p.grad for _, p, _ in dense], key=("tsr-core",), dense_bytes=dense_bytes)
+        buffered = [] if self.dense_int8 else dense  # the dense gradients that ride with the cores
+        dense_bytes = sum(p.grad.numel() * p.grad.element_size() for _, p, _ in low + buffered)
+        means, finite = self._mean(cores + [p.grad for _, p, _ in buffered], key=("tsr-core",), dense_bytes=dense_bytes)
+        if finite and self.dense_int8:
+            dense_means, finite = self._int8_mean(dense)
+            means = means[: len(low)] + dense_means
         if not finite:
             self.last_step_skipped = True
             self.skipped_steps += 1
@@ -337,6 +394,24 @@ class TSRAdam(CompressedAdamBase):
             self.adamw_step_(p, grad, group)
         self.steps_taken += 1
         return loss
+
+    def _int8_mean(self, dense: list[tuple[Hashable, Tensor, dict[str, Any]]]) -> tuple[list[Tensor], bool]:
+        """The means over ranks of the dense gradients through the int8 reducer (``dense_int8``),
+        and whether every rank's were finite; the residuals of a step that was not finite on
+        some rank are put back. At world size 1: copies of the gradients."""
+        grads = [p.grad.clone() for _, p, _ in dense]
+        finite_here = nonfinite.all_finite(grads)
+        if self.world_size == 1:
+            return grads, finite_here
+        if not finite_here:  # the marker in the collective, so every rank skips and puts its residual back
+            for g in grads:
+                g.fill_(float("nan"))
+        # the reducer's own step count: a skipped step is retaken under a new number, since the
+        # reducer remembers the numbers of non-finite steps
+        self.exchange_({("tsr-dense", key): (g, True) for (key, _, _), g in zip(dense, grads)}, step=self.exchanges)
+        self.exchanges += 1
+        self.reducer.settle()
+        return grads, not nonfinite.received_marker(grads)
 
     def _core_step_(self, p: Tensor, state: dict[str, Any], core: Tensor, group: dict[str, Any]) -> None:
         """Step 3 of the class docstring."""
@@ -359,13 +434,30 @@ class TSRAdam(CompressedAdamBase):
 
     def extra_state(self) -> dict[str, Any]:
         return {"skipped_steps": self.skipped_steps, "seed": self.seed, "oversampling": self.oversampling,
-                "power_iters": self.power_iters}
+                "power_iters": self.power_iters, "dense_int8": self.dense_int8,
+                "exchanges": self.exchanges}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self.skipped_steps = state["skipped_steps"]
         self.seed = state["seed"]
         self.oversampling = state["oversampling"]
         self.power_iters = state["power_iters"]
+        self.exchanges = state["exchanges"]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned.
+
+        Raises:
+            ValueError: for another optimizer's state_dict, one saved with another ``dense_int8``
+                (its residuals belong to that exchange), or moments that do not fit the
+                parameters (checked before anything is loaded).
+        """
+        extra = state_dict.get("gradzip") if isinstance(state_dict, dict) else None
+        if isinstance(extra, dict) and extra.get("optimizer") == self.kind:
+            saved = extra.get("dense_int8", False)
+            if saved != self.dense_int8:
+                raise ValueError(f"state_dict was saved with dense_int8={saved}; this optimizer has dense_int8={self.dense_int8}")
+        super().load_state_dict(state_dict)
 
 
 def _wide_enough(t: Tensor) -> Tensor:

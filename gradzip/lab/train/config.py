@@ -43,7 +43,8 @@ class TrainConfig:
         "adamw",
         "adamw, onebit-adam[:warmup_steps=N,bucket_cap_mb=M], zeroone-adam[:var_freeze_step=N,var_update_scaler=K,"
         "local_step_scaler=S,local_step_clipper=H,bucket_cap_mb=M], tsr-adam[:approx_rank=R,update_gap=N,"
-        "approx_rank_emb=E,update_gap_emb=M,scale=S,oversampling=P,power_iters=Q,moment_transfer=true], demo[:compression_decay=B,"
+        "approx_rank_emb=E,update_gap_emb=M,scale=S,scale_emb=SE,oversampling=P,power_iters=Q,moment_transfer=true,"
+        "wire_bits=16,dense_emb=true,dense_int8=true], demo[:compression_decay=B,"
         "compression_topk=K,compression_chunk=C] or local-adamw[:feedback_decay=D,bucket_cap_mb=M]; onebit-adam and zeroone-adam send 1-bit momenta after N "
         "full-precision steps (unless given: 20% of --steps, at least --warmup-steps); tsr-adam sends r x r cores "
         "of the attention/MLP matrices and embeddings (defaults R=n_embd/4, N=10% of --steps up to 100, "

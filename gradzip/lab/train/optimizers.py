@@ -9,7 +9,13 @@ itself, counted in the same metrics as the hook.
 
 ``tsr-adam`` groups the GPT-2 weights as the paper's pre-training script groups LLaMA's: the
 attention and MLP matrices with ``approx_rank`` and ``update_gap``, the token and position
-embeddings with ``approx_rank_emb`` and ``update_gap_emb``, everything else (norms, biases) dense.
+embeddings with ``approx_rank_emb`` (each table at most its smaller side), ``update_gap_emb`` and
+``scale_emb`` (``scale`` unless given), everything else (norms, biases) dense. ``dense_emb=true``
+moves the embeddings to the dense parameters: the paper's scripts train the output layer dense,
+and here the token embedding is the output layer (tied); ``dense_int8=true`` sends the dense
+parameters' gradients as int8 codes with error feedback and ``wire_bits=16`` the cores and
+sketches as bfloat16 (:class:`~gradzip.optim.TSRAdam`), which together bring it back within the
+bytes of the paper's 13x.
 Defaults, measured on the 300-step demo job
 (``benchmarks/results/optimizers_subspace``): ``approx_rank`` n_embd / 4 (the paper's scripts:
 n_embd / 2 up to 350 M, n_embd / 4 at 1 B); ``approx_rank_emb`` n_embd / 2 (at most ``--seq-len``
@@ -32,6 +38,7 @@ from typing import Any
 import torch
 
 from gradzip.compressors import SpecError, check_int, parse_spec
+from gradzip.compressors.values import check_flag
 from gradzip.metrics import StepMetrics
 from gradzip.optim import CompressedAdamBase, DeMo, LocalAdamW, OneBitAdam, TSRAdam, ZeroOneAdam
 
@@ -40,8 +47,8 @@ OPTIMIZERS: dict[str, tuple[str, ...]] = {
     "adamw": (),
     "onebit-adam": ("warmup_steps", "bucket_cap_mb"),
     "zeroone-adam": ("var_freeze_step", "var_update_scaler", "local_step_scaler", "local_step_clipper", "bucket_cap_mb"),
-    "tsr-adam": ("approx_rank", "update_gap", "approx_rank_emb", "update_gap_emb", "scale", "oversampling",
-                 "power_iters", "moment_transfer"),
+    "tsr-adam": ("approx_rank", "update_gap", "approx_rank_emb", "update_gap_emb", "scale", "scale_emb", "oversampling",
+                 "power_iters", "moment_transfer", "wire_bits", "dense_int8", "dense_emb"),
     "demo": ("compression_decay", "compression_topk", "compression_chunk", "compact", "value_bits"),
     "local-adamw": ("feedback_decay", "bucket_cap_mb"),
 }
@@ -179,7 +186,7 @@ def build_optimizer(cfg, model: torch.nn.Module, *, metrics: StepMetrics | None 
                           **common, **params)
     if name == "tsr-adam":
         return TSRAdam(tsr_groups(cfg, model, params), seed=cfg.seed, metrics=metrics, **common,
-                       **{k: v for k, v in params.items() if k in ("oversampling", "power_iters", "moment_transfer")})
+                       **{k: v for k, v in params.items() if k in ("oversampling", "power_iters", "moment_transfer", "wire_bits", "dense_int8")})
     shared = {"average_grads": False, "metrics": metrics, **common}
     if name == "onebit-adam":
         params.setdefault("warmup_steps", default_warmup_steps(cfg))
@@ -209,14 +216,14 @@ def tsr_settings(cfg, params: dict[str, Any]) -> dict[str, Any]:
     """
     width = model_width(cfg)
     what_width = f"the width of --model {cfg.model}" if cfg.model else "--n-embd"
-    # the embeddings' tables: positions (--seq-len rows) and tokens (--vocab-size rows, the
-    # model's own vocabulary under --model)
-    emb_bound, emb_what = min(width, cfg.seq_len), f"{what_width} and --seq-len"
-    if cfg.model is None:
-        emb_bound, emb_what = min(emb_bound, cfg.vocab_size), f"{what_width}, --seq-len and --vocab-size"
+    # each embedding table takes min(approx_rank_emb, its smaller side) (tsr_groups), so the
+    # bound is the width alone
+    emb_bound, emb_what = width, what_width
     out = {"approx_rank": max(1, width // 4), "approx_rank_emb": max(1, min(width // 2, emb_bound)),
            "update_gap": min(100, max(1, cfg.steps // 10)), **TSR_DEFAULTS}
     out.update({k: v for k, v in params.items() if k in out})
+    out["scale_emb"] = params.get("scale_emb", out["scale"])
+    out["dense_emb"] = check_flag(params.get("dense_emb", False), name="dense_emb")
     for name, bound, what in (("approx_rank", width, what_width), ("approx_rank_emb", emb_bound, emb_what)):
         value = check_int(out[name], name=name, low=1)  # named here: the group's check says approx_rank
         if value > bound:
@@ -248,11 +255,19 @@ def tsr_groups(cfg, model: torch.nn.Module, params: dict[str, Any]) -> list[dict
             matrices.append(p)
         else:
             dense.append(p)
+    if settings["dense_emb"]:
+        dense, embedded = dense + embedded, []
+    # one group per table: the position table has --seq-len rows, the token table (also the
+    # output layer when tied) --vocab-size, and each takes the rank its shape allows
+    tables = [
+        {"params": [p], "approx_rank": min(settings["approx_rank_emb"], *p.shape), "update_gap": settings["update_gap_emb"],
+         "scale": settings["scale_emb"]}
+        for p in embedded
+    ]
     return [
         {"params": matrices, "approx_rank": settings["approx_rank"], "update_gap": settings["update_gap"],
          "scale": settings["scale"]},
-        {"params": embedded, "approx_rank": settings["approx_rank_emb"], "update_gap": settings["update_gap_emb"],
-         "scale": settings["scale"]},
+        *tables,
         {"params": dense, "approx_rank": None},
     ]
 
