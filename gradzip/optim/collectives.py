@@ -38,7 +38,8 @@ def mean_all_reduce(
         codec: the name recorded for the bucket.
         wire_dtype: the floating dtype summed on the wire (None: ``flat``'s own). A narrower one
             is rounded to after the division, saturated at its largest finite value divided by
-            ``world_size`` (so the sum cannot overflow), and summed in that dtype.
+            ``world_size``, and summed in that dtype (a sum that still overflows by rounding is
+            saturated, as in the wire's own dtype).
 
     Returns:
         ``(mean, finite)``, ``mean`` in ``flat``'s dtype; ``finite`` is False on every rank when
@@ -63,7 +64,11 @@ def mean_all_reduce(
         return metrics.track(work.get_future(), (key,))
 
     queue.submit(launch, device=flat.device).wait()
-    return out.to(flat.dtype), not nonfinite.received_marker([out])
+    # the marker test first: it saturates in place an inf that the narrower wire's sum produced by
+    # rounding (ten bfloat16 shares of max / 10 add up to inf), and the copy back to flat's dtype
+    # must be taken after that, or the mean carries the inf on with finite True
+    finite = not nonfinite.received_marker([out])
+    return out.to(flat.dtype), finite
 
 
 def gather_payloads(

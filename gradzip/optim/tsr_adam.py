@@ -300,7 +300,11 @@ class TSRAdam(CompressedAdamBase):
     def _mean(self, tensors: list[Tensor], *, key: Hashable, dense_bytes: int = 0) -> tuple[list[Tensor], bool]:
         """The means over ranks of ``tensors`` (one all_reduce of their concatenation), and
         whether every rank's were finite. At world size 1: the tensors themselves."""
-        if self.world_size == 1:
+        # nothing to send (dense_int8 with no low-rank weight: no cores, the dense gradients go
+        # apart; or only zero-element tensors): torch.cat refuses an empty list, and a
+        # zero-element collective is a round trip for nothing (cases.md C1: some gloo builds refuse
+        # it); every rank has the same tensors, so every rank skips it together
+        if self.world_size == 1 or sum(t.numel() for t in tensors) == 0:
             return tensors, all(nonfinite.is_finite(t) for t in tensors)
         flat = torch.cat([t.reshape(-1) for t in tensors])
         mean, finite = mean_all_reduce(flat, key=key, dense_bytes=dense_bytes, group=self.process_group,
@@ -442,7 +446,11 @@ class TSRAdam(CompressedAdamBase):
         self.seed = state["seed"]
         self.oversampling = state["oversampling"]
         self.power_iters = state["power_iters"]
-        self.exchanges = state["exchanges"]
+        # never back to a number this reducer has used: its ledger remembers the numbers of
+        # exchanges that carried the marker, so after rolling back over a skipped step the clean
+        # retake under the old number would have its residuals discarded (the number only names
+        # the exchange; the int8 codec starts at step 0, so no arithmetic depends on it)
+        self.exchanges = max(self.exchanges, state["exchanges"])
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned.
