@@ -203,3 +203,33 @@ def test_three_ranks_end_bit_identical_and_send_the_formula():
         for step, (predicted, popped) in enumerate(r["bytes"]):
             assert predicted == popped["payload_bytes"] == expected_bytes(step)
     assert not all(torch.equal(a, b) for a, b in zip(results[0]["params"], tiny_model(0).parameters()))
+
+
+def _uncompressed_group(rank: int, world_size: int) -> dict:
+    model = tiny_model(0)
+    weight, bias, last_weight, last_bias = model.parameters()
+    opt = TSRAdam([{"params": [weight], "approx_rank": 2}, {"params": [bias], "compress": False},
+                   {"params": [last_weight, last_bias], "approx_rank": None}],
+                  lr=1e-2, oversampling=2, power_iters=0, update_gap=100, dense_int8=True)
+    model.zero_grad()
+    backward(model, rank, 0)
+    grads = [p.grad.clone() for p in (bias, last_bias)]
+    predicted = opt.payload_nbytes()
+    opt.step()
+    return {"predicted": predicted, "popped": opt.metrics.pop(), "grads": grads,
+            "bias": bias.detach().clone(), "start": tiny_model(0)[0].bias.detach().clone()}
+
+
+def test_a_group_with_compress_false_travels_uncompressed_under_dense_int8():
+    """The bias of a ``compress=False`` group rides in the fp32 core buffer (its mean exact, AdamW's
+    step on it), the other dense parameters go as int8: the core 2 x 2, one sketch of l = 4
+    columns for the 6 x 8 weight, the 6 fp32 bias elements; 30 + 5 int8 codes and one scale."""
+    results = run_ranks(_uncompressed_group, 2)
+    expected = 4 * (2 * 2) + 4 * 4 * (6 + 8) + 4 * 6 + (30 + 5) + 4
+    mean = (results[0]["grads"][0] / 2) + (results[1]["grads"][0] / 2)
+    bias = torch.nn.Parameter(results[0]["start"].clone())
+    bias.grad = mean
+    torch.optim.AdamW([bias], lr=1e-2).step()
+    for r in results:
+        assert r["predicted"] == r["popped"]["payload_bytes"] == expected
+        assert torch.equal(r["bias"], bias.detach())

@@ -94,7 +94,8 @@ class TSRAdam(CompressedAdamBase):
             groups of 256 elements: ``numel + 4 ceil(numel / 256)`` bytes per bucket of
             ``bucket_cap_mb``), instead of in the core buffer. Not in the paper; for a model whose
             embedding is also its output layer (tied), which the paper's scripts would train
-            dense. Its residuals are this rank's own and go in :meth:`state_dict`; at most 127
+            dense. Groups with ``compress=False`` keep their gradients uncompressed in the core
+            buffer. Its residuals are this rank's own and go in :meth:`state_dict`; at most 127
             ranks (``floor(127 / world_size)`` levels per rank, 63 at 2). Default False.
         moment_transfer: on a refresh, carry the moments over to the new bases instead of keeping
             their numbers as the reference code does (not in the paper): ``m = A m B`` and
@@ -211,12 +212,11 @@ class TSRAdam(CompressedAdamBase):
         step = self.steps_taken if step is None else step
         total = 0
         items = self.params_with_grad()
-        if self.dense_int8:
-            total += self._int8_nbytes([(key, p.grad) for key, p, group in items if not self.is_low_rank(p, group)])
+        total += self._int8_nbytes([(key, p.grad) for key, p, group in items if self._int8_coded(p, group)])
         for _key, p, group in items:
             size = self._wire_size(p.grad)
             if not self.is_low_rank(p, group):
-                total += 0 if self.dense_int8 else size * p.numel()
+                total += 0 if self._int8_coded(p, group) else size * p.numel()
                 continue
             total += size * group["approx_rank"] ** 2
             if self._refresh_due(p, group, step):
@@ -226,18 +226,22 @@ class TSRAdam(CompressedAdamBase):
     def mean_payload_nbytes(self) -> float:
         """Bytes per step averaged over a refresh period, for every parameter of the groups."""
         total = 0.0
-        if self.dense_int8:
-            dense = [p for group in self.param_groups for p in group["params"] if not self.is_low_rank(p, group)]
-            total += self._int8_nbytes(list(enumerate(dense)))
+        coded = [p for group in self.param_groups for p in group["params"] if self._int8_coded(p, group)]
+        total += self._int8_nbytes(list(enumerate(coded)))
         for group in self.param_groups:
             for p in group["params"]:
                 size = self._wire_size(p)
                 if not self.is_low_rank(p, group):
-                    total += 0 if self.dense_int8 else size * p.numel()
+                    total += 0 if self._int8_coded(p, group) else size * p.numel()
                     continue
                 sketch = (1 + self.power_iters) * self._sketch_columns(p, group) * sum(p.shape)
                 total += size * (group["approx_rank"] ** 2 + sketch / group["update_gap"])
         return total
+
+    def _int8_coded(self, p: Tensor, group: dict[str, Any]) -> bool:
+        """Whether ``p``'s gradient goes as int8 codes: a dense parameter of a group that
+        compresses, under ``dense_int8`` (a group with ``compress=False`` travels uncompressed)."""
+        return self.dense_int8 and group["compress"] and not self.is_low_rank(p, group)
 
     def _int8_nbytes(self, tensors: list[tuple[Hashable, Tensor]]) -> int:
         """The int8 payload of ``tensors`` in :meth:`exchange_`'s buckets (a bucket whose codes
@@ -372,12 +376,14 @@ class TSRAdam(CompressedAdamBase):
             if p not in bases:
                 bases[p] = (self.state[p]["left"], self.state[p]["right"])
         cores = [bases[p][0].T @ p.grad @ bases[p][1] for _, p, _ in low]
-        buffered = [] if self.dense_int8 else dense  # the dense gradients that ride with the cores
+        coded = [item for item in dense if self._int8_coded(item[1], item[2])]
+        buffered = [item for item in dense if not self._int8_coded(item[1], item[2])]  # they ride with the cores
         dense_bytes = sum(p.grad.numel() * p.grad.element_size() for _, p, _ in low + buffered)
         means, finite = self._mean(cores + [p.grad for _, p, _ in buffered], key=("tsr-core",), dense_bytes=dense_bytes)
-        if finite and self.dense_int8:
-            dense_means, finite = self._int8_mean(dense)
-            means = means[: len(low)] + dense_means
+        if finite and coded:
+            coded_means, finite = self._int8_mean(coded)
+            means = means + coded_means
+        dense = buffered + coded  # in the order of their means
         if not finite:
             self.last_step_skipped = True
             self.skipped_steps += 1
