@@ -287,6 +287,15 @@ class StepLedger:
                 self.nonfinite.add(step)
         return step not in self.nonfinite
 
+    def clear(self) -> None:
+        """Forget every step recorded (non-finite ones and flags still on their way): for a
+        reducer whose state is loaded, since the caller numbers steps from the loaded state again
+        and a number recorded before (a skipped step rolled back over) may then name a clean
+        step. A ledger shared by several reducers is cleared when any of them loads; they load
+        together, as one hook's or optimizer's state."""
+        self.nonfinite.clear()
+        self.pending.clear()
+
 
 class _HostFlag:
     """A 0-d device bool on its way to the host: a non-blocking copy into pinned memory and an

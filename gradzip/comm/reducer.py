@@ -350,8 +350,10 @@ class CompressedReducer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (anything staged is dropped)."""
+        """Restore what :meth:`state_dict` returned (anything staged is dropped, and so is the
+        ledger's record of non-finite steps: step numbers restart from the loaded state)."""
         self.open_step.finish()
+        self.ledger.clear()
         self._codec_snapshot = None
         for feedback in (self.feedback, self.twophase.server_feedback):
             if feedback is not None:

@@ -91,8 +91,10 @@ class SettlingReducer:
         return {"feedback": self.feedback.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (anything undoable is forgotten)."""
+        """Restore what :meth:`state_dict` returned (anything undoable is forgotten, and so is
+        the ledger's record of non-finite steps: step numbers restart from the loaded state)."""
         self.open_step.finish()
+        self.ledger.clear()
         self.feedback.load_state_dict(state["feedback"])
 
     def take_residual(self, key: Hashable, shapes: Sequence[torch.Size] | None = None) -> Tensor | None:

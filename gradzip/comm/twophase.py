@@ -302,7 +302,9 @@ class TwoPhaseAllReduce:
         return {"server_feedback": None if self.server_feedback is None else self.server_feedback.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned; the ledger forgets its non-finite steps (step
+        numbers restart from the loaded state)."""
+        self.ledger.clear()
         if self.server_feedback is not None and state.get("server_feedback") is not None:
             self.server_feedback.load_state_dict(state["server_feedback"])
 

@@ -452,11 +452,10 @@ class TSRAdam(CompressedAdamBase):
         self.seed = state["seed"]
         self.oversampling = state["oversampling"]
         self.power_iters = state["power_iters"]
-        # never back to a number this reducer has used: its ledger remembers the numbers of
-        # exchanges that carried the marker, so after rolling back over a skipped step the clean
-        # retake under the old number would have its residuals discarded (the number only names
-        # the exchange; the int8 codec starts at step 0, so no arithmetic depends on it)
-        self.exchanges = max(self.exchanges, state["exchanges"])
+        # the saved number, as for a fresh optimizer: loading the reducer's state (the base
+        # class, before this) clears its ledger of skipped exchanges, so a clean retake after a
+        # rollback over a skipped step keeps its residuals under the number reused
+        self.exchanges = state["exchanges"]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned.
