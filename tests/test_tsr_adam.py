@@ -5,13 +5,12 @@ every rank, the identity with Adam on the projected gradient, and bad settings."
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
+from helpers import tsr_reference
 from helpers.optim_runs import params_unchanged, resumed, skip_and_retake, train
 
-from gradzip.compressors.base import seeded_generator
 from gradzip.optim import TSRAdam
 from gradzip.testing import run_ranks
 
@@ -48,56 +47,9 @@ def expected_bytes(step: int) -> int:
 # ----- the single-process reference ------------------------------------------------------------
 
 
-def _mean(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The mean as the ranks compute it: each divides by the world size, the sum in rank order."""
-    out = parts[0] / len(parts)
-    for part in parts[1:]:
-        out = out + part / len(parts)
-    return out
-
-
-@torch.no_grad()
 def reference_run(world_size: int, steps: int) -> list[torch.Tensor]:
-    """The algorithm of the paper written out: per-rank gradients, summed sketches, randomized SVD,
-    summed cores, AdamW's arithmetic in core space; biases by torch.optim.AdamW on the mean."""
-    models = [tiny_model(0) for _ in range(world_size)]
-    weights = [0, 2]  # the Linear layers: parameter indices 0 (weight) and 2 (weight)
-    params = list(models[0].parameters())
-    biases = [params[1], params[3]]
-    adamw = torch.optim.AdamW(biases, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"])
-    beta1, beta2 = 0.9, 0.999
-    state = {i: {"m": torch.zeros(2, 2), "v": torch.zeros(2, 2)} for i in weights}
-    for step in range(steps):
-        grads = []
-        for rank, model in enumerate(models):
-            model.zero_grad()
-            with torch.enable_grad():
-                backward(model, rank, step)
-            grads.append([p.grad.clone() for p in model.parameters()])
-        if step % HYPER["update_gap"] == 0:
-            for i in weights:
-                g = [grads[r][i] for r in range(world_size)]
-                m, n = g[0].shape
-                omega = torch.randn(n, min(4, m, n), generator=seeded_generator(HYPER["seed"], step, ("tsr-omega", i)))
-                q = torch.linalg.qr(_mean([gi @ omega for gi in g])).Q
-                qz = torch.linalg.qr(_mean([gi.T @ q for gi in g])).Q
-                q = torch.linalg.qr(_mean([gi @ qz for gi in g])).Q
-                u_small, _s, vh = torch.linalg.svd(_mean([q.T @ gi for gi in g]), full_matrices=False)
-                state[i]["U"], state[i]["V"] = q @ u_small[:, :2], vh[:2].T
-        for i in weights:
-            s, p = state[i], params[i]
-            core = _mean([s["U"].T @ grads[r][i] @ s["V"] for r in range(world_size)])
-            s["m"].lerp_(core, 1 - beta1)
-            s["v"].mul_(beta2).addcmul_(core, core, value=1 - beta2)
-            denom = (s["v"].sqrt() / math.sqrt(1 - beta2 ** (step + 1))).add_(1e-8)
-            p.mul_(1 - HYPER["lr"] * HYPER["weight_decay"])
-            p.add_(s["U"] @ (s["m"] / denom) @ s["V"].T, alpha=-(HYPER["scale"] * HYPER["lr"] / (1 - beta1 ** (step + 1))))
-        for j, b in zip((1, 3), biases):
-            b.grad = _mean([grads[r][j] for r in range(world_size)])
-        adamw.step()
-        for model in models[1:]:
-            model.load_state_dict(models[0].state_dict())
-    return [p.detach().clone() for p in models[0].parameters()]
+    """The algorithm of the paper written out (:mod:`helpers.tsr_reference`) on the fp32 wire."""
+    return tsr_reference.reference_run(lambda: tiny_model(0), backward, HYPER, world_size=world_size, steps=steps)
 
 
 # ----- real ranks ------------------------------------------------------------------------------

@@ -5,13 +5,11 @@ formula, exact resume with the residuals, and non-finite steps that leave no tra
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from helpers import tsr_reference
 from helpers.optim_runs import backward, params_unchanged, resumed, skip_and_retake, tiny_model, train
 
-from gradzip.compressors.base import seeded_generator
 from gradzip.optim import TSRAdam
 from gradzip.testing import run_ranks
 
@@ -41,56 +39,26 @@ def _bf16_mean(parts: list[torch.Tensor]) -> torch.Tensor:
     return (a + b).to(torch.bfloat16).float()
 
 
-@torch.no_grad()
-def reference_run(steps: int) -> list[torch.Tensor]:
-    """Two ranks of the algorithm written out: sketches and cores averaged on a bf16 wire, the
-    biases' gradients as int8 codes on the largest magnitude of both ranks (error-compensated,
-    rounded to nearest at 63 levels, the rounding kept per rank), AdamW on the decoded mean."""
-    world_size = 2
-    models = [tiny_model(0) for _ in range(world_size)]
-    weights = [0, 2]
-    params = list(models[0].parameters())
-    biases = [params[1], params[3]]
-    adamw = torch.optim.AdamW(biases, lr=HYPER["lr"], weight_decay=HYPER["weight_decay"])
-    beta1, beta2 = 0.9, 0.999
-    state = {i: {"m": torch.zeros(2, 2), "v": torch.zeros(2, 2)} for i in weights}
-    residuals = [torch.zeros(11) for _ in range(world_size)]
-    for step in range(steps):
-        grads = []
-        for rank, model in enumerate(models):
-            model.zero_grad()
-            with torch.enable_grad():
-                backward(model, rank, step)
-            grads.append([p.grad.clone() for p in model.parameters()])
-        if step % HYPER["update_gap"] == 0:
-            for i in weights:
-                g = [grads[r][i] for r in range(world_size)]
-                m, n = g[0].shape
-                omega = torch.randn(n, min(4, m, n), generator=seeded_generator(HYPER["seed"], step, ("tsr-omega", i)))
-                q = torch.linalg.qr(_bf16_mean([gi @ omega for gi in g])).Q
-                qz = torch.linalg.qr(_bf16_mean([gi.T @ q for gi in g])).Q
-                q = torch.linalg.qr(_bf16_mean([gi @ qz for gi in g])).Q
-                u_small, _s, vh = torch.linalg.svd(_bf16_mean([q.T @ gi for gi in g]), full_matrices=False)
-                state[i]["U"], state[i]["V"] = q @ u_small[:, :2], vh[:2].T
-        for i in weights:
-            s, p = state[i], params[i]
-            core = _bf16_mean([s["U"].T @ grads[r][i] @ s["V"] for r in range(world_size)])
-            s["m"].lerp_(core, 1 - beta1)
-            s["v"].mul_(beta2).addcmul_(core, core, value=1 - beta2)
-            denom = (s["v"].sqrt() / math.sqrt(1 - beta2 ** (step + 1))).add_(1e-8)
-            p.mul_(1 - HYPER["lr"] * HYPER["weight_decay"])
-            p.add_(s["U"] @ (s["m"] / denom) @ s["V"].T, alpha=-(HYPER["scale"] * HYPER["lr"] / (1 - beta1 ** (step + 1))))
-        compensated = [torch.cat([grads[r][1], grads[r][3]]) + residuals[r] for r in range(world_size)]
+def _int8_bias_mean(residuals: list[torch.Tensor]):
+    """The biases' mean as int8 codes on the larger magnitude of both ranks (error-compensated,
+    rounded to nearest at 63 levels, the rounding kept per rank in ``residuals``)."""
+    def mean(per_rank: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+        compensated = [torch.cat(g) + residuals[r] for r, g in enumerate(per_rank)]
         scale = max(float(x.abs().max()) for x in compensated)
         codes = [torch.round(x / scale * LEVELS) for x in compensated]
-        for r in range(world_size):
-            residuals[r] = compensated[r] - codes[r] / LEVELS * scale
-        mean = (codes[0] + codes[1]) / (LEVELS * world_size) * scale
-        biases[0].grad, biases[1].grad = mean[:6].clone(), mean[6:].clone()
-        adamw.step()
-        for model in models[1:]:
-            model.load_state_dict(models[0].state_dict())
-    return [p.detach().clone() for p in models[0].parameters()]
+        for r, (x, c) in enumerate(zip(compensated, codes)):
+            residuals[r] = x - c / LEVELS * scale
+        out = (codes[0] + codes[1]) / (LEVELS * len(per_rank)) * scale
+        return list(out.split([g.numel() for g in per_rank[0]]))
+
+    return mean
+
+
+def reference_run(steps: int) -> list[torch.Tensor]:
+    """Two ranks of the algorithm (:mod:`helpers.tsr_reference`) with sketches and cores averaged
+    on a bf16 wire and the biases as int8 codes with error feedback, AdamW on the decoded mean."""
+    return tsr_reference.reference_run(lambda: tiny_model(0), backward, HYPER, world_size=2, steps=steps,
+                                       mean=_bf16_mean, bias_mean=_int8_bias_mean([torch.zeros(11), torch.zeros(11)]))
 
 
 # ----- real ranks ------------------------------------------------------------------------------
