@@ -3,6 +3,7 @@ error feedback that survives a change of codec."""
 
 from __future__ import annotations
 
+import copy
 import time
 import warnings
 
@@ -711,3 +712,48 @@ def test_a_controller_that_decides_late_applies_each_plan_a_step_after_its_figur
     for name in ("late", "meets"):
         for (a, va), (b, vb) in zip(results[0][name][0], results[1][name][0]):
             assert a == b and all(torch.equal(va[k], vb[k]) for k in SHAPES)  # every rank alike
+
+
+def _rollback_over_a_skipped_switch(rank: int, world_size: int) -> dict:
+    """The switch of both buckets from Top-K to int8 at step 4 skipped for a NaN on rank 1, then the
+    state saved at step 4 loaded into the same reducer and steps 4-5 retaken clean (the first
+    window, whose decision would depend on timings, ends at step 6): the outputs and what the
+    ranks still owe must equal those of a run that never saw the NaN."""
+    def run(reducer, steps, spoil_at=None):
+        outs = []
+        for step in steps:
+            grads = {k: _grad(rank, step, k) for k in SHAPES}
+            if step == spoil_at and rank == 1:
+                grads[0][3] = float("nan")
+            outs.append({k: reducer.reduce(k, g, step=step, shapes=SHAPES[k]).wait() for k, g in grads.items()})
+        return outs
+
+    def make():
+        reducer = _auto(("topk:ratio=0.1", "int8:group=16"))
+        reducer.force(2, {0: "topk:ratio=0.1", 1: "topk:ratio=0.1"})
+        reducer.force(4, {0: "int8:group=16", 1: "int8:group=16"})
+        return reducer
+
+    clean = make()
+    clean_outs = run(clean, range(6))
+    clean.settle()
+    reducer = make()
+    run(reducer, range(4))
+    saved = copy.deepcopy(reducer.state_dict())
+    skipped = run(reducer, [4], spoil_at=4)[0]
+    reducer.load_state_dict(saved)
+    reducer.force(4, {0: "int8:group=16", 1: "int8:group=16"})  # forcing is not state: the skipped step used it
+    retaken = run(reducer, range(4, 6))
+    reducer.settle()
+    dist.barrier()
+    return {"skipped": bool(torch.isnan(skipped[0]).all()),
+            "outputs": all(torch.equal(a[k], b[k]) for a, b in zip(clean_outs[4:], retaken) for k in SHAPES),
+            "owed": all(torch.equal(clean.residual(k), reducer.residual(k)) for k in SHAPES),
+            "carried": bool(saved["carry"]) or any(clean.residual(k) is not None for k in SHAPES)}
+
+
+@pytest.mark.dist
+def test_a_rollback_over_a_skipped_switch_retakes_it_as_a_clean_run():
+    for r in run_ranks(_rollback_over_a_skipped_switch, 2, timeout_s=120):
+        assert r["skipped"] and r["carried"]
+        assert r["outputs"] and r["owed"]

@@ -739,6 +739,13 @@ class AutoReducer:
         """
         if list(state["specs"]) != self.specs:
             raise ValueError(f"checkpoint holds auto candidates {state['specs']}, not {self.specs}")
+        # forget the step in progress: the carries it spent are in the loaded carry already, and
+        # the step numbers restart from the save, so the next reduce starts its step afresh (a
+        # rollback over a skipped step would otherwise give its carry back a second time, or
+        # discard the clean retake's, and a retake under the same number would not start at all)
+        self._spent, self._spent_step = {}, None
+        self._step = self._step_first_s = self._exchange_mark = None
+        self.ledger.clear()
         self.choices = dict(state["choices"])
         self.carry = {k: v.clone() for k, v in state["carry"].items()}
         self.window_start, self.window_end, self.probe_this_window, *met = state["window"]
