@@ -139,6 +139,7 @@ def test_local_adamw_takes_a_plain_codec_under_ddp(compressor, extra, message, c
         ("tsr-adam:approx_rank_emb=600", "approx_rank_emb must be at most 256 (--n-embd)"),
         ("tsr-adam:dense_emb=maybe", "dense_emb must be True or False; got 'maybe'"),
         ("tsr-adam:wire_bits=8", "wire_bits must be one of 16, 32; got 8"),
+        ("tsr-adam:scale_emb=0", "scale_emb must be a number > 0"),
         ("demo:compression_chunk=0", "compression_chunk must be an integer in [1, 4096]"),
         ("onebit-adam:warmup_steps=0", "warmup_steps must be an integer >= 1"),
         ("onebit-adam:freeze=3", "--optimizer onebit-adam has no parameter 'freeze'; it takes warmup_steps, bucket_cap_mb"),

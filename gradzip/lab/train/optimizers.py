@@ -41,6 +41,7 @@ from gradzip.compressors import SpecError, check_int, parse_spec
 from gradzip.compressors.values import check_flag
 from gradzip.metrics import StepMetrics
 from gradzip.optim import CompressedAdamBase, DeMo, LocalAdamW, OneBitAdam, TSRAdam, ZeroOneAdam
+from gradzip.optim.base import check_nonnegative
 
 #: optimizer name -> the spec parameters it takes
 OPTIMIZERS: dict[str, tuple[str, ...]] = {
@@ -222,7 +223,9 @@ def tsr_settings(cfg, params: dict[str, Any]) -> dict[str, Any]:
     out = {"approx_rank": max(1, width // 4), "approx_rank_emb": max(1, min(width // 2, emb_bound)),
            "update_gap": min(100, max(1, cfg.steps // 10)), **TSR_DEFAULTS}
     out.update({k: v for k, v in params.items() if k in out})
-    out["scale_emb"] = params.get("scale_emb", out["scale"])
+    # named here, scale first: the groups' checks would say scale for either
+    check_nonnegative(out["scale"], name="scale", strict=True)
+    out["scale_emb"] = check_nonnegative(params.get("scale_emb", out["scale"]), name="scale_emb", strict=True)
     out["dense_emb"] = check_flag(params.get("dense_emb", False), name="dense_emb")
     for name, bound, what in (("approx_rank", width, what_width), ("approx_rank_emb", emb_bound, emb_what)):
         value = check_int(out[name], name=name, low=1)  # named here: the group's check says approx_rank
