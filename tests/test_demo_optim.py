@@ -208,7 +208,7 @@ def test_wide_chunks_use_int16_indices_and_paper_defaults():
         ({"weight_decay": -1.0}, "weight_decay"),
         ({"compact": "yes"}, "compact"),
         ({"value_bits": 4}, "value_bits"),
-        ({"value_bits": 12, "compact": True}, "value_bits must be 8 or 16"),
+        ({"value_bits": 12, "compact": True}, "value_bits must be one of 8, 16; got 12"),
         ({"value_bits": 8}, "value_bits=8 needs compact=True"),
     ],
 )

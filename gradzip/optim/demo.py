@@ -174,9 +174,7 @@ class DeMo(torch.optim.Optimizer):
         self.compression_topk = check_int(compression_topk, name="compression_topk", low=1)
         self.compression_chunk = check_int(compression_chunk, name="compression_chunk", low=1, high=MAX_CHUNK)
         self.compact = check_flag(compact, name="compact")
-        self.value_bits = check_int(value_bits, name="value_bits", low=8, high=16)
-        if self.value_bits not in VALUE_BITS:
-            raise ValueError(f"value_bits must be 8 or 16; got {value_bits!r}")
+        self.value_bits = wire.check_bits(value_bits, allowed=VALUE_BITS, name="value_bits")
         if self.value_bits == 8 and not self.compact:
             raise ValueError("value_bits=8 needs compact=True (the values of the reference's encoding are the parameter's dtype)")
         self.process_group = process_group

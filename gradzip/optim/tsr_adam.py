@@ -253,8 +253,9 @@ class TSRAdam(CompressedAdamBase):
         return total
 
     def _wire_size(self, t: Tensor) -> int:
-        """Bytes per element of ``t`` on the wire."""
-        return min(t.element_size(), 2) if self.wire_bits == 16 else t.element_size()
+        """Bytes per element of ``t`` on the wire (those of :meth:`_wire_dtype`)."""
+        dtype = self._wire_dtype(t)
+        return t.element_size() if dtype is None else dtype.itemsize
 
     def _wire_dtype(self, t: Tensor) -> torch.dtype | None:
         """The dtype ``t`` is summed in on the wire (None: its own)."""
