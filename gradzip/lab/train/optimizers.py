@@ -217,20 +217,19 @@ def tsr_settings(cfg, params: dict[str, Any]) -> dict[str, Any]:
     """
     width = model_width(cfg)
     what_width = f"the width of --model {cfg.model}" if cfg.model else "--n-embd"
-    # each embedding table takes min(approx_rank_emb, its smaller side) (tsr_groups), so the
-    # bound is the width alone
-    emb_bound, emb_what = width, what_width
-    out = {"approx_rank": max(1, width // 4), "approx_rank_emb": max(1, min(width // 2, emb_bound)),
+    out = {"approx_rank": max(1, width // 4), "approx_rank_emb": max(1, width // 2),
            "update_gap": min(100, max(1, cfg.steps // 10)), **TSR_DEFAULTS}
     out.update({k: v for k, v in params.items() if k in out})
     # named here, scale first: the groups' checks would say scale for either
     check_nonnegative(out["scale"], name="scale", strict=True)
     out["scale_emb"] = check_nonnegative(params.get("scale_emb", out["scale"]), name="scale_emb", strict=True)
     out["dense_emb"] = check_flag(params.get("dense_emb", False), name="dense_emb")
-    for name, bound, what in (("approx_rank", width, what_width), ("approx_rank_emb", emb_bound, emb_what)):
+    # both bounded by the width: each embedding table takes min(approx_rank_emb, its smaller
+    # side) (tsr_groups)
+    for name in ("approx_rank", "approx_rank_emb"):
         value = check_int(out[name], name=name, low=1)  # named here: the group's check says approx_rank
-        if value > bound:
-            raise ValueError(f"--optimizer tsr-adam: {name} must be at most {bound} ({what}); got {value}")
+        if value > width:
+            raise ValueError(f"--optimizer tsr-adam: {name} must be at most {width} ({what_width}); got {value}")
     for name in ("update_gap", "update_gap_emb"):
         check_int(out[name], name=name, low=1)
     return out
