@@ -15,7 +15,7 @@ import copy
 
 import pytest
 import torch
-from helpers.optim_runs import backward, tiny_model
+from helpers.optim_runs import all_equal, backward, params_of, tiny_model
 from helpers.tiny_run import same
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -30,14 +30,6 @@ BAD = 2  # the step one rank's gradient is inf in; at least two clean steps foll
 BAD_RANK = 2
 CODECS = ("topk:ratio=0.5", "int8")
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-2, "weight_decay": 0.1}
-
-
-def _params(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 def _residual_count(exchange_state: dict) -> int:
@@ -67,7 +59,7 @@ def _local_adamw(rank: int, world_size: int) -> dict:
         _train(rank, model, opt, range(BAD))
         saved = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
         _train(rank, model, opt, range(BAD, STEPS))
-        clean = _params(model)
+        clean = params_of(model)
 
         fresh, fresh_opt = make(9)
         fresh.load_state_dict(saved[0])
@@ -91,9 +83,9 @@ def _local_adamw(rank: int, world_size: int) -> dict:
         out[spec] = {
             "saved_residuals": _residual_count(saved[1]["gradzip"]["exchange"]),
             "skipped": skipped,
-            "moved": not _equal(clean, _params(tiny_model(0))),
-            "resumed_equal": _equal(_params(fresh), clean),
-            "rollback_equal": _equal(_params(model), clean),
+            "moved": not all_equal(clean, params_of(tiny_model(0))),
+            "resumed_equal": all_equal(params_of(fresh), clean),
+            "rollback_equal": all_equal(params_of(model), clean),
             "rollback_state_equal": same(opt.state_dict(), fresh_opt.state_dict()),
         }
     return out
@@ -147,7 +139,7 @@ def _ddp_hook(rank: int, world_size: int) -> dict:
     model, ddp, state, opt = make()
     for step in range(STEPS):
         _ddp_step(ddp, opt, rank, step)
-    clean, clean_state = _params(model), state.state_dict()
+    clean, clean_state = params_of(model), state.state_dict()
 
     model, ddp, state, opt = make()
     for step in range(BAD):
@@ -162,7 +154,7 @@ def _ddp_hook(rank: int, world_size: int) -> dict:
     return {
         "saved_residuals": _residual_count(saved[2]["reducer"]),
         "skipped": not taken,
-        "rollback_equal": _equal(_params(model), clean),
+        "rollback_equal": all_equal(params_of(model), clean),
         "hook_state_equal": same(state.state_dict(), clean_state),
     }
 

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from helpers.optim_runs import backward, tiny_model, train
+from helpers.optim_runs import all_equal, backward, params_of, tiny_model, train
 
 from gradzip.comm.queue import CollectiveQueue
 from gradzip.metrics import StepMetrics
@@ -22,14 +22,6 @@ from gradzip.testing import run_ranks
 HYPER = {"lr": 2e-2, "weight_decay": 0.1, "approx_rank": 2, "update_gap": 2, "oversampling": 2, "power_iters": 1,
          "seed": 3, "wire_bits": 16, "dense_int8": True}
 BF16_MAX = torch.finfo(torch.bfloat16).max
-
-
-def _params(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.detach().clone() for p in model.parameters()]
-
-
-def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 # ----- two ranks: no low-rank weight; odd sizes and dtypes, one bucket each ----------------------
@@ -109,7 +101,7 @@ def test_dense_only_and_odd_sized_mixed_dtype_parameters_on_two_ranks():
         assert all(predicted == popped for predicted, popped in r["mixed_bytes"])
         assert r["mixed_dtypes"] == [torch.float64, torch.float64, torch.bfloat16, torch.bfloat16, torch.float32]
         assert all(bool(torch.isfinite(p).all()) for p in r["mixed"])
-        assert _equal(r["mixed"], results[0]["mixed"])
+        assert all_equal(r["mixed"], results[0]["mixed"])
 
 
 # ----- ten ranks: a bfloat16 sum that overflows by rounding ------------------------------------
@@ -168,7 +160,7 @@ def _three_ranks(rank: int, world_size: int) -> dict:
     opt = TSRAdam(model.parameters(), **HYPER)
     saves: list = []
     train(rank, model, opt, range(STEPS), resume_at=BAD, saves=saves, grad=_grad)
-    out["clean"] = _params(model)
+    out["clean"] = params_of(model)
     out["saved_residuals"] = len(saves[0][1]["gradzip"]["exchange"]["feedback"]["residuals"])
 
     fresh = tiny_model(9)
@@ -176,7 +168,7 @@ def _three_ranks(rank: int, world_size: int) -> dict:
     fresh.load_state_dict(saves[0][0])
     fresh_opt.load_state_dict(saves[0][1])
     train(rank, fresh, fresh_opt, range(BAD, STEPS), grad=_grad)
-    out["resumed"] = _params(fresh)
+    out["resumed"] = params_of(fresh)
 
     # the bad step skipped by every rank and retaken in place; then the same with a rollback of
     # model and optimizer (the same objects) to the state saved before it
@@ -191,14 +183,14 @@ def _three_ranks(rank: int, world_size: int) -> dict:
                 before = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
                 _spoil(model, rank)
                 opt.step()
-                record = (opt.last_step_skipped, opt.steps_taken, _equal(list(before[0].values()), _params(model)))
+                record = (opt.last_step_skipped, opt.steps_taken, all_equal(list(before[0].values()), params_of(model)))
                 if mode == "rollback":
                     model.load_state_dict(before[0])
                     opt.load_state_dict(before[1])
                 opt.zero_grad()
                 _grad(model, rank, step)
             opt.step()
-        out[mode] = (record, _params(model))
+        out[mode] = (record, params_of(model))
     return out
 
 
@@ -207,13 +199,13 @@ def test_inf_on_one_of_three_ranks_leaves_no_trace_through_retake_rollback_and_r
     results = run_ranks(_three_ranks, 3)
     for r in results:
         assert r["saved_residuals"] > 0  # the int8 exchange had kept a rounding error by then
-        assert not _equal(r["clean"], _params(tiny_model(0)))
-        assert _equal(r["clean"], results[0]["clean"])
-        assert _equal(r["resumed"], r["clean"])
+        assert not all_equal(r["clean"], params_of(tiny_model(0)))
+        assert all_equal(r["clean"], results[0]["clean"])
+        assert all_equal(r["resumed"], r["clean"])
         for mode in ("retake", "rollback"):
             record, params = r[mode]
             assert record == (True, BAD, True), mode  # skipped, counter unchanged, parameters untouched
-            assert _equal(params, r["clean"]), mode
+            assert all_equal(params, r["clean"]), mode
 
 
 # ----- world size 1 ----------------------------------------------------------------------------
@@ -229,11 +221,11 @@ def test_world_size_one_trains_and_resumes_bit_exactly():
     assert all(popped["payload_bytes"] == 0 for _, popped in log)  # nothing is sent
     assert saves[0][1]["gradzip"]["exchange"] == {"feedback": {"start_step": 0, "residuals": {}}}
     assert all(bool(torch.isfinite(p).all()) for p in model.parameters())
-    assert not _equal(_params(model), _params(tiny_model(0)))
+    assert not all_equal(params_of(model), params_of(tiny_model(0)))
     fresh = tiny_model(9)
     fresh_opt = TSRAdam(fresh.parameters(), **HYPER)
     fresh.load_state_dict(saves[0][0])
     fresh_opt.load_state_dict(saves[0][1])
     train(0, fresh, fresh_opt, range(3, STEPS))
-    assert _equal(_params(fresh), _params(model))
+    assert all_equal(params_of(fresh), params_of(model))
     assert math.isclose(opt.mean_payload_nbytes(), fresh_opt.mean_payload_nbytes())

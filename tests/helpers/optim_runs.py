@@ -41,6 +41,16 @@ def train(rank: int, model, opt, steps, *, resume_at: int | None = None, saves: 
             bytes_log.append((predicted, popped))
 
 
+def params_of(model: torch.nn.Module) -> list[torch.Tensor]:
+    """Copies of ``model``'s parameters, in order."""
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def all_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    """Whether two lists of tensors are equal, tensor for tensor and bit for bit."""
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
 def params_unchanged(before: dict, model: torch.nn.Module) -> bool:
     """Whether ``model``'s state equals ``before`` (a state_dict taken earlier), bit for bit."""
     return all(torch.equal(a, b) for a, b in zip(before.values(), model.state_dict().values()))
