@@ -5,7 +5,9 @@ A compressor string (``--compressor`` on the command line, the first argument of
 
 - a codec spec, ``name[:key=value,...]`` or several joined by ``+`` (see
   :mod:`gradzip.compressors.spec`), optionally with DGC's reducer options ``warmup_steps``,
-  ``warmup_stages`` and ``clip_norm`` (:mod:`gradzip.comm.warmup`): a :class:`CodecChoice`;
+  ``warmup_stages`` and ``clip_norm`` (:mod:`gradzip.comm.warmup`) or with ``embeddings=CODEC``
+  (the embedding tables sent by a summable elementwise codec of their own,
+  :mod:`gradzip.comm.split`): a :class:`CodecChoice`;
 - ``torch:NAME[:params]``, one of PyTorch's own DDP hooks run as an anchor: a
   :class:`TorchHookChoice` (the lab runs these; the library's hook does not);
 - ``auto``: a :class:`AutoChoice`, a codec per bucket picked by :mod:`gradzip.control.auto`;
@@ -27,6 +29,10 @@ from gradzip.compressors import REGISTRY, Compressor, SpecError, build, list_com
 from gradzip.compressors.spec import TRAINING_OPTIONS, format_spec, split_training_options
 
 AUTO = "auto"
+#: the hook option that sends the embedding tables by a codec of their own
+EMBEDDINGS = "embeddings"
+#: the codecs the embedding tables may take: elementwise, and summed by all_reduce
+EMBEDDING_CODECS = ("none", "fp16", "bf16", "int8")
 #: PyTorch's DDP hooks that ``torch:NAME`` names, with the parameters each takes
 TORCH_HOOKS: dict[str, tuple[str, ...]] = {
     "allreduce": (),
@@ -43,16 +49,24 @@ class CodecChoice:
     Attributes:
         codec: the built codec.
         warmup: ``warmup_steps``, ``warmup_stages``, ``clip_norm`` where given (empty: none).
+        embeddings: the codec of the embedding tables (one of :data:`EMBEDDING_CODECS`), or None:
+            they take ``codec`` like every other parameter.
     """
 
     codec: Compressor
     warmup: dict[str, Any] = field(default_factory=dict)
+    embeddings: str | None = None
     kind = "codec"
+
+    @property
+    def hook_options(self) -> dict[str, Any]:
+        """The options given beside the codec that only the DDP hook acts on (empty: none)."""
+        return {**self.warmup, **({EMBEDDINGS: self.embeddings} if self.embeddings else {})}
 
     @property
     def spec(self) -> str:
         """The spec as the user gave it in canonical form, reducer options included."""
-        options = ",".join(f"{k}={v}" for k, v in self.warmup.items())
+        options = ",".join(f"{k}={v}" for k, v in self.hook_options.items())
         if not options:
             return self.codec.spec
         return self.codec.spec + ("," if ":" in self.codec.spec else ":") + options
@@ -140,7 +154,8 @@ def parse_compressor(text: str | Compressor | Choice) -> Choice:
     for name, _params in parts:
         if name not in REGISTRY:
             raise SpecError(f"unknown compressor {name!r}; known: {accepted_names()}")
-    codec_spec, warmup = split_training_options(stripped)
+    codec_spec, embeddings = _split_embeddings(stripped, parts)
+    codec_spec, warmup = split_training_options(codec_spec)
     try:
         codec = build(codec_spec)
     except SpecError as exc:
@@ -154,7 +169,21 @@ def parse_compressor(text: str | Compressor | Choice) -> Choice:
         from gradzip.comm.warmup import WarmupReducer
 
         WarmupReducer.check_options(codec, **warmup)
-    return CodecChoice(codec, warmup)
+    if warmup and embeddings:
+        raise ValueError(f"{EMBEDDINGS}= does not combine with {', '.join(warmup)} (DGC's warm-up wraps whole buckets)")
+    return CodecChoice(codec, warmup, embeddings)
+
+
+def _split_embeddings(text: str, parts: list) -> tuple[str, str | None]:
+    """``(the spec without embeddings=, its value)``: ``separate:embeddings=int8`` gives
+    ``("separate", "int8")``; None where not given."""
+    if len(parts) != 1 or EMBEDDINGS not in parts[0][1]:
+        return text, None
+    name, params = parts[0][0], dict(parts[0][1])
+    value = str(params.pop(EMBEDDINGS)).lower()
+    if value not in EMBEDDING_CODECS:
+        raise ValueError(f"{EMBEDDINGS} must be one of {', '.join(EMBEDDING_CODECS)}; got {value!r}")
+    return format_spec(name, params), value
 
 
 def _torch_hook(rest: str, text: str) -> TorchHookChoice:

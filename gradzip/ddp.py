@@ -31,9 +31,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from gradzip.choice import Choice, parse_compressor
+from gradzip.choice import EMBEDDINGS, Choice, parse_compressor
 from gradzip.comm import Reducer, make_reducer
+from gradzip.comm.nonfinite import StepLedger
 from gradzip.comm.queue import CollectiveQueue
+from gradzip.comm.split import SplitReducer
 from gradzip.comm.warmup import WarmupReducer
 from gradzip.compressors import Compressor
 from gradzip.keys import bucket_key
@@ -181,12 +183,18 @@ class CompressionState:
     def bind(self, module: nn.Module) -> "CompressionState":
         """Number parameters by their place in ``module.parameters()`` (the DDP model or the module
         it wraps), so that state keys do not depend on the order the hook meets them; returns self.
+        With ``embeddings=CODEC`` in the spec, the weights of ``module``'s ``nn.Embedding`` layers
+        (an output layer tied to one included) are the tables sent by that codec; binding is then
+        required.
 
         Raises:
             ValueError: after the hook has met parameters in another order, or if the sizes
                 differ from a loaded checkpoint's.
         """
         self.numbering.bind(module)
+        if isinstance(self.reducer, SplitReducer):
+            tables = [m.weight for m in module.modules() if isinstance(m, nn.Embedding)]
+            self.reducer.take(self.numbering.of(tables))
         return self
 
     def _make_reducer(self) -> Reducer:
@@ -212,6 +220,15 @@ class CompressionState:
         }
         if self.choice.warmup:  # DGC's sparsity warm-up and local clipping around the codec
             return WarmupReducer(self.compressor, **self.choice.warmup, **common)
+        if self.choice.embeddings:  # the tables by a codec of their own, found when bound
+            ledger = StepLedger()
+            side = make_reducer(
+                self.choice.embeddings, group=self.process_group, queue=self.queue, metrics=self.metrics, ledger=ledger
+            )
+            return SplitReducer(
+                make_reducer(self.compressor, **common, ledger=ledger), side,
+                option=f"{EMBEDDINGS}={self.choice.embeddings}",
+            )
         return make_reducer(self.compressor, **common)
 
     def state_dict(self) -> dict[str, Any]:

@@ -57,6 +57,7 @@ def make_reducer(
     queue: CollectiveQueue | None = None,
     metrics: StepMetrics | None = None,
     feedback_decay: float = 1.0,
+    ledger=None,
 ) -> Reducer:
     """Build the reducer for ``compressor`` (a spec string or a built codec).
 
@@ -76,6 +77,8 @@ def make_reducer(
         feedback_decay: the error-feedback residual is multiplied by this in (0, 1] before it
             is added back (SparseLoCo's decayed accumulator; single-round codecs with error
             feedback on); 1 is plain error feedback.
+        ledger: the non-finite steps' :class:`~gradzip.comm.nonfinite.StepLedger`, shared by the
+            reducers of one hook; None for one of the reducer's own.
 
     Raises:
         ValueError: for a bad spec, an impossible collective, a negative
@@ -90,10 +93,11 @@ def make_reducer(
             raise ValueError(f"min_compress_bytes applies to single-round codecs, not {codec.name}; got {min_compress_bytes!r}")
         if feedback_decay != 1.0:
             raise ValueError(f"feedback_decay applies to single-round codecs, not {codec.name}; got {feedback_decay!r}")
-        return own_reducer(codec, group=group, queue=queue, metrics=metrics)
+        return own_reducer(codec, group=group, queue=queue, metrics=metrics, ledger=ledger)
     return CompressedReducer(
         codec, group=group, error_feedback=error_feedback, collective=collective,
         min_compress_bytes=min_compress_bytes, queue=queue, metrics=metrics, feedback_decay=feedback_decay,
+        ledger=ledger,
     )
 
 

@@ -186,8 +186,8 @@ class TrainConfig:
             raise ValueError("--collective and --min-compress-bytes shape DDP buckets; with --fsdp the codec picks the exchange")
         if self.fsdp and choice.kind == "auto":
             raise ValueError(f"--compressor {choice.schedule} adapts DDP buckets; with --fsdp name a codec")
-        if self.fsdp and choice.kind == "codec" and choice.warmup:
-            raise ValueError("warmup_steps and clip_norm wrap DDP buckets; with --fsdp name the codec alone")
+        if self.fsdp and choice.kind == "codec" and choice.hook_options:
+            raise ValueError(f"{', '.join(choice.hook_options)} act on DDP buckets; with --fsdp name the codec alone")
         from gradzip.lab.train.optimizers import is_adamw
 
         adamw = is_adamw(self.optimizer)

@@ -203,9 +203,10 @@ def update_codec(cfg):
         ValueError: naming ``--compressor`` when it is not a plain codec spec.
     """
     choice = cfg.choice
-    if choice.kind != "codec" or choice.warmup:
+    if choice.kind != "codec" or choice.hook_options:
         raise ValueError(f"--optimizer local-adamw sends its update through a codec; --compressor {cfg.compressor} "
-                         "is not a plain codec spec (not auto, a schedule, a torch: hook or DGC's warm-up options)")
+                         "is not a plain codec spec (not auto, a schedule, a torch: hook, DGC's warm-up options or "
+                         "embeddings=)")
     return choice.codec
 
 

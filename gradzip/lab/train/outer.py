@@ -107,9 +107,9 @@ def check_outer(cfg) -> None:
     if choice.kind != "codec":
         raise ValueError(f"--outer-compressor must be a gradzip codec spec (none, uniform:bits=8, topk:ratio=0.01, ...); "
                          f"{cfg.outer_compressor!r} cannot run on the outer exchange")
-    if choice.warmup:  # DGC's warm-up schedules per-step gradients; the outer exchange has no such reducer
-        raise ValueError(f"--outer-compressor takes a codec alone; {', '.join(choice.warmup)} belong to --compressor "
-                         f"(DGC's warm-up of the per-step gradient exchange)")
+    if choice.hook_options:  # DGC's warm-up and the embeddings' codec act on DDP buckets; the outer exchange has none
+        raise ValueError(f"--outer-compressor takes a codec alone; {', '.join(choice.hook_options)} belong to "
+                         f"--compressor (options of the per-step gradient exchange's DDP hook)")
     if cfg.replica_size == 1 and cfg.compressor not in (type(cfg).compressor, "none"):
         raise ValueError("--compressor is the codec inside a replica; with --replica-size 1 there is no exchange "
                          "inside a replica (leave it out or give --replica-size N)")

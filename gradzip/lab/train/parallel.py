@@ -130,6 +130,8 @@ def make_parallel(
         if settle is not None:
             settle(ddp)
         state, hook = make_hook(cfg, group)
+        if cfg.choice.kind == "codec" and cfg.choice.embeddings:
+            state.bind(ddp.module)  # finds the embedding tables the option names
         ddp.register_comm_hook(state, hook)
         return Parallel(ddp, state, "ddp", "torch" if is_torch_hook(state) else "gradzip", ddp.no_sync)
     from gradzip.fsdp import compress_reduce_scatter
