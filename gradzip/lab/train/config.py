@@ -35,7 +35,8 @@ class TrainConfig:
     compressor: str = option(
         DEFAULT_COMPRESSOR,
         "codec spec, e.g. topk:ratio=0.01 (see 'gradzip list'); add start_step=N to exchange the first N steps "
-        "dense; warmup_steps=N[,clip_norm=C] after a codec with a ratio for DGC's warm-up; auto picks per bucket; "
+        "dense; warmup_steps=N[,clip_norm=C] after a codec with a ratio for DGC's warm-up; embeddings=int8 "
+        "(or none, fp16, bf16) sends the embedding tables by that codec apart; auto picks per bucket; "
         "kimad, legacy and edgc[:params] plan a codec per layer (see gradzip.control.schedules); "
         "torch:allreduce|fp16|bf16|powersgd[:approx_rank=R] run PyTorch's own hooks as anchors",
         metavar="SPEC", must_match=True)

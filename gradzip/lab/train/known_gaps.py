@@ -8,7 +8,8 @@ Compressing AdamW's update instead of the gradient (``--optimizer local-adamw``,
 :class:`gradzip.optim.LocalAdamW`) brings Top-K at 1% and EF-signSGD within 5% of ``none``; the
 figures say so beside the others. The count sketch sends a Top-K selection (at 20% kept,
 within 1% of ``none`` on the demo job at seed 1; at 1% it shares Top-K's gap); SEPARATE's
-random projection adds a variance that grows as its rank shrinks; PowerSGD at rank 4 and
+random projection adds a variance that grows as its rank shrinks (and, like PowerSGD's, it loses
+most of a tied embedding table's gradient, which ``embeddings=int8`` sends apart); PowerSGD at rank 4 and
 Radius past its default keep less than their gap to ``none`` suggests at a glance. The optimizers
 that send their own subspace (DeMo, TSR-Adam) trail AdamW by more than their bytes suggest.
 So that a user does not find it out at the end of a long run, ``gradzip train`` says the measured
@@ -48,6 +49,7 @@ MEASURED: dict[str, tuple[tuple[str, str, float], ...]] = {
         ("PowerSGD at rank 4 (its default)", "powersgd", 3.0),
         ("with factor_bits=8", "powersgd8", 3.6),
         ("rank 16 with factor_bits=8 (rank 4's bytes at fp32)", "powersgd16-8", 0.6),
+        ("with factor_bits=8,embeddings=int8 (21.6x)", "powersgd8-emb-int8", 2.3),
     ),
     "radius": (
         ("Radius keeping 60% of its ranges (its default)", "radius-keep60", 0.8),
@@ -58,6 +60,8 @@ MEASURED: dict[str, tuple[tuple[str, str, float], ...]] = {
         ("SEPARATE at rank 4 (its default)", "separate", 19.7),
         ("rank 16", "separate-r16", 11.6),
         ("rank 64", "separate-r64", 5.9),
+        ("with embeddings=int8 (20.2x)", "separate-emb-int8", 4.8),
+        ("rank 16 with embeddings=int8 (13.8x)", "separate-r16-emb-int8", 3.5),
     ),
 }
 
