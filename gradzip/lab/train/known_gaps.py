@@ -50,6 +50,7 @@ MEASURED: dict[str, tuple[tuple[str, str, float], ...]] = {
         ("with factor_bits=8", "powersgd8", 3.6),
         ("rank 16 with factor_bits=8 (rank 4's bytes at fp32)", "powersgd16-8", 0.6),
         ("with factor_bits=8,embeddings=int8 (21.6x)", "powersgd8-emb-int8", 2.3),
+        ("approx_rank=16,factor_bits=8,embeddings=int8 (16.8x)", "powersgd16-8-emb-int8", 0.3),
     ),
     "radius": (
         ("Radius keeping 60% of its ranges (its default)", "radius-keep60", 0.8),
