@@ -122,8 +122,10 @@ class CompressionState:
 
     Args:
         compressor: a spec such as ``"powersgd:approx_rank=4"`` (DGC's ``warmup_steps``,
-            ``warmup_stages`` and ``clip_norm`` accepted after a codec with a ``ratio``), a built
-            codec, ``"auto"``, or a value from :func:`gradzip.choice.parse_compressor`.
+            ``warmup_stages`` and ``clip_norm`` accepted after a codec with a ``ratio``;
+            ``embeddings=none|fp16|bf16|int8`` after any codec sends the embedding tables by that
+            codec, :mod:`gradzip.comm.split`, and needs :meth:`bind`), a built codec, ``"auto"``,
+            or a value from :func:`gradzip.choice.parse_compressor`.
         process_group: None for the default group.
         error_feedback: override the codec's default.
         collective: ``auto`` (by bytes), ``allreduce``, ``allgather`` or ``twophase``
