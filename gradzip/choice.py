@@ -152,6 +152,8 @@ def parse_compressor(text: str | Compressor | Choice) -> Choice:
         layer_controller(name, params, total_steps=1)
         return AutoChoice(name, params)
     for name, _params in parts:
+        if name == AUTO:  # ``auto`` alone was taken above; its settings go in CompressionState(auto=...)
+            raise SpecError(f"auto takes no parameters and joins no composition; got {stripped!r}")
         if name not in REGISTRY:
             raise SpecError(f"unknown compressor {name!r}; known: {accepted_names()}")
     codec_spec, embeddings = _split_embeddings(stripped, parts)
@@ -177,6 +179,9 @@ def parse_compressor(text: str | Compressor | Choice) -> Choice:
 def _split_embeddings(text: str, parts: list) -> tuple[str, str | None]:
     """``(the spec without embeddings=, its value)``: ``separate:embeddings=int8`` gives
     ``("separate", "int8")``; None where not given."""
+    if len(parts) != 1 and any(EMBEDDINGS in params for _, params in parts):
+        # each codec of a composition would refuse it as a parameter of its own
+        raise SpecError(f"{EMBEDDINGS}= goes with one codec, not with a composition of several; got {text!r}")
     if len(parts) != 1 or EMBEDDINGS not in parts[0][1]:
         return text, None
     name, params = parts[0][0], dict(parts[0][1])
