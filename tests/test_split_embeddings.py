@@ -197,3 +197,33 @@ def test_the_option_is_parsed_checked_and_kept_in_the_spec():
         parse_compressor("separate:embeddings=int4")
     with pytest.raises(ValueError, match="embeddings= does not combine with warmup_steps"):
         parse_compressor("dgc:ratio=0.01,warmup_steps=5,embeddings=int8")
+
+
+@pytest.mark.e2e
+def test_the_trainer_sends_the_tables_in_int8_and_the_rest_by_separate(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from gradzip.lab.train.config import TrainConfig
+    from gradzip.lab.train.model import build_model
+
+    tiny = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--seq-len", "32", "--batch-size", "4", "--vocab-size", "512"]
+    out = tmp_path / "run"
+    args = [*tiny, "--steps", "4", "--eval-every", "2", "--compressor", "separate:embeddings=int8", "--out", str(out), "--quiet"]
+    proc = subprocess.run([sys.executable, "-m", "gradzip", "train", *args], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    model = build_model(TrainConfig(n_layer=1, n_embd=32, n_head=2, seq_len=32, vocab_size=512), 512)
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    expected = 0
+    for p in model.parameters():
+        if id(p) in tables:  # 512 x 32 and 32 x 32: whole groups of 256, however DDP buckets them
+            expected += _int8_nbytes(p.numel())
+        elif p.dim() >= 2 and p[0].numel() > 4:  # SEPARATE at rank 4: m x 4 fp32 values
+            expected += p.shape[0] * 4 * 4
+        else:
+            expected += p.numel() * 4
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["payload_bytes"] for r in records] == [expected] * 4
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["compressor"].endswith("embeddings=int8") and summary["final_val_loss"] < summary["initial_val_loss"]
