@@ -5,7 +5,8 @@ the demo job's model (the default ``gradzip train`` configuration, freshly initi
 of its corpus per rank) as one bucket with the model's layer shapes, and reduces it for a few
 steps through each codec's reducer: the dense fp32 ring all_reduce (``none``), the aggregatable
 codecs (summed by ``all_reduce``: ``separate``, ``radius``, ``countsketch``, ``randomk``,
-``powersgd`` and its 8-bit factors, ``int8``), and, for contrast, ``topk:ratio=0.01`` through the route the
+``powersgd`` and its 8-bit factors, ``int8``; a spec with ``embeddings=`` through the DDP
+hook's split reducer, the model's tables taken), and, for contrast, ``topk:ratio=0.01`` through the route the
 chooser picks (``all_gather`` at 2 ranks, two-phase above).
 
 Bytes per worker are counted two ways: by the formulas the reducer records in its metrics
@@ -31,8 +32,11 @@ from pathlib import Path
 import torch
 from collectives import written_bytes
 
+import gradzip
+from gradzip.choice import parse_compressor
 from gradzip.comm import make_reducer
 from gradzip.compressors.spec import split_spec_list
+from gradzip.keys import bucket_key
 from gradzip.testing import run_ranks
 
 DEFAULT_CODECS = (
@@ -60,21 +64,40 @@ def demo_bucket(rank: int) -> tuple[torch.Tensor, list[torch.Size], str]:
     return found[0], shapes, found[1]
 
 
+def _reducer(spec: str, shapes: list[torch.Size]):
+    """``(reducer, its metrics, the bucket's key)``: a spec with ``embeddings=`` gets the DDP
+    hook's split reducer with the demo model's tables taken (its buckets are keyed by
+    parameters); any other spec its codec's reducer."""
+    if parse_compressor(spec).hook_options:
+        from gradzip.lab.train.config import TrainConfig
+        from gradzip.lab.train.model import build_model
+
+        cfg = TrainConfig()
+        state = gradzip.CompressionState(spec)
+        model = build_model(cfg, cfg.vocab_size)
+        tables = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+        params = list(model.parameters())
+        state.reducer.take(i for i, p in enumerate(params) if id(p) in tables)
+        return state.reducer, state.metrics, bucket_key(range(len(shapes)), [s.numel() for s in shapes])
+    reducer = make_reducer(spec)
+    return reducer, reducer.metrics, "bucket"
+
+
 def _bench_rank(rank: int, world_size: int, codecs: list[str], steps: int) -> dict:
     grad, shapes, what = demo_bucket(rank)
     rows = []
     for spec in codecs:
-        reducer = make_reducer(spec)
+        reducer, recorded, key = _reducer(spec, shapes)
         payload, sent, written, routes = [], [], [], []
         for step in range(steps):
             torch.distributed.barrier()
             before = written_bytes()
-            reducer.reduce("bucket", grad, step=step, shapes=shapes).wait()
+            reducer.reduce(key, grad, step=step, shapes=shapes).wait()
             written.append(written_bytes() - before)
-            metrics = reducer.metrics.pop()
+            metrics = recorded.pop()
             payload.append(metrics["payload_bytes"])
             sent.append(metrics["sent_bytes"])
-            routes.append(metrics["buckets"]["bucket"]["collective"])
+            routes.append("+".join(bucket["collective"] for bucket in metrics["buckets"].values()))
         rows.append({"spec": spec, "routes": routes, "payload": payload, "sent": sent, "written": written})
     return {"rows": rows, "numel": grad.numel(), "what": what}
 
