@@ -111,6 +111,7 @@ EXPECTED_BYTES = {
 }
 
 
+@pytest.mark.dist
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_split_equals_the_two_reducers_apart(world_size):
     jobs = list(EXPECTED_BYTES)
@@ -175,6 +176,7 @@ def _ddp_worker(rank: int, world_size: int) -> dict:
     return grads
 
 
+@pytest.mark.dist
 def test_ddp_sends_the_tables_by_their_codec_and_the_rest_by_the_main_one():
     for rank, grads in enumerate(run_ranks(_ddp_worker, 2, timeout_s=300)):
         dense, low_rank, split = grads[None], grads["powersgd:approx_rank=2"], grads["powersgd:approx_rank=2,embeddings=none"]
@@ -188,6 +190,7 @@ def test_ddp_sends_the_tables_by_their_codec_and_the_rest_by_the_main_one():
         assert "bind(model)" in grads["unbound"], grads["unbound"]
 
 
+@pytest.mark.unit
 def test_the_option_is_parsed_checked_and_kept_in_the_spec():
     choice = parse_compressor("separate:approx_rank=8,embeddings=int8")
     assert choice.embeddings == "int8" and choice.codec.approx_rank == 8

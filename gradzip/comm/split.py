@@ -66,7 +66,7 @@ class SplitReducer:
         side = [i for i, p in enumerate(params) if p in self.taken]
         if not side:
             return self.main.reduce(key, grad, step=step, shapes=shapes, flush=flush)
-        main = [i for i in range(len(params)) if i not in set(side)]
+        main = [i for i in range(len(params)) if params[i] not in self.taken]
         if not main:
             fut = self.side.reduce(key, grad, step=step, shapes=shapes)
             if flush:
@@ -78,13 +78,10 @@ class SplitReducer:
         for n in numels:
             starts.append(starts[-1] + n)
         futures = []
-        for part in (side, main):
-            reducer = self.side if part is side else self.main
+        for part, reducer, release in ((side, self.side, True), (main, self.main, flush)):
             piece = torch.cat([flat[starts[i] : starts[i + 1]] for i in part])
             piece_key = bucket_key([params[i] for i in part], [numels[i] for i in part])
-            futures.append(reducer.reduce(
-                piece_key, piece, step=step, shapes=[shapes[i] for i in part], flush=True if part is side else flush
-            ))
+            futures.append(reducer.reduce(piece_key, piece, step=step, shapes=[shapes[i] for i in part], flush=release))
 
         def stitch(fut: Future) -> Tensor:
             out = torch.empty_like(flat)
