@@ -172,5 +172,13 @@ class Int8SumReducer(SettlingReducer):
     def _dense(self, grad: Tensor, step: int) -> bool:
         """Whether ``grad`` travels dense at ``step``: before ``start_step``, or where its payload
         would not be smaller than its raw bytes."""
-        codec = self.compressor
-        return step < codec.start_step or codec.payload_nbytes(grad.numel(), grad.dtype) >= grad.numel() * grad.element_size()
+        return step < self.compressor.start_step or self._codes_not_smaller(grad.numel(), grad.dtype)
+
+    def bucket_nbytes(self, numel: int, dtype: torch.dtype = torch.float32) -> int:
+        """Bytes a bucket of ``numel`` elements of ``dtype`` hands to the collectives past
+        ``start_step``: its codes and scales, or its raw bytes where those would be no smaller."""
+        raw = numel * dtype.itemsize
+        return raw if self._codes_not_smaller(numel, dtype) else self.compressor.payload_nbytes(numel, dtype)
+
+    def _codes_not_smaller(self, numel: int, dtype: torch.dtype) -> bool:
+        return self.compressor.payload_nbytes(numel, dtype) >= numel * dtype.itemsize

@@ -249,7 +249,7 @@ class TSRAdam(CompressedAdamBase):
         total = 0
         for bucket in self._buckets(tensors):
             numel = sum(t.numel() for _, t in bucket)
-            total += min(self.reducer.compressor.payload_nbytes(numel), numel * bucket[0][1].element_size())
+            total += self.reducer.bucket_nbytes(numel, bucket[0][1].dtype)
         return total
 
     def _wire_size(self, t: Tensor) -> int:
