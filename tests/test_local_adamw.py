@@ -126,9 +126,11 @@ def test_local_adamw_on_gloo_ranks_follows_the_reference(world_size):
         assert all(torch.equal(a, b) for a, b in zip(r["resumed"], r["params"]))
         assert r["skips"] == [(True, True, True, True, 2)]
         assert all(torch.equal(a, b) for a, b in zip(r["after_skips"], r["params"]))
+        flags = 4 * 4  # one fp32 flag for each of the 4 parameter tensors, in the uncompressed all_reduce
         for predicted, popped in r["bytes"]:
-            assert predicted == popped["payload_bytes"] == kept() * (4 + 1)  # fp32 values, uint8 indices (83 elements)
-            assert popped["dense_bytes"] == dense
+            # fp32 values, uint8 indices (83 elements)
+            assert predicted == popped["payload_bytes"] == kept() * (4 + 1) + flags
+            assert popped["dense_bytes"] == dense + flags
     for other in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], other["params"]))
     assert not torch.equal(results[0]["moment"], results[1]["moment"])  # the moments stay local
@@ -148,10 +150,11 @@ def _powersgd_ranks(rank: int, world_size: int) -> dict:
 
 def test_a_matrix_codec_sees_the_parameters_shapes():
     """PowerSGD at rank 1 sends P (m x 1) and Q (n x 1) per weight and the biases whole: 4 * (8 + 6
-    + 6 + 5 + 6 + 5) bytes, where a flat bucket would have gone uncompressed."""
+    + 6 + 5 + 6 + 5) bytes, where a flat bucket would have gone uncompressed; and a fp32 flag for
+    each of the 4 tensors."""
     results = run_ranks(_powersgd_ranks, 3)
     for r in results:
-        assert r["payloads"] == [4 * ((6 + 8) + 6 + (5 + 6) + 5)] * 3
+        assert r["payloads"] == [4 * ((6 + 8) + 6 + (5 + 6) + 5) + 4 * 4] * 3
     assert all(torch.equal(a, b) for a, b in zip(results[0]["params"], results[2]["params"]))
 
 

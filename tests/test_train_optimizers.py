@@ -96,15 +96,17 @@ def test_demo_in_the_main_job_sends_its_top_dct_components(tmp_path):
 @pytest.mark.e2e
 def test_local_adamw_in_the_main_job_sends_its_update_through_the_codec(tmp_path):
     records, summary, ckpt = _run(tmp_path, "local", "local-adamw", 4, compressor="topk:ratio=0.02")
-    dense = records[0]["dense_bytes"]
-    numel = dense // 4
+    states = [torch.load(ckpt / f"rank-{rank}.pt", weights_only=False)["optimizer"] for rank in (0, 1)]
+    moments = [s["exp_avg"] for s in states[0]["state"].values()]  # one per parameter tensor, all trained
+    numel = sum(m.numel() for m in moments)
+    flags = 4 * len(moments)  # a fp32 flag per tensor, sent uncompressed: did any rank have a gradient
+    assert all(r["dense_bytes"] == 4 * numel + flags for r in records)
     kept = round(0.02 * numel)  # one bucket of every update: fp32 values, int16 indices below 65,536 elements
     assert 256 < numel <= 65536
-    assert all(r["payload_bytes"] == kept * (4 + 2) for r in records)
+    assert all(r["payload_bytes"] == kept * (4 + 2) + flags for r in records)
     assert all(r["sent_bytes"] == r["payload_bytes"] for r in records)  # all_gather at 2 ranks: (W - 1) P
     assert summary["compressor"] == "topk:ratio=0.02" and summary["optimizer"] == "local-adamw"
     assert summary["final_val_loss"] < summary["initial_val_loss"]
-    states = [torch.load(ckpt / f"rank-{rank}.pt", weights_only=False)["optimizer"] for rank in (0, 1)]
     assert not torch.equal(states[0]["state"][0]["exp_avg"], states[1]["state"][0]["exp_avg"])  # moments per rank
     assert all(s["gradzip"]["exchange"]["feedback"]["residuals"] for s in states)
 

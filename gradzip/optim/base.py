@@ -19,6 +19,7 @@ compressed.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Hashable, Iterable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -41,10 +42,11 @@ def check_betas(betas: Any) -> tuple[float, float]:
     Raises:
         ValueError: naming ``betas`` and the allowed range.
     """
-    try:
-        beta1, beta2 = (float(b) for b in betas)
-    except (TypeError, ValueError):
-        raise ValueError(f"betas must be two numbers in [0, 1); got {betas!r}") from None
+    # numbers only: float() would also take a bool or the characters of a two-letter string
+    pair = tuple(betas) if isinstance(betas, Iterable) and not isinstance(betas, (str, bytes)) else ()
+    if len(pair) != 2 or any(isinstance(b, bool) or not isinstance(b, numbers.Real) for b in pair):
+        raise ValueError(f"betas must be two numbers in [0, 1); got {betas!r}")
+    beta1, beta2 = (float(b) for b in pair)
     if not (0.0 <= beta1 < 1.0 and 0.0 <= beta2 < 1.0):
         raise ValueError(f"betas must be two numbers in [0, 1); got {betas!r}")
     return beta1, beta2

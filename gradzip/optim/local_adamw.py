@@ -53,15 +53,17 @@ class LocalAdamW(CompressedAdamBase):
        step). The updates, in parameter order, are cut into buckets of up to ``bucket_cap_mb`` of
        consecutive tensors of one dtype, each bucket flattened and handed to the reducer with its
        tensors' shapes (as DDP hands a bucket to a comm hook, so matrix codecs see matrices). A
-       group with ``compress=False`` takes one uncompressed all_reduce instead. A parameter
-       without a gradient this step but with moments from an earlier one sends a zero update:
-       what its residual holds keeps travelling, and its bucket keeps its members.
-    4. Every rank: ``p *= 1 - lr * weight_decay`` where ``p`` has a gradient, then ``p += `` the
+       group with ``compress=False`` takes one uncompressed all_reduce instead. Every parameter
+       that requires a gradient (or has moments) takes part at every step, whichever gradients
+       this rank holds: one without a gradient here sends a zero update (what its residual
+       holds keeps travelling) and leaves its moments as they are, so a parameter unused by one
+       rank's batch gets the mean over the ranks of the updates, zeros included.
+    4. Every rank: ``p *= 1 - lr * weight_decay`` where some rank has a gradient for ``p`` (one
+       float per parameter rides in the uncompressed all_reduce to tell), then ``p += `` the
        decoded mean update.
 
-    Every rank must hold gradients for the same parameters at every step (the exchange is
-    collective and its buckets follow them); nothing checks it, and ranks that differ pair their
-    collectives wrongly. Parameters are bit-identical on every rank after every step; the moments and residuals differ
+    Every rank must hold the same parameters, with the same ``requires_grad`` (the exchange is
+    collective and its buckets follow them). Parameters are bit-identical on every rank after every step; the moments and residuals differ
     per rank, so save every rank's own :meth:`state_dict` to resume exactly. At world size 1, or
     without a process group, nothing is exchanged and the step is ``torch.optim.AdamW``'s
     (single-tensor path) bit for bit.
@@ -70,7 +72,8 @@ class LocalAdamW(CompressedAdamBase):
     phases; PowerSGD: biased, aggregatable). Bytes each rank hands to the collectives per step:
     the codec's own payload formula applied to each bucket of updates, the bytes the same codec
     sends for a DDP bucket of the same tensors' gradients (:meth:`payload_nbytes` for single-round
-    codecs); nothing else is sent.
+    codecs), and 4 bytes per parameter taking part (the flags of step 4) in the uncompressed
+    all_reduce; nothing else is sent.
 
     Args:
         params: as for ``torch.optim.AdamW``.
@@ -159,18 +162,23 @@ class LocalAdamW(CompressedAdamBase):
         return range_name("update", keys)
 
     def payload_nbytes(self) -> int:
-        """Bytes this rank hands to the codec's collectives in a step, by the codec's formula per
-        bucket, for the parameters that have a gradient now (single-round codecs; for the
-        multi-round ones see their reducer's docstring).
+        """Bytes this rank hands to the collectives in a step (0 at world size 1): the codec's
+        formula per bucket of the parameters taking part whose group compresses, the raw bytes of
+        those whose group does not, and 4 bytes per parameter taking part for the flags (single-round
+        codecs; for the multi-round ones see their reducer's docstring).
 
         Raises:
             ValueError: for a multi-round codec, whose rounds this formula does not cover.
         """
         if self.codec.multi_round:
             raise ValueError(f"payload_nbytes covers single-round codecs; {self.codec.name} brings its own rounds")
-        items = [(key, p) for key, p, group in self._taking_part() if group["compress"]]
-        return sum(self.codec.payload_nbytes(sum(t.numel() for _, t in bucket), bucket[0][1].dtype)
-                   for bucket in self._buckets(items))
+        if self.world_size == 1:
+            return 0
+        taking = self._taking_part()
+        items = [(key, p) for key, p, group in taking if group["compress"]]
+        raw = sum(p.numel() * p.element_size() for _, p, group in taking if not group["compress"])
+        return raw + 4 * len(taking) + sum(self.codec.payload_nbytes(sum(t.numel() for _, t in bucket), bucket[0][1].dtype)
+                                           for bucket in self._buckets(items))
 
     # ----- the step ---------------------------------------------------------------------------
 
@@ -192,7 +200,7 @@ class LocalAdamW(CompressedAdamBase):
         # step was finite: the step holds one extra parameter-sized buffer, the updates.
         updates = []
         for key, p, group in items:
-            if p.grad is None:  # nothing new; its residual still travels
+            if p.grad is None:  # nothing new here; its residual still travels
                 updates.append((key, torch.zeros_like(p)))
                 continue
             new = self._moments(p)
@@ -200,36 +208,46 @@ class LocalAdamW(CompressedAdamBase):
             self.update_momentum_(new, p.grad, group)
             self.update_variance_(new, p.grad, group)
             bias_correction1 = 1 - group["betas"][0] ** float(new["step"])
-            # AdamW's addcdiv, on zeros: the same rounding as its in-place update of p
             update = torch.zeros_like(p).addcdiv_(new["exp_avg"], self.denominator(p, new, group),
                                                  value=-(group["lr"] / bias_correction1))
             updates.append((key, update))
-        finite = self._exchange_(updates, [group["compress"] for _, _, group in items])
+        finite, anywhere = self._exchange_(updates, [group["compress"] for _, _, group in items],
+                                           [p.grad is not None for _, p, _ in items])
         self.last_step_skipped = not finite
         if not finite:
             self.skipped_steps += 1
             return loss
-        for (_key, p, group), (_, update) in zip(items, updates):
+        for (_key, p, group), (_, update), decays in zip(items, updates, anywhere):
             if p.grad is not None:
                 state = self._state(p)
                 state["step"] += 1
                 self.update_momentum_(state, p.grad, group)
                 self.update_variance_(state, p.grad, group)
+            if decays:  # as AdamW decays a parameter with a gradient: here one on any rank, alike on all
                 self.decay_(p, group)
-            p.add_(update)
+            if self.world_size == 1 and p.grad is not None:
+                # AdamW's own addcdiv on p: adding the update computed apart would round twice in
+                # half precision, where AdamW rounds once
+                bias_correction1 = 1 - group["betas"][0] ** float(state["step"])
+                p.addcdiv_(state["exp_avg"], self.denominator(p, state, group), value=-(group["lr"] / bias_correction1))
+            else:
+                p.add_(update)
         self.steps_taken += 1
         return loss
 
     def _taking_part(self) -> list[tuple[int, Tensor, dict[str, Any]]]:
-        """``(key, param, group)`` of every parameter with a gradient now or with moments from an
-        earlier step: one without a gradient sends a zero update, so the residual it holds keeps
-        travelling and its bucket keeps its members (another membership would strand it)."""
+        """``(key, param, group)`` of every parameter that requires a gradient, has one now, or has
+        moments from an earlier step. The set is decided without communicating, so it must not
+        depend on which gradients this rank happens to hold: buckets built from those alone differ
+        between ranks whose gradients do (a parameter unused by one rank's batch), and their
+        collectives pair wrongly. A parameter without a gradient sends a zero update, so the
+        residual it holds keeps travelling and its bucket keeps its members."""
         out, index = [], 0
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None and p.grad.is_sparse:
                     raise RuntimeError("LocalAdamW does not support sparse gradients")
-                if p.grad is not None or "exp_avg" in self.state[p]:
+                if p.requires_grad or p.grad is not None or "exp_avg" in self.state[p]:
                     out.append((index, p, group))
                 index += 1
         return out
@@ -245,20 +263,27 @@ class LocalAdamW(CompressedAdamBase):
         return {"step": state["step"].clone(), "exp_avg": state["exp_avg"].clone(),
                 "exp_avg_sq": state["exp_avg_sq"].clone(), "variance_steps": state["variance_steps"]}
 
-    def _exchange_(self, updates: list[tuple[int, Tensor]], compress: list[bool]) -> bool:
+    def _exchange_(self, updates: list[tuple[int, Tensor]], compress: list[bool],
+                   has_grad: list[bool]) -> tuple[bool, list[bool]]:
         """Replace every update by its mean over the group (:meth:`exchange_`: through the codec,
         bucket by bucket, where ``compress``, else one uncompressed all_reduce). Returns whether
-        every rank's updates were finite (at world size 1: whether this rank's were)."""
+        every rank's updates were finite (at world size 1: whether this rank's were), and for
+        each update whether some rank had a gradient for it (``has_grad`` here at world size 1;
+        else one float per update, averaged with the uncompressed updates in their all_reduce)."""
         finite_here = nonfinite.all_finite([u for _, u in updates])
         if self.world_size == 1:
-            return finite_here
+            return finite_here, has_grad
         if not finite_here:  # the marker in every collective, so that every reducer puts its step back
             for _, u in updates:
                 u.fill_(float("nan"))
-        self.exchange_({key: (u, squeeze) for (key, u), squeeze in zip(updates, compress)}, step=self.exchanges)
+        device = updates[0][1].device if updates else torch.device("cpu")
+        flags = torch.tensor(has_grad, dtype=torch.float32, device=device)
+        tensors = {key: (u, squeeze) for (key, u), squeeze in zip(updates, compress)}
+        tensors[_HAS_GRAD] = (flags, False)
+        self.exchange_(tensors, step=self.exchanges)
         self.exchanges += 1
         self.reducer.settle()  # the step's residuals kept, or put back if some rank sent the marker
-        return not nonfinite.received_marker([u for _, u in updates])
+        return not nonfinite.received_marker([u for _, u in updates]), (flags > 0).tolist()
 
     # ----- checkpoints ------------------------------------------------------------------------
 
@@ -288,3 +313,5 @@ class LocalAdamW(CompressedAdamBase):
 
 #: the compressor strings that name a schedule rather than a codec
 _SCHEDULES = ("auto", "kimad", "legacy", "edgc")
+#: the key of the flags (one per update: whether this rank had a gradient) in the exchange
+_HAS_GRAD = ("has_grad",)

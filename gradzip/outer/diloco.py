@@ -149,7 +149,8 @@ class DiLoCo:
         metrics: where the exchange's bytes and times go.
 
     Raises:
-        ValueError: naming the option and its allowed range, for any setting out of range.
+        ValueError: naming the option and its allowed range, for any setting out of range; for
+            an ``inner_optimizer`` that is not a ``torch.optim.Optimizer``, or a complex parameter.
 
     Payload per outer step of a fragment: the codec's payload for each of its buckets (the
     identity codec: 4 bytes per fp32 element); a full cycle of ``H`` inner steps sends every
@@ -203,9 +204,15 @@ class DiLoCo:
         replica_group: dist.ProcessGroup | None = None,
         metrics: StepMetrics | None = None,
     ) -> None:
+        if not isinstance(inner_optimizer, torch.optim.Optimizer):
+            raise ValueError("inner_optimizer must be a torch.optim.Optimizer over the model's parameters; "
+                             f"got {type(inner_optimizer).__name__}")
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("model has no trainable parameters (none with requires_grad) for DiLoCo to synchronise")
+        if any(p.is_complex() for p in self.params):
+            # the exchange's non-finite guard and the codecs read real tensors
+            raise ValueError("DiLoCo takes real parameters; a complex one was given (view it as real)")
         check_error_feedback(error_feedback)
         self.schedule = Schedule(sync_every=sync_every, fragments=fragments, delay=delay, n_tensors=len(self.params))
         self.outer_lr = _check_number(outer_lr, name="outer_lr", low=0, high=math.inf, low_open=True, high_open=True)
