@@ -194,7 +194,7 @@ def _split_embeddings(text: str, parts: list) -> tuple[str, str | None]:
 def _torch_hook(rest: str, text: str) -> TorchHookChoice:
     parts = parse_spec(rest) if rest.strip() else []
     if len(parts) != 1 or parts[0][0] not in TORCH_HOOKS:
-        raise SpecError(f"unknown PyTorch hook {text.strip()!r}; known: {accepted_names()}")
+        raise SpecError(f"unknown PyTorch hook {text.strip()!r}; known: {', '.join(f'torch:{n}' for n in TORCH_HOOKS)}")
     name, params = parts[0]
     unknown = sorted(set(params) - set(TORCH_HOOKS[name]))
     if unknown:

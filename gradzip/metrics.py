@@ -319,11 +319,23 @@ class StepMetrics:
         with self._lock:
             self.events.append(dict(event))
 
-    def pop(self) -> dict[str, Any]:
+    def pop(self, *, labelled: bool = False) -> dict[str, Any]:
         """This step's totals (``payload_bytes``, ``dense_bytes``, ``compression_ratio``,
         ``sent_bytes``, ``received_bytes``, times, bucket counts, ``buckets`` with, on monitored
         steps, ``quality``; ``events``; ``link`` when an adaptive reducer estimates the link),
-        then reset."""
+        then reset.
+
+        Args:
+            labelled: key ``buckets`` by each bucket's label (``"params 0-51"``,
+                :func:`gradzip.keys.label`) instead of its key (a tuple of the layout and the
+                parameters' indices and shapes), so that ``json.dumps`` takes the result.
+        """
+        if labelled:
+            from gradzip.keys import label
+
+            out = self.pop()
+            out["buckets"] = {label(key): entry for key, entry in out["buckets"].items()}
+            return out
         with self._lock:
             out = {
                 "payload_bytes": self.payload_bytes,

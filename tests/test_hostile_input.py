@@ -197,3 +197,25 @@ def test_int8_sums_are_refused_past_127_workers_before_any_starts(spec):
     with pytest.raises(ValueError, match=f"--auto-candidates: {spec} sums int8 codes over at most 127 workers"):
         TrainConfig(compressor="auto", auto_candidates=f"fp16;{spec}", world_size=128).validate()
     assert TrainConfig(compressor="auto", world_size=128).validate().world_size == 128
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--no-exchange", "--compressor", "topk:ratio=0.01"],
+     "--no-exchange sends nothing, so no --compressor applies; got --compressor topk:ratio=0.01"),
+    (["train", "--compressor", "torch:powersgd:approx_rank=-1"],
+     "--compressor torch:powersgd:approx_rank=-1: approx_rank must be an integer >= 1; got -1"),
+    (["train", "--compressor", "torch:foo"],
+     "--compressor torch:foo: unknown PyTorch hook 'torch:foo'; known: torch:allreduce, torch:fp16, torch:bf16, "
+     "torch:powersgd"),
+    (["bench", "--codecs", "torch:fp16"], "--codecs entry 'torch:fp16': PyTorch's DDP hooks run in gradzip train and "
+     "compare, not in bench"),
+    (["simulate", "--compressors", "none,kimad"], "--compressors entry 'kimad': kimad is a schedule that picks codecs "
+     "as a run trains; simulate takes codecs"),
+    (["simulate", "--compressors", "auto"], "--compressors entry 'auto': auto is a schedule"),
+    (["compare", "--bandwidth", "100mbt", "--compressors", "none"], "--bandwidth must look like 20mbit"),
+    (["simulate", "--codec-gbps", "-3"], "--codec-gbps must be a number of GB/s > 0"),
+])
+def test_options_that_cannot_apply_are_named_in_one_line(cli_env, argv, message):
+    err, code = _run_cli(argv)
+    assert code == 2 and err.count("\n") == 1, (code, err)
+    assert err.startswith(f"gradzip: error: {message}"), err

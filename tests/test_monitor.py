@@ -269,3 +269,26 @@ def test_routes_each_bucket_took_reach_the_records_and_the_summary():
     lines = mon.summary_lines()
     assert "bucket 1: dense from step 0: before the codec's start_step (1)" in lines
     assert "bucket 1: twophase from step 1: fewest bytes" in lines
+
+
+@pytest.mark.unit
+def test_popped_figures_labelled_by_bucket_go_into_json():
+    """``pop(labelled=True)`` keys each bucket by its label, so ``json.dumps`` takes the figures
+    (a bucket key is a tuple); the figures themselves are those of ``pop()``."""
+    import json
+
+    from gradzip.keys import bucket_key, label
+
+    first, second = bucket_key([0, 1, 2], [6, 4, 5]), bucket_key([3], [8])
+    twins = StepMetrics(), StepMetrics()
+    for m in twins:
+        m.add_bucket(first, payload_bytes=12, dense_bytes=60, collective="allreduce", sent_bytes=12)
+        m.add_bucket(second, payload_bytes=32, dense_bytes=32, collective="allgather", compressed=False)
+    plain, labelled = twins[0].pop(), twins[1].pop(labelled=True)
+    with pytest.raises(TypeError):
+        json.dumps(plain)
+    back = json.loads(json.dumps(labelled))
+    assert list(back["buckets"]) == ["params 0-2", "param 3"] == [label(first), label(second)]
+    assert back["buckets"]["params 0-2"] == plain["buckets"][first]
+    assert back["buckets"]["param 3"]["payload_bytes"] == 32 and back["payload_bytes"] == 44
+    assert twins[1].pop(labelled=True)["buckets"] == {}  # reset like pop()

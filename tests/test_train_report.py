@@ -1,8 +1,11 @@
-"""The run summary's count of steps where a count sketch did not peel its whole support."""
+"""The run summary (steps a count sketch did not peel, divergence, bytes a hook did not count, the
+exposed communication), the progress lines of a run whose stderr is not a terminal, and the
+checkpoints a new run clears from its folder."""
 
 import math
 
-from gradzip.lab.train.report import divergence, summarize, unpeeled_note
+from gradzip.lab.train.checkpoint import clear_earlier
+from gradzip.lab.train.report import ProgressLines, divergence, summarize, unpeeled_note
 
 
 def _record(step: int, buckets: dict) -> dict:
@@ -52,3 +55,38 @@ def test_bytes_a_hook_did_not_count_read_unknown_not_zero():
     assert counted["payload_bytes_per_step"] == 250 and counted["compression_ratio"] == 4
     # no exchange at all (world size 1): nothing to count, zero is the count
     assert summarize([dict(step, dense_bytes=0)])["payload_bytes_per_step"] == 0
+
+
+def test_exposed_communication_is_left_out_where_nothing_was_exchanged():
+    """fwd_bwd - compute alone - codec is communication only where something travelled; with no
+    exchange at all (``--no-exchange``) the same difference is noise and the summary leaves it out."""
+    step = {"payload_bytes": 0, "dense_bytes": 0, "sent_bytes": 0, "step_s": 1.0, "fwd_bwd_s": 0.9,
+            "optimizer_s": 0.1, "compress_s": 0.0, "decompress_s": 0.0, "communicate_s": 0.0, "elapsed_s": 1.0}
+    assert "exposed_communicate_s" not in summarize([step], compute_s=0.8)
+    sent = summarize([dict(step, payload_bytes=100, dense_bytes=400, compress_s=0.02, decompress_s=0.03)], compute_s=0.8)
+    assert math.isclose(sent["exposed_communicate_s"], 0.9 - 0.8 - 0.05)
+
+
+def test_progress_lines_print_a_twentieth_of_the_run_and_the_last_step(capsys):
+    lines = ProgressLines("train x", total=45, initial=0)
+    for step in range(45):
+        lines.set_postfix({"loss": f"{10 - step / 10:.3f}"})
+        lines.update(1)
+    printed = capsys.readouterr().err.splitlines()
+    # every 45 // 20 = 2 steps, and step 45
+    assert [int(line.split("step ")[1].split("/")[0]) for line in printed] == [*range(2, 45, 2), 45]
+    assert printed[-1].startswith("train x: step 45/45 (") and printed[-1].endswith("loss 5.600")
+
+
+def test_a_new_run_removes_the_checkpoints_an_earlier_run_left(tmp_path):
+    root = tmp_path / "checkpoints"
+    for name in ("step-000020", "step-000002", "step-000010"):
+        (root / name).mkdir(parents=True)
+        (root / name / "rank-0.pt").write_bytes(b"x")
+    (root / "latest").write_text("step-000020\n")
+    (root / "notes").mkdir()  # not a checkpoint: stays
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    assert clear_earlier(tmp_path) == ["step-000002", "step-000010", "step-000020"]
+    assert sorted(p.name for p in root.iterdir()) == ["notes"]
+    assert (tmp_path / "metrics.jsonl").exists()  # the run replaces it itself as it logs
+    assert clear_earlier(tmp_path) == [] and clear_earlier(tmp_path / "nowhere") == []

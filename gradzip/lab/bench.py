@@ -38,7 +38,7 @@ from gradzip.compressors.kernels import fused, native
 from gradzip.compressors.spec import split_spec_list
 from gradzip.compressors.values import check_int
 from gradzip.lab.bench_input import bench_input, heavy_tailed_gradient
-from gradzip.lab.options import list_entry
+from gradzip.lab.options import codec_only, list_entry
 
 __all__ = ["heavy_tailed_gradient", "measure", "run", "split_specs"]
 
@@ -217,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     check_int(args.repeats, name="--repeats", low=1, high=10**6)
     check_int(args.threads, name="--threads", low=1, high=1024)
     specs = split_specs(args.codecs) if args.codecs is not None else list(DEFAULT_CODECS)
-    codecs = [list_entry("--codecs", spec, build) for spec in specs]
+    codecs = [list_entry("--codecs", spec, lambda s: build(codec_only(s, "bench"))) for spec in specs]
     torch.set_num_threads(args.threads)
     numel = int(args.size_mb * (1 << 20)) // 4
     x, source = bench_input(numel, source=args.input, checkpoint=args.checkpoint)

@@ -187,6 +187,23 @@ def add_arguments(
         target.add_argument(flag, help=help_text, **kwargs)
 
 
+def codec_only(spec: str, command: str) -> str:
+    """``spec``, unless it names one of PyTorch's hooks or a schedule, which only a training run
+    can take: then a ``ValueError`` saying so (``command`` measures or models codecs alone)."""
+    from gradzip.choice import AUTO
+    from gradzip.control.schedules import LAYER_SCHEDULES
+
+    head = spec.strip().lower()
+    if head.startswith("torch:"):
+        raise ValueError(f"PyTorch's DDP hooks run in gradzip train and compare, not in {command}; name a gradzip "
+                         "codec (gradzip list)")
+    name = head.split(":")[0]
+    if name in (AUTO, *LAYER_SCHEDULES):
+        raise ValueError(f"{name} is a schedule that picks codecs as a run trains; {command} takes codecs "
+                         "(gradzip list)")
+    return spec
+
+
 def list_entry(option: str, spec: str, build: Callable[[str], Any], *, names: tuple[str, ...] | None = None) -> Any:
     """``build(spec)`` for one entry of a list option (``--codecs``, ``--compressors``), its
     ``ValueError`` naming the option and the entry: ``--codecs entry 'topk:ratio=1.5': ratio must

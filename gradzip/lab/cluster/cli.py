@@ -45,7 +45,10 @@ def _clean(args: argparse.Namespace) -> int:
 
 def _up(args: argparse.Namespace) -> int:
     check_int(args.hosts, name="--hosts", low=1, high=MAX_HOSTS)
-    parse_bandwidth(args.bandwidth)
+    try:
+        parse_bandwidth(args.bandwidth)
+    except ValueError as exc:
+        raise ValueError(f"--{exc}") from None
     problem = support_problem(pin_cpus=args.pin_cpus)
     if problem:
         raise ValueError(problem)
@@ -60,16 +63,18 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("cluster", help="emulated hosts on slow links (network namespaces + tbf; root)")
+    p = sub.add_parser("cluster", help="emulated hosts on slow links (network namespaces + tbf; root)",
+                       description="Emulated hosts on slow links: network namespaces joined by veth pairs on a "
+                                   "bridge, each link limited by tbf in both directions (root).")
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    a = actions.add_parser("check", help="say whether emulated hosts can be made here")
+    a = actions.add_parser("check", help="say whether emulated hosts can be made here", description="Say whether emulated hosts can be made here.")
     a.set_defaults(func=_check)
-    a = actions.add_parser("status", help="list gradzip clusters present and whether their owner runs")
+    a = actions.add_parser("status", help="list gradzip clusters present and whether their owner runs", description="List gradzip clusters present and whether their owner runs.")
     a.set_defaults(func=_status)
-    a = actions.add_parser("clean", help="remove clusters whose owning process is gone")
+    a = actions.add_parser("clean", help="remove clusters whose owning process is gone", description="Remove clusters whose owning process is gone.")
     a.add_argument("--force", action="store_true", help="also remove clusters of running owners")
     a.set_defaults(func=_clean)
-    a = actions.add_parser("up", help="make a cluster and hold it until Ctrl-C")
+    a = actions.add_parser("up", help="make a cluster and hold it until Ctrl-C", description="Make a cluster and hold it until Ctrl-C.")
     a.add_argument("--hosts", type=int, default=2, help="number of hosts (default 2)")
     a.add_argument("--bandwidth", default="100mbit", help="link rate each way, e.g. 20mbit, 1gbit (default 100mbit)")
     a.add_argument("--pin-cpus", action="store_true",

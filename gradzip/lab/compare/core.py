@@ -114,7 +114,10 @@ class CompareConfig:
             raise ValueError(f"--steps must be an integer >= 1; got {self.steps!r}")
         if self.network not in NETWORKS:
             raise ValueError(f"--network must be one of {', '.join(NETWORKS)}; got {self.network!r}")
-        parse_bandwidth(self.bandwidth)
+        try:
+            parse_bandwidth(self.bandwidth)
+        except ValueError as exc:
+            raise ValueError(f"--{exc}") from None
         if self.link_schedule is not None:
             if self.network != "emulated":
                 raise ValueError(f"--link-schedule changes the emulated hosts' links: it needs --network emulated; "

@@ -12,7 +12,7 @@ import torch
 from gradzip.compressors.spec import split_spec_list
 from gradzip.compressors.values import FLOAT_TEXT, INT_TEXT, check_int, check_number, shown
 from gradzip.lab.cli import writable_folder
-from gradzip.lab.options import list_entry
+from gradzip.lab.options import codec_only, list_entry
 from gradzip.lab.simulate.calibrate import (
     DEFAULT_LATENCY_US,
     TCP_GOODPUT,
@@ -160,7 +160,7 @@ def codec_speeds(methods: list[Method], codec_gbps: str | None) -> dict[str, Cod
         rate = float(value) if FLOAT_TEXT.fullmatch(value.strip()) else -1.0
         if not eq or not 0 < rate < math.inf or not key.strip():
             raise ValueError(
-                f"codec-gbps must be a number of GB/s > 0, name=GBPS items (default=GBPS for the rest) "
+                f"--codec-gbps must be a number of GB/s > 0, name=GBPS items (default=GBPS for the rest) "
                 f"or 'measure'; got {shown(codec_gbps)}"
             )
         rates[key.strip()] = rate
@@ -330,7 +330,8 @@ def run(args: argparse.Namespace) -> int:
     if args.calibrate:
         return run_calibration(args)
     scenario = scenario_from_args(args)
-    methods = [list_entry("--compressors", spec, Method) for spec in split_specs(args.compressors)]
+    methods = [list_entry("--compressors", spec, lambda s: Method(codec_only(s, "simulate")))
+               for spec in split_specs(args.compressors)]
     out = writable_folder(args.out, "--out")  # after the specs, so that a bad one leaves no folder
     sweep = sorted(set(_positive_ints(args.sweep, "--sweep", MAX_GPUS)) | {args.gpus})
     # Explicit rates win over measured ones, measured ones over the preset's assumption.

@@ -122,6 +122,24 @@ def save_checkpoint(
     return folder
 
 
+def clear_earlier(out: str | Path) -> list[str]:
+    """Remove the checkpoints an earlier run left in ``OUT/checkpoints`` (its step folders and the
+    ``latest`` pointer), before a new run writes its own there: the new run replaces the folder's
+    metrics and summary too, and a resumed run or a reader would otherwise meet two runs' steps.
+
+    Returns:
+        the names of the step folders removed, oldest first.
+    """
+    root = Path(out) / "checkpoints"
+    if not root.is_dir():
+        return []
+    folders = sorted((f for f in root.iterdir() if f.is_dir() and step_of(f) is not None), key=step_of)
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+    (root / "latest").unlink(missing_ok=True)
+    return [f.name for f in folders]
+
+
 def prune(root: Path, *, newest: int, keep: int) -> None:
     """Delete checkpoint folders at or before step ``newest`` except the ``keep`` newest complete
     ones (incomplete leftovers among them go too). Later steps, from another run, stay."""

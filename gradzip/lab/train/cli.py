@@ -16,10 +16,10 @@ Train a GPT-2 style language model on the Shakespeare plays (or --data FILE) acr
 data-parallel torch.distributed workers whose gradients travel compressed.
 
 With no arguments: 2 local gloo workers, a 3.7 M parameter model, powersgd:approx_rank=4,
-300 steps (about 10 minutes on 2 CPU cores). Under torchrun (RANK/WORLD_SIZE set) this process
+300 steps (about 3 minutes on 2 CPU cores). Under torchrun (RANK/WORLD_SIZE set) this process
 runs one rank instead of spawning. Writes OUT/metrics.jsonl, summary.json, loss.png (and
 layer_ratios.png, the compression ratio of every layer at every step, under kimad, legacy or edgc)
-and a checkpoint.
+and a checkpoint; a run without --resume first removes the checkpoints an earlier run left in OUT.
 
 examples:
   gradzip train
@@ -46,7 +46,8 @@ def add_parser(sub) -> None:
 
 def add_out_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, metavar="DIR",
-                   help=f"output folder (default {TrainConfig.out}, or the resumed run's folder)")
+                   help=f"output folder (default {TrainConfig.out}, or the resumed run's folder); a run that "
+                        "does not resume replaces what an earlier run left there, its checkpoints too")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

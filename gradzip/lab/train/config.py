@@ -192,6 +192,8 @@ class TrainConfig:
         from gradzip.lab.train.optimizers import is_adamw
 
         adamw = is_adamw(self.optimizer)
+        if self.no_exchange and self.compressor.strip().lower() not in ("none", TrainConfig.compressor):
+            raise ValueError(f"--no-exchange sends nothing, so no --compressor applies; got --compressor {self.compressor}")
         if self.no_exchange and not adamw:
             raise ValueError(f"--no-exchange measures compute alone with adamw; --optimizer {self.optimizer} exchanges "
                              "its own payload, which --no-exchange would not stop")
@@ -204,7 +206,12 @@ class TrainConfig:
         from gradzip.lab.train.outer import check_outer
 
         if self.outer is None or self.replica_size > 1:  # one rank per replica builds no hook
-            check_hook(self)
+            try:
+                check_hook(self)
+            except ValueError as exc:  # a hook's own message names only its parameter
+                if str(exc).startswith("--"):
+                    raise
+                raise type(exc)(f"--compressor {self.compressor}: {exc}") from None
         # the codecs whose int8 sums bound the workers: the one compressor, or auto's named candidates
         codec = getattr(choice, "codec", None)
         named = [(f"--compressor {codec.spec}", codec)] if codec is not None else []

@@ -117,7 +117,8 @@ def _read_status(status_dir: str, rank: int) -> dict:
 def launch(cfg: TrainConfig, notes: list[str] | None = None, *, checkpoint: Path | None = None) -> dict[str, Any] | None:
     """Validate, then train. Returns rank 0's summary where this process ran or spawned rank 0.
     ``notes``: lines to print on stderr once every check has passed (rank 0). ``checkpoint``: the
-    folder ``cfg.resume`` names, where the caller has found (and verified) it already.
+    folder ``cfg.resume`` names, where the caller has found (and verified) it already. A run that
+    does not resume removes the checkpoints an earlier run left in ``--out``, saying so.
 
     Raises:
         ValueError: for bad settings (before any worker starts).
@@ -149,6 +150,14 @@ def launch(cfg: TrainConfig, notes: list[str] | None = None, *, checkpoint: Path
     if cfg.progress and os.environ.get("RANK", "0") == "0":
         for note in filter(None, notes):
             report.status(f"note: {note}")
+    if not cfg.resume and os.environ.get("RANK", "0") == "0":
+        from gradzip.lab.train.checkpoint import clear_earlier
+
+        removed = clear_earlier(cfg.out)
+        if removed:
+            print(f"{report.command()}: --out {cfg.out}: removed the {len(removed)} checkpoint(s) an earlier run left "
+                  f"there ({removed[0]}{' to ' + removed[-1] if len(removed) > 1 else ''}); --resume {cfg.out} "
+                  "continues a run instead", file=sys.stderr)
     if under_torchrun():
         from gradzip.lab.train.loop import train_worker
 

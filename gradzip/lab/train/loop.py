@@ -384,12 +384,16 @@ def outer_counts(comm: dict[str, Any], model: torch.nn.Module, replica_group, *,
 
 
 def _progress(cfg: TrainConfig, is_main: bool, start_step: int = 0):
+    """tqdm's bar on a terminal; where stderr is a file or a pipe (a job's log), a line every
+    twentieth of the run instead, since the bar's redraws would pile up there as one long line."""
     if not (is_main and cfg.progress):
         return None
+    name = f"train {optimizer_label(cfg.optimizer, run_name(cfg))}"
+    if not sys.stderr.isatty():
+        return report.ProgressLines(name, total=cfg.steps, initial=start_step)
     from tqdm import tqdm
 
-    name = optimizer_label(cfg.optimizer, run_name(cfg))
-    return tqdm(total=cfg.steps, initial=start_step, desc=f"train {name}", unit="step", dynamic_ncols=True)
+    return tqdm(total=cfg.steps, initial=start_step, desc=name, unit="step", dynamic_ncols=True)
 
 
 def _update_progress(bar, record: dict[str, Any], tokens_per_step: int, skipped_steps: int = 0) -> None:

@@ -7,6 +7,8 @@ import json
 import math
 import os
 import statistics
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,32 @@ def command() -> str:
 def status(text: str) -> None:
     """One line saying what the main job is doing before its progress bar starts (stdout, at once)."""
     print(f"{command()}: {text}", flush=True)
+
+
+class ProgressLines:
+    """The progress bar's place where stderr is not a terminal: one line per twentieth of the
+    run (and the last step), with the bar's figures. Takes the calls the loop makes on tqdm's
+    bar: ``set_postfix``, ``update``, ``close``."""
+
+    def __init__(self, name: str, *, total: int, initial: int = 0, lines: int = 20) -> None:
+        self.name, self.total, self.n = name, total, initial
+        self.every = max(1, total // lines)
+        self.postfix: dict[str, Any] = {}
+        self.start = time.perf_counter()
+
+    def set_postfix(self, postfix: dict[str, Any], refresh: bool = True) -> None:
+        self.postfix = dict(postfix)
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.n % self.every == 0 or self.n >= self.total:
+            figures = " ".join(f"{k} {v}" for k, v in self.postfix.items())
+            elapsed = time.perf_counter() - self.start
+            print(f"{self.name}: step {self.n}/{self.total} ({elapsed:.0f} s) {figures}".rstrip(), file=sys.stderr,
+                  flush=True)
+
+    def close(self) -> None:
+        pass
 
 
 class RunLog:
@@ -101,7 +129,7 @@ def summarize(records: list[dict[str, Any]], **fields: Any) -> dict[str, Any]:
         summary["unpeeled_steps"] = sum(1 for counts in unpeeled if sum(counts))
         summary["unpeeled_max"] = max(sum(counts) for counts in unpeeled)
     compute = summary.get("compute_s")
-    if compute is not None:
+    if compute is not None and dense > 0:  # with no exchange at all, what is left is noise, not communication
         exposed = summary["fwd_bwd_s_median"] - compute - summary["compress_s_median"]
         summary["exposed_communicate_s"] = max(0.0, exposed)
     return summary
