@@ -62,19 +62,24 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _action(actions, name: str, text: str) -> argparse.ArgumentParser:
+    """A subcommand whose ``--help`` opens with the line ``gradzip cluster --help`` lists it by."""
+    return actions.add_parser(name, help=text, description=text[0].upper() + text[1:] + ".")
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("cluster", help="emulated hosts on slow links (network namespaces + tbf; root)",
                        description="Emulated hosts on slow links: network namespaces joined by veth pairs on a "
                                    "bridge, each link limited by tbf in both directions (root).")
     actions = p.add_subparsers(dest="action", metavar="ACTION", required=True)
-    a = actions.add_parser("check", help="say whether emulated hosts can be made here", description="Say whether emulated hosts can be made here.")
+    a = _action(actions, "check", "say whether emulated hosts can be made here")
     a.set_defaults(func=_check)
-    a = actions.add_parser("status", help="list gradzip clusters present and whether their owner runs", description="List gradzip clusters present and whether their owner runs.")
+    a = _action(actions, "status", "list gradzip clusters present and whether their owner runs")
     a.set_defaults(func=_status)
-    a = actions.add_parser("clean", help="remove clusters whose owning process is gone", description="Remove clusters whose owning process is gone.")
+    a = _action(actions, "clean", "remove clusters whose owning process is gone")
     a.add_argument("--force", action="store_true", help="also remove clusters of running owners")
     a.set_defaults(func=_clean)
-    a = actions.add_parser("up", help="make a cluster and hold it until Ctrl-C", description="Make a cluster and hold it until Ctrl-C.")
+    a = _action(actions, "up", "make a cluster and hold it until Ctrl-C")
     a.add_argument("--hosts", type=int, default=2, help="number of hosts (default 2)")
     a.add_argument("--bandwidth", default="100mbit", help="link rate each way, e.g. 20mbit, 1gbit (default 100mbit)")
     a.add_argument("--pin-cpus", action="store_true",
