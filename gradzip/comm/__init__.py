@@ -67,7 +67,8 @@ def make_reducer(
     Args:
         compressor: e.g. ``"topk:ratio=0.01"``.
         group: process group; None for the default group.
-        error_feedback: override the codec's default (single-round codecs only).
+        error_feedback: override the codec's default (single-round codecs; a codec that brings
+            its own rounds keeps its own error feedback, and turning it off raises).
         collective: ``auto``, ``allreduce``, ``allgather`` or ``twophase`` (single-round codecs;
             multi-round codecs take only ``auto``).
         min_compress_bytes: tensors with fewer raw bytes travel uncompressed, fused (single-round
@@ -82,7 +83,7 @@ def make_reducer(
 
     Raises:
         ValueError: for a bad spec, an impossible collective, a negative
-            ``min_compress_bytes`` or a ``feedback_decay`` that does not apply.
+            ``min_compress_bytes``, or a ``feedback_decay`` or ``error_feedback`` that does not apply.
     """
     check_error_feedback(error_feedback)
     codec = build(compressor)
@@ -93,6 +94,9 @@ def make_reducer(
             raise ValueError(f"min_compress_bytes applies to single-round codecs, not {codec.name}; got {min_compress_bytes!r}")
         if feedback_decay != 1.0:
             raise ValueError(f"feedback_decay applies to single-round codecs, not {codec.name}; got {feedback_decay!r}")
+        if error_feedback is not None and error_feedback != codec.error_feedback:
+            raise ValueError(f"error_feedback={error_feedback}: {codec.name} brings its own rounds and keeps its own "
+                             f"error feedback, always {'on' if codec.error_feedback else 'off'}")
         return own_reducer(codec, group=group, queue=queue, metrics=metrics, ledger=ledger)
     return CompressedReducer(
         codec, group=group, error_feedback=error_feedback, collective=collective,

@@ -68,7 +68,7 @@ from gradzip.comm.routes import REGISTRY, choose_shard_route
 from gradzip.compressors import Compressor, Payload
 from gradzip.compressors.kernels import wire
 from gradzip.compressors.lowrank import PowerSGD
-from gradzip.feedback import ErrorFeedback
+from gradzip.feedback import ErrorFeedback, check_error_feedback
 from gradzip.metrics import StepMetrics
 
 try:  # the interface class is private; any object with allocate() and __call__() works
@@ -164,7 +164,8 @@ class CompressedReduceScatter(ReduceScatterBase):
     own, what that reducer hands for the module's ``world_size * c`` elements (as under DDP).
 
     Raises:
-        ValueError: for a codec with a reducer of its own whose payloads do not add up.
+        ValueError: for a codec with a reducer of its own whose payloads do not add up, or an
+            ``error_feedback`` other than True, False or None, or one that codec cannot follow.
     """
 
     def __init__(
@@ -177,6 +178,10 @@ class CompressedReduceScatter(ReduceScatterBase):
         metrics: StepMetrics | None = None,
         queue: CollectiveQueue | None = None,
     ) -> None:
+        check_error_feedback(error_feedback)
+        if compressor.multi_round and error_feedback is not None and error_feedback != compressor.error_feedback:
+            raise ValueError(f"error_feedback={error_feedback}: {compressor.name} brings its own rounds and keeps its "
+                             f"own error feedback, always {'on' if compressor.error_feedback else 'off'}")
         self.compressor = compressor
         self.name = name
         self.shard_shapes = None if shard_shapes is None else [torch.Size(s) for s in shard_shapes]
