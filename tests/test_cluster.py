@@ -26,7 +26,7 @@ from gradzip.lab.cluster import (
     parse_bandwidth,
     support_problem,
 )
-from gradzip.lab.cluster.netns import host_cpus, list_namespaces
+from gradzip.lab.cluster.netns import burst_bytes, host_cpus, list_namespaces
 from gradzip.lab.cluster.schedule import LinkSchedule, RateChange, format_link_schedule, parse_link_schedule
 
 PROBLEM = support_problem() if sys.platform.startswith("linux") else "emulated hosts need Linux"
@@ -52,6 +52,11 @@ def test_parse_bandwidth():
             parse_bandwidth(bad)
     with pytest.raises(ValueError, match="num_hosts"):
         Cluster(0)
+    # the fastest rate taken still has a tbf bucket tc can hold (a 32-bit byte count); one past it is refused
+    assert parse_bandwidth("10000gbit") == 10**13 and burst_bytes(10**13) == 10**13 // 8000 < 2**32
+    for fast in ("10001gbit", "40000gbit", "1000000gbit"):
+        with pytest.raises(ValueError, match="between 64kbit and 10000gbit"):
+            parse_bandwidth(fast)
 
 
 def test_parse_link_schedule():

@@ -26,7 +26,7 @@ from gradzip.lab.compare import (
     split_compressors,
     time_to_target,
 )
-from gradzip.lab.compare.runner import Emulated, RunResult
+from gradzip.lab.compare.runner import Emulated, RunResult, _death
 
 FAKE_PREFIX = (sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "fake_train.py"))
 
@@ -165,7 +165,10 @@ def test_orchestration_hung_and_crashed_runs(tmp_path):
     assert by["crash"]["status"] == "failed" and by["crash"]["error"] == "rank 1: RuntimeError: boom on rank 1"
     assert by["fp16"]["status"] == "ok" and by["fp16"]["speedup"] == pytest.approx(1.6)
     assert by["fp16"]["time_to_target_s"] == pytest.approx(1.0) and by["fp16"]["wire_bytes"] is None
-    assert len(lines) == 6 and lines[3].startswith("[4/5] hang") and "timeout" in lines[3]
+    # a line per run, then the summary (the target, a header, a row per entry) and where the report is
+    assert len(lines) == 5 + 2 + 5 + 1 and lines[3].startswith("[4/5] hang") and "timeout" in lines[3]
+    assert lines[5].startswith("target validation loss") and lines[-1].startswith(f"wrote {cfg.out}/report.md")
+    assert lines[10].startswith("hang (timeout)") and lines[11].startswith("crash (failed)")
 
     out = Path(cfg.out)
     saved = json.loads((out / "results.json").read_text())
@@ -309,3 +312,30 @@ def test_smoke_real_main_job_on_loopback(tmp_path):
     assert rows["none"]["speedup"] == 1.0 and rows["fp16"]["speedup"] > 0
     assert (out / "report.md").exists() and (out / "loss_vs_bytes.png").exists()
     assert not (out / "runs" / "fp16" / "checkpoints").exists()
+
+
+def test_a_rank_a_signal_ended_is_reported_by_the_signal():
+    """Its log's last line says nothing of the cause; SIGKILL names the usual sender."""
+    import signal
+
+    assert _death(0) is None and _death(1) is None
+    assert _death(-signal.SIGKILL).startswith("killed by SIGKILL (the kernel's out-of-memory killer")
+    assert _death(-signal.SIGSEGV) == "killed by SIGSEGV"
+
+
+def test_the_terminal_summary_aligns_the_first_figures_of_every_entry():
+    from gradzip.lab.compare.report import summary_lines
+
+    def row(name, step_s, speedup, ttt, loss, sent, status="ok"):
+        return {"compressor": name, "status": status, "step_s": step_s, "speedup": speedup, "time_to_target_s": ttt,
+                "final_val_loss": loss, "sent_bytes": sent}
+
+    lines = summary_lines([row("limit", 0.5, 4.0, None, 5.8, 0), row("none", 2.0, 1.0, 100.0, 5.6, 1e9),
+                           row("powersgd:approx_rank=4", 0.9, 2.22, None, 5.7, 2.5e7, status="failed")], 5.656)
+    assert lines[0] == "target validation loss 5.6560"
+    assert lines[1].split() == ["compressor", "step", "s", "speedup", "time", "to", "target", "s", "final", "val", "loss",
+                                "sent", "MB/rank"]
+    assert lines[2].split() == ["limit", "0.500", "4.00x", "n/a", "5.8000", "0.0"]
+    assert lines[3].split()[:5] == ["none", "2.000", "1.00x", "100", "5.6000"]
+    assert lines[4].startswith("powersgd:approx_rank=4 (failed)") and "not reached" in lines[4]
+    assert len({len(line) for line in lines[1:]}) == 1  # aligned columns

@@ -60,8 +60,10 @@ class ClusterError(RuntimeError):
     """The cluster could not be created (not root, no netns support, a failed ``ip``/``tc``)."""
 
 
-#: the fastest link rate taken, bits per second (well past any NIC; keeps the rate an exact int)
-MAX_BANDWIDTH = 10**15
+#: the fastest link rate taken, bits per second: 10 Tbit/s, well past any NIC, and low enough that
+#: the ``tbf`` bucket (1 ms at the rate, :func:`burst_bytes`) fits tc's 32-bit byte count (past
+#: about 34 Tbit/s it does not, and tc refuses the link)
+MAX_BANDWIDTH = 10**13
 
 
 def parse_bandwidth(text: str | int) -> int:

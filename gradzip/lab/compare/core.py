@@ -330,7 +330,9 @@ def write_outputs(out: Path, rounds: list[list[RunResult]], setup: dict[str, Any
     report.write_report(out, rows, setup, target)
     # the curves of the first round (losses are the same in every round; times differ a little)
     plots = report.write_plots(out, rounds[0], rows, setup, target["target_loss"])
-    log(f"wrote {out}/report.md, results.json, {', '.join(p.name for p in plots)}")
+    for line in report.summary_lines(rows, target["target_loss"]):
+        log(line)
+    log(f"wrote {out}/report.md (every figure), results.json, {', '.join(p.name for p in plots)}")
     return rows
 
 

@@ -74,6 +74,27 @@ def table(rows: Sequence[dict[str, Any]], *, wire: bool) -> str:
     return "\n".join(lines)
 
 
+def summary_lines(rows: Sequence[dict[str, Any]], target_loss: float | None) -> list[str]:
+    """The end of a comparison on the terminal: the target and, per entry, the figures a reader
+    looks for first, in aligned columns (``report.md`` has them all)."""
+    head = ("compressor", "step s", "speedup", "time to target s", "final val loss", "sent MB/rank")
+    body = []
+    for r in rows:
+        is_limit = r["compressor"] == LIMIT
+        body.append((
+            r["compressor"] + ("" if r["status"] == "ok" else f" ({r['status']})"),
+            _num(r["step_s"], ".3f"),
+            _num(r["speedup"], ".2f") + ("x" if r["speedup"] is not None else ""),
+            "n/a" if is_limit else _seconds(r["time_to_target_s"], "not reached"),
+            _num(r["final_val_loss"], ".4f"),
+            _mb(r["sent_bytes"]) if r["sent_bytes"] is not None else "unknown",
+        ))
+    widths = [max(len(row[i]) for row in (head, *body)) for i in range(len(head))]
+    fmt = "  ".join(f"{{:<{w}}}" if i == 0 else f"{{:>{w}}}" for i, w in enumerate(widths))
+    return [f"target validation loss {_num(target_loss, '.4f', 'none')}", fmt.format(*head),
+            *(fmt.format(*row) for row in body)]
+
+
 def write_results(out: Path, rows: Sequence[dict[str, Any]]) -> Path:
     path = out / "results.json"
     path.write_text(json.dumps(list(rows), indent=2) + "\n")

@@ -250,7 +250,7 @@ def launch_run(
         if failed:
             # the rank that failed first is the one whose error explains the others'
             rank = first_failure[0] if first_failure is not None else failed[0]
-            result.error = f"rank {rank}: {_last_line(logs / f'rank{rank}.log')}"
+            result.error = f"rank {rank}: {_death(procs[rank].returncode) or _last_line(logs / f'rank{rank}.log')}"
             result.status = "timeout" if "timed out" in result.error.lower() else "failed"
     if link_changes:
         result.link_changes = applied_changes(schedule)
@@ -263,6 +263,20 @@ def launch_run(
         {"label": label, "status": result.status, "error": result.error, "process_wall_s": result.process_wall_s,
          "tx_bytes": result.tx_bytes, "link_changes": result.link_changes}, indent=2) + "\n")  # fmt: skip
     return result
+
+
+def _death(returncode: int) -> str | None:
+    """What a rank's exit status says when a signal ended it (None for an exit of its own): its
+    log's last line then says nothing of the cause."""
+    if returncode >= 0:
+        return None
+    try:
+        name = signal.Signals(-returncode).name
+    except ValueError:
+        name = f"signal {-returncode}"
+    if -returncode == signal.SIGKILL:
+        return f"killed by {name} (the kernel's out-of-memory killer, if nothing else sent it: see dmesg)"
+    return f"killed by {name}"
 
 
 def load_run(out_dir: Path) -> RunResult:
