@@ -171,6 +171,7 @@ class AutoReducer:
         self._seen: set[Hashable] = set()  # buckets hooked in this window (DDP's layout may change)
         self._periods: list[float] = []
         self._sums: dict[Hashable, Tensor] = {}
+        self._step_sums: dict[Hashable, tuple[int, Tensor]] = {}  # this step's gradients, not yet settled
         self._probes: dict[Hashable, list[dict[str, float]]] = {}
         # ||x|| of what the running codec was handed on the window's last step, per bucket
         self._handed_norms: dict[Hashable, float] = {}
@@ -218,11 +219,9 @@ class AutoReducer:
             self.carry.pop(key, None)
         in_window = self._track(key, grad, step, shapes)
         if in_window and self.controller.needs_gradient_sum and nonfinite.is_finite(grad):
-            total = self._sums.get(key)
-            if total is None or total.shape != grad.shape:
-                self._sums[key] = grad.detach().float().clone()
-            else:
-                total += grad
+            # held until the step is settled: a step some rank skipped (a non-finite gradient
+            # there) must not enter the window's sums
+            self._step_sums[key] = (step, grad.detach().float().clone())
         if in_window and step == self.window_end - 1:
             checks = getattr(self.controller, "checks_running_error", False) and self.choices.get(key, 0) != 0
             if self.probe_this_window or checks:
@@ -275,11 +274,25 @@ class AutoReducer:
             reducer.flush()
 
     def settle(self) -> None:
-        """Settle every candidate's open step (see :meth:`CompressedReducer.settle`) and the
-        carries the step spent."""
+        """Settle every candidate's open step (see :meth:`CompressedReducer.settle`), the
+        carries the step spent and the gradients it adds to the window's sums."""
         for reducer in self.reducers:
             reducer.settle()
         self._settle_carry()
+        self._settle_sums()
+
+    def _settle_sums(self) -> None:
+        """Add the gradients of the step just ended to the window's sums, unless some rank
+        skipped it (called between steps: at the next step's start, or before a state_dict)."""
+        step_sums, self._step_sums = self._step_sums, {}
+        for key, (step, grad) in step_sums.items():
+            if not self.ledger.finite(step):
+                continue
+            total = self._sums.get(key)
+            if total is None or total.shape != grad.shape:
+                self._sums[key] = grad
+            else:
+                total += grad
 
     def force(self, at_step: int, choices: dict[Hashable, str | int]) -> None:
         """Make buckets use given candidates from ``at_step`` on (call identically on every rank).
@@ -319,6 +332,7 @@ class AutoReducer:
 
     def _start_step(self, step: int) -> None:
         self._settle_carry()
+        self._settle_sums()
         now = time.perf_counter()
         previous = self._step
         if previous is not None and step == previous + 1 and self._step_first_s is not None:
@@ -377,7 +391,10 @@ class AutoReducer:
     def _gather(self, step: int) -> dict[str, Any]:
         """The window's figures, their all_reduce launched (MAX over ranks): what
         :meth:`_resolve` reads back, waiting for it."""
-        order = self._order = [k for k in self._order if k in self._seen]
+        order = [k for k in self._order if k in self._seen]
+        # a list of its own: a late decision reads `order` back a step later, by when _track may
+        # have added buckets (a fresh DDP's first layout) to self._order
+        self._order = list(order)
         probed = self.probe_this_window and all(k in self._probes for k in order)
         steps = max(1, self.window_end - self.window_start)
         values: list[float] = []
@@ -729,6 +746,7 @@ class AutoReducer:
             self.shapes.update({k: [torch.Size(s) for s in v] for k, v in state.get("shapes", {}).items()})
             self._itemsize.update(state.get("itemsize", {}))
             self._sums = {k: v.clone() for k, v in state.get("sums", {}).items()}
+            self._step_sums = {}
             self._probes = {k: [dict(p) for p in v] for k, v in state.get("probes", {}).items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

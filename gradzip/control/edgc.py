@@ -91,7 +91,8 @@ class EDGCConfig:
     """Steps per probed rank; the first of each is left out of its time."""
 
     def validate(self) -> EDGCConfig:
-        for name, low in (("max_rank", 0), ("window", 2), ("sample_every", 1), ("stride", 1), ("bins", 2),
+        # a window of the per-layer exchange holds at least 3 steps (LayerSchedule.min_window_steps)
+        for name, low in (("max_rank", 0), ("window", 3), ("sample_every", 1), ("stride", 1), ("bins", 2),
                           ("rank_step", 2), ("probe_steps", 3)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

@@ -376,6 +376,9 @@ class KimadController(LayerSchedule):
         crossed = self.tier is not None and tier != self.tier  # hysteresis holds no plan across tiers
         if not refreshed and not crossed and self.budget is not None and _within(budget, self.budget, self.cfg.hysteresis):
             return Plan({}, 1, {}, f"{head}: within {self.cfg.hysteresis:.0%} of the plan's; kept", probe_next, quiet=True)
+        for k in keys:  # a bucket with no candidate to price (1-D tensors under powersgd) waits for none
+            if k not in self.errors and not any(self.probe_specs(k, self.layout[k][0])):
+                self.errors[k] = [{} for _ in self.layout[k][0]]
         if tier == SPLIT and any(k not in self.errors for k in keys):
             return Plan({}, 1, {}, f"{head}: the budget must be split; pricing the layers", True, quiet=True)
         before = {k: self.plans.get(k) for k in keys}

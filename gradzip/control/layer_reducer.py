@@ -111,6 +111,10 @@ class LayerAutoReducer(AutoReducer):
         return self._sample_entropy(fut, step)
 
     def _decide(self, step: int) -> None:
+        if self._layer_probes and not self.ledger.finite(self.window_end - 1):
+            # the probed step was skipped on every rank (a non-finite gradient on some rank):
+            # its errors are of a step that, for training, never ran
+            self._layer_probes, self._probe_lists = {}, {}
         self._probes = {k: [] for k in self._layer_probes}  # marks the probed buckets for the base
         super()._decide(step)
         self._layer_probes = {}

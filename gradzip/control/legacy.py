@@ -74,8 +74,11 @@ class LegacyConfig:
         for row in self.policy:
             for cell in row:
                 ladder.build(cell)  # the codec's own range check
-        if len(self.policy) > 1 and (not isinstance(self.total_steps, int) or self.total_steps < 1):
-            raise ValueError(f"total_steps must be an integer >= 1 with several phases; got {self.total_steps!r}")
+        if self.total_steps is not None and (isinstance(self.total_steps, bool) or not isinstance(self.total_steps, int)
+                                             or self.total_steps < 1):
+            raise ValueError(f"total_steps must be an integer >= 1; got {self.total_steps!r}")
+        if len(self.policy) > 1 and self.total_steps is None:
+            raise ValueError("total_steps must be an integer >= 1 with several phases; got None")
         return self
 
 
