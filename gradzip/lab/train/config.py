@@ -23,6 +23,17 @@ FINETUNE_DEFAULTS = {"model": SMOLLM2, "lr": 1e-4, "warmup_steps": 10, "steps": 
 DEFAULT_COMPRESSOR = "powersgd:approx_rank=4"
 
 
+def _naming(option: str, check, cfg) -> None:
+    """``check(cfg)``, its ``ValueError`` prefixed with ``option`` where the message does not name
+    an option already (a hook's or an optimizer's own message names only its parameter)."""
+    try:
+        check(cfg)
+    except ValueError as exc:
+        if str(exc).startswith("--"):
+            raise
+        raise type(exc)(f"{option}: {exc}") from None
+
+
 @dataclass
 class TrainConfig:
     """Everything ``gradzip train`` needs; :meth:`validate` raises ``ValueError`` on bad values.
@@ -192,7 +203,7 @@ class TrainConfig:
         from gradzip.lab.train.optimizers import is_adamw
 
         adamw = is_adamw(self.optimizer)
-        if self.no_exchange and self.compressor.strip().lower() not in ("none", TrainConfig.compressor):
+        if self.no_exchange and self.compressor.strip().lower() not in ("none", DEFAULT_COMPRESSOR):
             raise ValueError(f"--no-exchange sends nothing, so no --compressor applies; got --compressor {self.compressor}")
         if self.no_exchange and not adamw:
             raise ValueError(f"--no-exchange measures compute alone with adamw; --optimizer {self.optimizer} exchanges "
@@ -206,12 +217,7 @@ class TrainConfig:
         from gradzip.lab.train.outer import check_outer
 
         if self.outer is None or self.replica_size > 1:  # one rank per replica builds no hook
-            try:
-                check_hook(self)
-            except ValueError as exc:  # a hook's own message names only its parameter
-                if str(exc).startswith("--"):
-                    raise
-                raise type(exc)(f"--compressor {self.compressor}: {exc}") from None
+            _naming(f"--compressor {self.compressor}", check_hook, self)
         # the codecs whose int8 sums bound the workers: the one compressor, or auto's named candidates
         codec = getattr(choice, "codec", None)
         named = [(f"--compressor {codec.spec}", codec)] if codec is not None else []
@@ -225,12 +231,7 @@ class TrainConfig:
                 raise ValueError(f"{what} sums int8 codes over at most {limit} workers; --world-size is {self.world_size}")
         check_outer(self)
 
-        try:
-            check_optimizer(self)
-        except ValueError as exc:  # the optimizer's own message names only its parameter
-            if str(exc).startswith("--"):
-                raise
-            raise type(exc)(f"--optimizer {self.optimizer}: {exc}") from None
+        _naming(f"--optimizer {self.optimizer}", check_optimizer, self)
         self._drop_unused_hook()
         if os.path.exists(self.out) and not os.path.isdir(self.out):
             raise ValueError(f"--out must be a folder; {self.out} is a file")
