@@ -265,3 +265,34 @@ def test_steps_each_replica_skipped_alone_are_all_counted_in_the_summary(tmp_pat
     for name, summary in summaries.items():
         assert (summary["skipped_steps"], summary["skipped_steps_by_replica"]) == (3, [0, 2, 1]), name
         assert re.search(r"\nskipped steps +3 \(each replica its own: 0, 2, 1\)", summary_table(summary)), name
+
+
+@pytest.mark.e2e
+def test_sigterm_to_a_comparison_stops_its_runs(tmp_path):
+    """``gradzip compare`` stopped by SIGTERM stops the run in progress as Ctrl-C does: exit 143,
+    one line, no worker left."""
+    data = write_corpus(tmp_path / "corpus.txt")
+    env = dict(os.environ, GRADZIP_CACHE=str(tmp_path / "cache"), PYTHONPATH=str(ROOT))
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "gradzip", "compare", "--network", "loopback", "--world-size", "2", "--steps", "100000",
+           "--compressors", "none", "--no-limit", "--out", str(out), "--data", data, "--vocab-size", "300",
+           "--seq-len", "32", "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--batch-size", "2",
+           "--eval-every", "100000"]
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        metrics = None
+        deadline = time.monotonic() + 240
+        while metrics is None or metrics.read_text().count("\n") < 2:
+            found = list(out.glob("runs/*/metrics.jsonl"))
+            metrics = found[0] if found else None
+            assert proc.poll() is None and time.monotonic() < deadline, "the comparison's run never trained"
+            time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)  # to the command alone, not its group
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == "gradzip: terminated (SIGTERM); the workers were stopped", err
+    assert _group_empty(proc.pid, wait_s=15), "a worker of the comparison is still running"

@@ -132,5 +132,8 @@ def run(args: argparse.Namespace) -> int:
     if args.report_only:
         rows = rewrite_report(args.out, target_loss=args.target_loss, target_margin=args.target_margin)
         return 0 if all(r["status"] == "ok" for r in rows) else 1
-    rows = run_compare(config(args), log=lambda line: print(line, flush=True))
+    from gradzip.lab.train.launch import sigterm_as_interrupt
+
+    with sigterm_as_interrupt():  # stopped by a scheduler: the runs and the hosts go as on Ctrl-C
+        rows = run_compare(config(args), log=lambda line: print(line, flush=True))
     return 0 if all(r["status"] == "ok" for r in rows) else 1

@@ -12,6 +12,7 @@ to resume from.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import multiprocessing.connection
@@ -258,6 +259,20 @@ def _terminated(signum, frame) -> None:
     raise Terminated()
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt():
+    """Within the block, SIGTERM (a scheduler's or timeout's stop) unwinds like Ctrl-C, as
+    :class:`Terminated`, so the caller's interrupt handling stops what it started; only the main
+    thread may set a handler (elsewhere this does nothing)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
+    try:
+        yield
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
 def spawn_workers(cfg: TrainConfig) -> None:
     """Run ``cfg.world_size`` local workers to the end.
 
@@ -273,18 +288,12 @@ def spawn_workers(cfg: TrainConfig) -> None:
             _spawned, args=(cfg, store.port, status_dir, os.getpid()), nprocs=cfg.world_size, join=False,
             start_method="spawn",
         )
-        # SIGTERM (a scheduler's or timeout's stop) unwinds here like Ctrl-C; only the main
-        # thread may set a handler
-        main_thread = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGTERM, _terminated) if main_thread else None
-        try:
-            failure = wait_for_workers(ctx.processes, status_dir, GRACE_S, store)
-        except KeyboardInterrupt:
-            _stop(ctx.processes, GRACE_S)
-            raise
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+        with sigterm_as_interrupt():
+            try:
+                failure = wait_for_workers(ctx.processes, status_dir, GRACE_S, store)
+            except KeyboardInterrupt:
+                _stop(ctx.processes, GRACE_S)
+                raise
     if failure is not None:
         raise WorkerFailed(failure + _resume_hint(cfg.out)) from None
 
