@@ -339,3 +339,18 @@ def test_the_terminal_summary_aligns_the_first_figures_of_every_entry():
     assert lines[3].split()[:5] == ["none", "2.000", "1.00x", "100", "5.6000"]
     assert lines[4].startswith("powersgd:approx_rank=4 (failed)") and "not reached" in lines[4]
     assert len({len(line) for line in lines[1:]}) == 1  # aligned columns
+
+
+def test_the_report_shows_a_hooks_uncounted_codec_and_comm_seconds_as_unknown():
+    from gradzip.lab.compare.report import table
+
+    def row(name, payload):
+        return {"compressor": name, "status": "ok", "wall_s": 40.0, "step_s": 0.9, "speedup": 3.0,
+                "fraction_of_limit": 1.0, "time_to_target_s": 41.5, "compute_utilisation": 0.9,
+                "time_to_target_speedup": 2.5, "final_val_loss": 5.7, "compute_s": 1.187, "compress_s": 0.0,
+                "communicate_s": 0.0, "payload_bytes": payload, "sent_bytes": payload}
+
+    lines = table([row("torch:powersgd", None), row("powersgd", 14.4e6)], wire=False).splitlines()
+    hook, ours = ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])
+    assert hook[10:] == ["1.187 / - / -", "unknown", "unknown"], hook
+    assert ours[10:] == ["1.187 / 0.000 / 0.000", "14.4", "14.4"], ours

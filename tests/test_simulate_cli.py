@@ -199,3 +199,18 @@ def test_link_fitted_on_collective_seconds_of_all_directories(tmp_path, capsys):
     _set_summary(four / "runs" / "none", communicate_s_median=None)
     with pytest.raises(ValueError, match="fit-comm"):
         fit_link_efficiency_on_comm([four], latency_us=50)
+
+
+def test_a_run_whose_hook_counted_no_bytes_shows_its_model_figures_unknown():
+    """PyTorch's PowerSGD hook counts no bytes: the model prices nothing for it, and the table
+    says so rather than showing zeros; a priced row shows its figures."""
+    from gradzip.lab.simulate.calibrate import CalibrationRow
+    from gradzip.lab.simulate.cli import format_calibration
+
+    hook = CalibrationRow("runs/x", "torch:powersgd", 4, 100.0, 1.0, None, 0.8, 0.0, 0.0, 0.0, "unknown", 0.0, 70e6)
+    priced = CalibrationRow("runs/x", "fp16", 4, 100.0, 2.0, 1.9, 0.8, 0.05, 1.05, 7.4e6, "allreduce", 11.1e6, 12e6)
+    hook_line, priced_line = format_calibration([hook, priced]).splitlines()[2:]
+    cells = [c.strip() for c in hook_line.strip("|").split("|")]
+    assert cells[9:] == ["-", "- / -", "- / 70.00"], cells
+    cells = [c.strip() for c in priced_line.strip("|").split("|")]
+    assert cells[6:] == ["1.900", "-5.0%", "0.800", "0.050", "1.050 / -", "11.10 / 12.00"], cells

@@ -64,7 +64,9 @@ def table(rows: Sequence[dict[str, Any]], *, wire: bool) -> str:
                     lambda v: format(v, ".1%")),
             _num(r["time_to_target_speedup"], ".2f") + ("x" if r["time_to_target_speedup"] is not None else ""),
             _num(r["final_val_loss"], ".4f") + (" (replicas apart)" if is_limit else ""),
-            " / ".join(_num(r[k], ".3f") for k in ("compute_s", "compress_s", "communicate_s")),
+            # a hook that counts nothing (PyTorch's) times nothing either: its codec and comm are unknown
+            " / ".join(_num(r[k], ".3f") if k == "compute_s" or r["payload_bytes"] is not None else "-"
+                       for k in ("compute_s", "compress_s", "communicate_s")),
             _mb(r["payload_bytes"]) if r["payload_bytes"] is not None else "unknown",
             _mb(r["sent_bytes"]) if r["sent_bytes"] is not None else "unknown",
         ]

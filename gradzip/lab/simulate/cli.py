@@ -284,10 +284,14 @@ def format_calibration(rows: list[CalibrationRow], *, fitted: bool = False) -> s
         iface = "-" if r.measured_sent_bytes is None else f"{r.measured_sent_bytes / 1e6:.2f}"
         predicted = "-" if r.predicted_step_s is None else f"{r.predicted_step_s:.3f}"
         comm = "-" if r.measured_comm_s is None else f"{r.measured_comm_s:.3f}"
+        # a run whose hook counted no bytes (PyTorch's PowerSGD) leaves the model nothing to price
+        unknown = r.predicted_step_s is None and r.collective == "unknown"
+        codec, model_comm, model_sent = (("-", "-", "-") if unknown else
+                                         (f"{r.codec_s:.3f}", f"{r.comm_s:.3f}", f"{r.predicted_sent_bytes / 1e6:.2f}"))
         lines.append(
             f"| {Path(r.directory).name} | {r.world_size} | {r.bandwidth_mbit:g} | {r.compressor} | {r.collective} "
-            f"| {measured} | {predicted} | {err} | {r.compute_s:.3f} | {r.codec_s:.3f} "
-            f"| {r.comm_s:.3f} / {comm} | {r.predicted_sent_bytes / 1e6:.2f} / {iface} |"
+            f"| {measured} | {predicted} | {err} | {r.compute_s:.3f} | {codec} "
+            f"| {model_comm} / {comm} | {model_sent} / {iface} |"
         )
     return "\n".join(lines)
 
