@@ -26,7 +26,8 @@ from gradzip.lab.compare import (
     split_compressors,
     time_to_target,
 )
-from gradzip.lab.compare.runner import Emulated, RunResult, _death
+from gradzip.lab.compare.core import run_folder
+from gradzip.lab.compare.runner import RUN_FILE, Emulated, RunResult, _death
 
 FAKE_PREFIX = (sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers", "fake_train.py"))
 
@@ -354,3 +355,36 @@ def test_the_report_shows_a_hooks_uncounted_codec_and_comm_seconds_as_unknown():
     hook, ours = ([c.strip() for c in line.strip("|").split("|")] for line in lines[2:])
     assert hook[10:] == ["1.187 / - / -", "unknown", "unknown"], hook
     assert ours[10:] == ["1.187 / 0.000 / 0.000", "14.4", "14.4"], ours
+
+
+@pytest.mark.e2e
+def test_a_stopped_comparison_is_reported_from_the_runs_it_finished(tmp_path):
+    """A comparison clears an earlier one's outputs and writes its setup first, so that one stopped
+    part way (here: its last run's record removed, as if it never ended) is reported from the
+    entries that finished, and a later round that did not finish is left out."""
+    cfg = _fake_config(tmp_path, ["fp16"], network="loopback")
+    out = Path(cfg.out)
+    stale = out / "runs" / "old-entry"
+    stale.mkdir(parents=True)
+    (out / "report.md").write_text("an earlier comparison's report\n")
+    run_compare(cfg, log=lambda line: None)
+    assert not stale.exists() and "an earlier comparison" not in (out / "report.md").read_text()
+
+    (run_folder(out, "fp16", 0) / RUN_FILE).unlink()  # the comparison stopped during its last run
+    lines = []
+    rows = rewrite_report(out, log=lines.append)
+    assert [r["compressor"] for r in rows] == ["limit", "none"]
+    assert lines[0] == ("gradzip compare: the comparison was stopped; the report covers the 2 of 3 entries that "
+                        "finished (limit, none)")
+    for name in ("limit", "none"):
+        (run_folder(out, name, 0) / RUN_FILE).unlink()
+    with pytest.raises(FileNotFoundError, match="no run of the comparison finished"):
+        rewrite_report(out, log=lines.append)
+
+    cfg = _fake_config(tmp_path, ["fp16"], network="loopback", repeats=2)
+    run_compare(cfg, log=lambda line: None)
+    (run_folder(out, "none", 1) / RUN_FILE).unlink()  # stopped in its second round
+    lines = []
+    rows = rewrite_report(out, log=lines.append)
+    assert [r["compressor"] for r in rows] == ["limit", "none", "fp16"]
+    assert lines[0] == "gradzip compare: 1 of 2 rounds finished; the report covers those"

@@ -83,7 +83,8 @@ def add_parser(sub) -> None:
                    "compute utilisation and time to target, in [1, 20] (default 1)")
     p.add_argument("--keep-checkpoints", action="store_true", help="keep each run's checkpoint")
     p.add_argument("--report-only", action="store_true",
-                   help="run nothing: write the report, results and plots again from the runs in --out")
+                   help="run nothing: write the report, results and plots again from the runs in --out "
+                        "(of a stopped comparison: from the runs it finished)")
     group = p.add_argument_group("training options passed to 'gradzip train' (its defaults when omitted)")
     add_arguments(group, TrainConfig, names=TRAIN_OPTIONS, defaults=False)
     p.set_defaults(func=run)

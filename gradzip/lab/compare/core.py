@@ -16,7 +16,16 @@ from gradzip.lab.cluster.schedule import RateChange, format_link_schedule, parse
 from gradzip.lab.compare import report
 from gradzip.lab.compare.analysis import BASELINE, LIMIT, TARGET_MARGIN, compare_rows, merge_repeats
 from gradzip.lab.compare.progress import EntryProgress
-from gradzip.lab.compare.runner import TRAIN_PREFIX, Emulated, Loopback, RunResult, launch_run, load_run, train_command
+from gradzip.lab.compare.runner import (
+    RUN_FILE,
+    TRAIN_PREFIX,
+    Emulated,
+    Loopback,
+    RunResult,
+    launch_run,
+    load_run,
+    train_command,
+)
 from gradzip.lab.train.config import TrainConfig
 
 NETWORKS = ("auto", "emulated", "loopback")
@@ -269,12 +278,38 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
     total = len(entries) * cfg.repeats
     with Cluster(hosts, bandwidth, pin_cpus=cfg.pin_cpus) if emulated else nullcontext() as cluster:
         network = Emulated(cluster, cfg.ranks_per_host) if emulated else Loopback()
+        # Written first, and an earlier comparison's outputs cleared, so that the folder only
+        # ever holds this comparison's: an interrupted one can still be reported (--report-only)
+        # from the runs it finished.
+        setup = {
+            "entries": entries,
+            "network": "emulated" if emulated else "loopback",
+            "network_reason": None if emulated else reason,
+            "bandwidth": bandwidth,
+            "link": f"{bandwidth} links" if emulated else "loopback",
+            # the tbf bucket at the starting rate, as the cluster set it (it follows a --link-schedule)
+            "tbf_burst_bytes": burst_bytes(parse_bandwidth(bandwidth)) if emulated else None,
+            "link_schedule": format_link_schedule(link_changes) if link_changes else None,
+            "world_size": cfg.world_size,
+            "ranks_per_host": cfg.ranks_per_host,
+            "steps": cfg.steps,
+            "seed": cfg.seed,
+            "eval_every": cfg.train_options.get("eval_every") or TrainConfig().eval_every,
+            "train_options": ", ".join(f"{k}={v}" for k, v in cfg.train_options.items() if v is not None),
+            "cpu_count": os.cpu_count(),
+            # per host, the CPUs its workers ran on; None: placed by the kernel (not pinned, or loopback)
+            "host_cpus": [list(host.cpus) for host in cluster.hosts] if emulated and cfg.pin_cpus else None,
+            "command": cfg.command or f"gradzip compare --compressors {','.join(cfg.compressors)}",
+            "target_loss": cfg.target_loss,
+            "target_margin": cfg.target_margin,
+            "repeats": cfg.repeats,
+        }
+        _clear_outputs(out)
+        (out / SETUP_FILE).write_text(json.dumps(setup, indent=2) + "\n")
         for round_index in range(cfg.repeats):
             results: list[RunResult] = []
             for index, label in enumerate(entries):
                 run_dir = run_folder(out, label, round_index)
-                if run_dir.exists():
-                    shutil.rmtree(run_dir)  # a previous comparison's files must not pass for this run's
                 argv = train_command(
                     BASELINE if label == LIMIT else label, out_dir=run_dir, steps=cfg.steps, seed=cfg.seed,
                     collective_timeout_s=cfg.collective_timeout_s, no_exchange=label == LIMIT,
@@ -291,31 +326,14 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
                 log(_progress_line(number, total, result, row))
             rounds.append(results)
 
-    setup = {
-        "entries": entries,
-        "network": "emulated" if emulated else "loopback",
-        "network_reason": None if emulated else reason,
-        "bandwidth": bandwidth,
-        "link": f"{bandwidth} links" if emulated else "loopback",
-        # the tbf bucket at the starting rate, as the cluster set it (it follows a --link-schedule)
-        "tbf_burst_bytes": burst_bytes(parse_bandwidth(bandwidth)) if emulated else None,
-        "link_schedule": format_link_schedule(link_changes) if link_changes else None,
-        "world_size": cfg.world_size,
-        "ranks_per_host": cfg.ranks_per_host,
-        "steps": cfg.steps,
-        "seed": cfg.seed,
-        "eval_every": cfg.train_options.get("eval_every") or TrainConfig().eval_every,
-        "train_options": ", ".join(f"{k}={v}" for k, v in cfg.train_options.items() if v is not None),
-        "cpu_count": os.cpu_count(),
-        # per host, the CPUs its workers ran on; None: placed by the kernel (not pinned, or loopback)
-        "host_cpus": [list(host.cpus) for host in cluster.hosts] if emulated and cfg.pin_cpus else None,
-        "command": cfg.command or f"gradzip compare --compressors {','.join(cfg.compressors)}",
-        "target_loss": cfg.target_loss,
-        "target_margin": cfg.target_margin,
-        "repeats": cfg.repeats,
-    }
-    (out / SETUP_FILE).write_text(json.dumps(setup, indent=2) + "\n")
     return write_outputs(out, rounds, setup, target_loss=cfg.target_loss, log=log)
+
+
+def _clear_outputs(out: Path) -> None:
+    """Remove what an earlier comparison wrote in ``out``: its runs, report, results and plots."""
+    shutil.rmtree(out / "runs", ignore_errors=True)
+    for name in ("report.md", "results.json", "loss_vs_time.png", "loss_vs_bytes.png", "layer_ratios.png", SETUP_FILE):
+        (out / name).unlink(missing_ok=True)
 
 
 def write_outputs(out: Path, rounds: list[list[RunResult]], setup: dict[str, Any], *, target_loss: float | None,
@@ -334,6 +352,29 @@ def write_outputs(out: Path, rounds: list[list[RunResult]], setup: dict[str, Any
         log(line)
     log(f"wrote {out}/report.md (every figure), results.json, {', '.join(p.name for p in plots)}")
     return rows
+
+
+def _finished_rounds(out: Path, setup: dict[str, Any], log) -> list[list[RunResult]]:
+    """The runs of an earlier comparison: every round it finished, or, where it was stopped in its
+    first round, the entries that round finished (said in a line).
+
+    Raises:
+        FileNotFoundError: if not one run finished.
+    """
+    entries, repeats = setup["entries"], setup.get("repeats", 1)
+    finished = [[(run_folder(out, label, k) / RUN_FILE).exists() for label in entries] for k in range(repeats)]
+    complete = [k for k in range(repeats) if all(finished[k])]
+    if complete:
+        if len(complete) < repeats:
+            log(f"gradzip compare: {len(complete)} of {repeats} rounds finished; the report covers those")
+        return [[load_run(run_folder(out, label, k)) for label in entries] for k in complete]
+    done = [label for label, ok in zip(entries, finished[0]) if ok]
+    if not done:
+        raise FileNotFoundError(f"{out}: no run of the comparison finished, so there is nothing to report")
+    log(f"gradzip compare: the comparison was stopped; the report covers the {len(done)} of {len(entries)} entries "
+        f"that finished ({', '.join(done)})")
+    setup["entries"], setup["repeats"] = done, 1
+    return [[load_run(run_folder(out, label, 0)) for label in done]]
 
 
 def _read_setup(path: Path) -> dict[str, Any]:
@@ -374,7 +415,7 @@ def rewrite_report(out: str | Path, *, target_loss: float | None = None, target_
     if target_margin is not None:
         check_number(target_margin, name="--target-margin", low=0, high=1)
         setup["target_margin"] = target_margin
-    rounds = [[load_run(run_folder(out, label, k)) for label in setup["entries"]] for k in range(setup.get("repeats", 1))]
+    rounds = _finished_rounds(out, setup, log)
     # the Setup's command is the one that ran the runs; the report says what rewrote it
     given = [f"--{name} {value:g}" for name, value in (("target-loss", target_loss), ("target-margin", target_margin))
              if value is not None]
