@@ -128,15 +128,21 @@ def test_sigterm_to_the_launcher_stops_every_worker(tmp_path):
     """A scheduler or ``timeout`` stops the launcher with SIGTERM: the workers stop with it, the
     command exits 143 with one line, and no process of the run is left."""
     proc = _training(tmp_path, stderr=subprocess.PIPE, text=True)
+    _terminated_in_one_line(proc)
+    assert _group_empty(proc.pid, wait_s=10), "a worker of the run is still running"
+
+
+def _terminated_in_one_line(proc: subprocess.Popen) -> None:
+    """Send SIGTERM to ``proc`` alone (not its group) and check it exits 143 with its one line;
+    its group is killed if it does not exit."""
     try:
-        proc.send_signal(signal.SIGTERM)  # to the launcher alone, not its group
+        proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, 9)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert err.strip().splitlines()[-1] == "gradzip: terminated (SIGTERM); the workers were stopped", err
-    assert _group_empty(proc.pid, wait_s=10), "a worker of the run is still running"
 
 
 @pytest.mark.e2e
@@ -280,21 +286,16 @@ def test_sigterm_to_a_comparison_stops_its_runs(tmp_path):
            "--eval-every", "100000"]
     proc = subprocess.Popen(cmd, env=env, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             text=True)
-    try:
-        metrics = None
-        deadline = time.monotonic() + 240
-        while metrics is None or metrics.read_text().count("\n") < 2:
-            found = list(out.glob("runs/*/metrics.jsonl"))
-            metrics = found[0] if found else None
-            assert proc.poll() is None and time.monotonic() < deadline, "the comparison's run never trained"
-            time.sleep(0.5)
-        proc.send_signal(signal.SIGTERM)  # to the command alone, not its group
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, 9)
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert err.strip().splitlines()[-1] == "gradzip: terminated (SIGTERM); the workers were stopped", err
+    metrics, deadline = None, time.monotonic() + 240
+    while metrics is None or metrics.read_text().count("\n") < 2:
+        found = list(out.glob("runs/*/metrics.jsonl"))
+        metrics = found[0] if found else None
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+            raise AssertionError("the comparison's run never trained")
+        time.sleep(0.5)
+    _terminated_in_one_line(proc)
     # the runs' workers start in sessions of their own: look for any process naming the folder
     deadline = time.monotonic() + 15
     while _naming(str(out)) and time.monotonic() < deadline:
