@@ -55,6 +55,18 @@ def check_error_feedback(value: object) -> bool | None:
     return value
 
 
+def check_own_feedback(codec, value: bool | None) -> None:
+    """Refuse an ``error_feedback`` that a codec bringing its own rounds (``multi_round``) cannot
+    follow: its reducer keeps its own error feedback, always on or always off.
+
+    Raises:
+        ValueError: naming ``error_feedback`` and the codec.
+    """
+    if codec.multi_round and value is not None and value != codec.error_feedback:
+        raise ValueError(f"error_feedback={value}: {codec.name} brings its own rounds and keeps its own error "
+                         f"feedback, always {'on' if codec.error_feedback else 'off'}")
+
+
 class ErrorFeedback:
     """One residual per key (a bucket, a parameter, a parameter name).
 

@@ -21,7 +21,7 @@ from gradzip.comm.reducer import CompressedReducer
 from gradzip.comm.routes import COLLECTIVES
 from gradzip.comm.twophase import TwoPhaseAllReduce
 from gradzip.compressors import Compressor, build
-from gradzip.feedback import check_error_feedback
+from gradzip.feedback import check_error_feedback, check_own_feedback
 from gradzip.metrics import StepMetrics
 
 
@@ -94,9 +94,7 @@ def make_reducer(
             raise ValueError(f"min_compress_bytes applies to single-round codecs, not {codec.name}; got {min_compress_bytes!r}")
         if feedback_decay != 1.0:
             raise ValueError(f"feedback_decay applies to single-round codecs, not {codec.name}; got {feedback_decay!r}")
-        if error_feedback is not None and error_feedback != codec.error_feedback:
-            raise ValueError(f"error_feedback={error_feedback}: {codec.name} brings its own rounds and keeps its own "
-                             f"error feedback, always {'on' if codec.error_feedback else 'off'}")
+        check_own_feedback(codec, error_feedback)
         return own_reducer(codec, group=group, queue=queue, metrics=metrics, ledger=ledger)
     return CompressedReducer(
         codec, group=group, error_feedback=error_feedback, collective=collective,

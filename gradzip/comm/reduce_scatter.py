@@ -68,7 +68,7 @@ from gradzip.comm.routes import REGISTRY, choose_shard_route
 from gradzip.compressors import Compressor, Payload
 from gradzip.compressors.kernels import wire
 from gradzip.compressors.lowrank import PowerSGD
-from gradzip.feedback import ErrorFeedback, check_error_feedback
+from gradzip.feedback import ErrorFeedback, check_error_feedback, check_own_feedback
 from gradzip.metrics import StepMetrics
 
 try:  # the interface class is private; any object with allocate() and __call__() works
@@ -179,9 +179,7 @@ class CompressedReduceScatter(ReduceScatterBase):
         queue: CollectiveQueue | None = None,
     ) -> None:
         check_error_feedback(error_feedback)
-        if compressor.multi_round and error_feedback is not None and error_feedback != compressor.error_feedback:
-            raise ValueError(f"error_feedback={error_feedback}: {compressor.name} brings its own rounds and keeps its "
-                             f"own error feedback, always {'on' if compressor.error_feedback else 'off'}")
+        check_own_feedback(compressor, error_feedback)
         self.compressor = compressor
         self.name = name
         self.shard_shapes = None if shard_shapes is None else [torch.Size(s) for s in shard_shapes]
