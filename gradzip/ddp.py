@@ -301,8 +301,8 @@ def compression_hook(state: CompressionState, bucket: dist.GradBucket) -> torch.
     """
     # DDP lays a complex parameter's gradient into the bucket as its real view, two elements per
     # value (and its gradients() then give the complex shape on a real dtype)
-    shapes = [(*p.shape, 2) if p.is_complex() else g.shape for p, g in zip(bucket.parameters(), bucket.gradients())]
-    shapes = [torch.Size(s) for s in shapes]
+    shapes = [torch.Size((*p.shape, 2)) if p.is_complex() else g.shape
+              for p, g in zip(bucket.parameters(), bucket.gradients())]
     key = bucket_key(state.numbering.of(bucket.parameters()), [s.numel() for s in shapes])
     last = bucket.is_last()
     if state.verify_every and state.step % state.verify_every == 0:

@@ -4,7 +4,7 @@
 other gradient by SEPARATE. A low-rank codec suits a layer's gradient, whose rank is small; an
 embedding table's is row-sparse where the table is only looked up and of high rank where it is
 also the output layer (tied weights, as in GPT-2), and a projection of rank 4 loses most of it.
-The tables are few and their gradient is a small share of a transformer's (14% of the demo job's),
+The tables are few and their gradient is a small share of a transformer's (15% of the demo job's),
 so a summable elementwise codec (``none``, ``fp16``, ``bf16``, ``int8``) keeps most of the ratio.
 
 For a bucket holding both kinds, :class:`SplitReducer` copies the taken parameters' gradients into

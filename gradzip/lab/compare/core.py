@@ -332,7 +332,7 @@ def run_compare(cfg: CompareConfig, *, log=print) -> list[dict[str, Any]]:
 def _clear_outputs(out: Path) -> None:
     """Remove what an earlier comparison wrote in ``out``: its runs, report, results and plots."""
     shutil.rmtree(out / "runs", ignore_errors=True)
-    for name in ("report.md", "results.json", "loss_vs_time.png", "loss_vs_bytes.png", "layer_ratios.png", SETUP_FILE):
+    for name in (*report.FILES, SETUP_FILE):
         (out / name).unlink(missing_ok=True)
 
 

@@ -11,6 +11,10 @@ from typing import Any
 from gradzip.lab.compare.analysis import LIMIT
 from gradzip.lab.compare.runner import RunResult
 
+#: every file this module writes into a comparison's folder (``layer_ratios.png`` only under a
+#: per-layer schedule)
+FILES = ("report.md", "results.json", "loss_vs_time.png", "loss_vs_bytes.png", "layer_ratios.png")
+
 
 def _num(value: float | None, fmt: str, none: str = "-") -> str:
     return none if value is None else format(value, fmt)
